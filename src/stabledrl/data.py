@@ -1,0 +1,58 @@
+"""Turning problems into tensors and completions back into text.
+
+Layout of every sequence: ``[PAD .. PAD, BOS, prompt ; completion]``. Prompts are
+left-padded (attention mask 0 on padding) so that all completions start at the same
+column P. A completion is the answer, one EOS, then PAD up to its fixed length L; the
+*scored* positions (``completion_mask``) are those up to and including the first EOS.
+
+Shapes: B batch, P prompt columns, L completion length.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+__all__ = ["encode_prompts", "encode_completions", "completion_mask", "decode_completions"]
+
+
+def encode_prompts(tokenizer: PreTrainedTokenizerBase, prompts: Sequence[str]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded prompt ids (B, P) with BOS first, and their attention mask (B, P)."""
+    if not prompts:
+        raise ValueError("no prompts to encode")
+    rows = [[tokenizer.bos_token_id] + tokenizer.encode(p, add_special_tokens=False) for p in prompts]
+    width = max(map(len, rows))
+    ids = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, width - len(r) :] = torch.tensor(r)
+        mask[i, width - len(r) :] = 1
+    return ids, mask
+
+
+def encode_completions(tokenizer: PreTrainedTokenizerBase, answers: Sequence[str], length: int) -> torch.Tensor:
+    """Completion ids (B, L): answer, EOS, then PAD. Raises if an answer does not fit."""
+    ids = torch.full((len(answers), length), tokenizer.pad_token_id, dtype=torch.long)
+    for i, a in enumerate(answers):
+        r = tokenizer.encode(a, add_special_tokens=False) + [tokenizer.eos_token_id]
+        if len(r) > length:
+            raise ValueError(f"answer {a!r} needs {len(r)} slots with EOS; completion length is {length}")
+        ids[i, : len(r)] = torch.tensor(r)
+    return ids
+
+
+def completion_mask(completion_ids: torch.Tensor, eos_token_id: int) -> torch.Tensor:
+    """(B, L) bool: True up to and including the first EOS (everything if there is none)."""
+    is_eos = completion_ids == eos_token_id  # (B, L)
+    eos_before = is_eos.long().cumsum(-1) - is_eos.long()  # EOS strictly before each slot
+    return eos_before == 0
+
+
+def decode_completions(tokenizer: PreTrainedTokenizerBase, completion_ids: torch.Tensor) -> list[str]:
+    """Text of each completion up to (not including) its first EOS, specials dropped."""
+    keep = completion_mask(completion_ids, tokenizer.eos_token_id) & (completion_ids != tokenizer.eos_token_id)
+    return [
+        tokenizer.decode(row[m].tolist(), skip_special_tokens=True) for row, m in zip(completion_ids, keep)
+    ]

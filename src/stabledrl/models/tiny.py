@@ -1,0 +1,174 @@
+"""A tiny masked-diffusion transformer: the embedded default model and the test model.
+
+Bidirectional (or, later, block-causal) transformer: token embedding, RoPE, RMSNorm,
+SwiGLU MLP, `F.scaled_dot_product_attention`. A `transformers.PreTrainedModel`, so
+`save_pretrained` / `from_pretrained`, peft and accelerate work unchanged.
+
+Shapes: B batch, T sequence length, D model width, H heads, Dh = D / H head width,
+V vocabulary.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PretrainedConfig, PreTrainedModel
+from transformers.modeling_outputs import MaskedLMOutput
+
+__all__ = ["TinyDiffusionConfig", "TinyDiffusionLM"]
+
+
+class TinyDiffusionConfig(PretrainedConfig):
+    """Configuration of `TinyDiffusionLM`.
+
+    `mask_token_id` is required: the diffusion process needs to know which token is M.
+    """
+
+    model_type = "stabledrl-tiny-diffusion"
+
+    def __init__(
+        self,
+        vocab_size: int = 32,
+        hidden_size: int = 192,
+        num_hidden_layers: int = 4,
+        num_attention_heads: int = 6,
+        intermediate_size: int | None = None,
+        max_position_embeddings: int = 256,
+        rope_theta: float = 10000.0,
+        rms_norm_eps: float = 1e-6,
+        initializer_range: float = 0.02,
+        attention_kind: Literal["full", "block"] = "full",
+        block_size: int | None = None,
+        mask_token_id: int | None = None,
+        pad_token_id: int | None = None,
+        bos_token_id: int | None = None,
+        eos_token_id: int | None = None,
+        **kwargs,
+    ) -> None:
+        if hidden_size % num_attention_heads:
+            raise ValueError(
+                f"hidden_size ({hidden_size}) must be divisible by num_attention_heads ({num_attention_heads})"
+            )
+        if (hidden_size // num_attention_heads) % 2:
+            raise ValueError("the head width hidden_size / num_attention_heads must be even for RoPE")
+        if attention_kind not in ("full", "block"):
+            raise ValueError(f"attention_kind must be 'full' or 'block', got {attention_kind!r}")
+        if attention_kind == "block" and not (block_size and block_size > 0):
+            raise ValueError("attention_kind='block' needs a positive block_size")
+        self.vocab_size = vocab_size
+        self.hidden_size = hidden_size
+        self.num_hidden_layers = num_hidden_layers
+        self.num_attention_heads = num_attention_heads
+        self.intermediate_size = intermediate_size or 4 * hidden_size
+        self.max_position_embeddings = max_position_embeddings
+        self.rope_theta = rope_theta
+        self.rms_norm_eps = rms_norm_eps
+        self.initializer_range = initializer_range
+        self.attention_kind = attention_kind
+        self.block_size = block_size
+        self.mask_token_id = mask_token_id
+        super().__init__(
+            pad_token_id=pad_token_id, bos_token_id=bos_token_id, eos_token_id=eos_token_id, **kwargs
+        )
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: (B, H, T, Dh); cos/sin: (B, 1, T, Dh/2). Rotate pairs (first half, second half).
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
+
+
+class _Block(nn.Module):
+    def __init__(self, cfg: TinyDiffusionConfig) -> None:
+        super().__init__()
+        d, self.n_head = cfg.hidden_size, cfg.num_attention_heads
+        self.attn_norm = nn.RMSNorm(d, eps=cfg.rms_norm_eps)
+        self.qkv = nn.Linear(d, 3 * d, bias=False)
+        self.proj = nn.Linear(d, d, bias=False)
+        self.mlp_norm = nn.RMSNorm(d, eps=cfg.rms_norm_eps)
+        self.gate_up = nn.Linear(d, 2 * cfg.intermediate_size, bias=False)
+        self.down = nn.Linear(cfg.intermediate_size, d, bias=False)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn_mask: torch.Tensor | None
+    ) -> torch.Tensor:
+        B, T, D = x.shape
+        q, k, v = self.qkv(self.attn_norm(x)).split(D, dim=-1)  # 3 x (B, T, D)
+        q, k, v = (z.view(B, T, self.n_head, D // self.n_head).transpose(1, 2) for z in (q, k, v))  # (B, H, T, Dh)
+        q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)  # (B, H, T, Dh)
+        x = x + self.proj(y.transpose(1, 2).reshape(B, T, D))
+        gate, up = self.gate_up(self.mlp_norm(x)).chunk(2, dim=-1)  # 2 x (B, T, I)
+        return x + self.down(F.silu(gate) * up)
+
+
+class TinyDiffusionLM(PreTrainedModel):
+    """Masked-diffusion LM: logits[:, i] predict token i (no shift)."""
+
+    config_class = TinyDiffusionConfig
+    base_model_prefix = "model"
+    _supports_sdpa = True
+
+    def __init__(self, config: TinyDiffusionConfig) -> None:
+        super().__init__(config)
+        self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.blocks = nn.ModuleList(_Block(config) for _ in range(config.num_hidden_layers))
+        self.norm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        half = config.hidden_size // config.num_attention_heads // 2
+        inv_freq = 1.0 / config.rope_theta ** (torch.arange(half, dtype=torch.float32) / half)  # (Dh/2,)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.post_init()
+
+    def _init_weights(self, module: nn.Module) -> None:
+        std = self.config.initializer_range
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=std)
+        elif isinstance(module, nn.RMSNorm):
+            nn.init.ones_(module.weight)
+        elif module is self:
+            half = self.config.hidden_size // self.config.num_attention_heads // 2
+            self.inv_freq.copy_(1.0 / self.config.rope_theta ** (torch.arange(half, dtype=torch.float32) / half))
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        **kwargs,
+    ) -> MaskedLMOutput:
+        """`attention_mask`: (B, T) with 1 for real tokens (key padding), or a boolean
+        (B, T, T) / (B, 1, T, T) mask, True where query i may attend to key j.
+        `position_ids`: (B, T); by default counted over the real tokens, so left padding
+        does not shift positions. `labels` (B, T) with -100 for ignored positions gives
+        the mean cross-entropy as `loss` (no diffusion weighting: see `stabledrl.sft`)."""
+        B, T = input_ids.shape
+        mask = None
+        if attention_mask is not None:
+            if attention_mask.dim() == 2:
+                keep = attention_mask.bool()  # (B, T)
+                mask = keep[:, None, :].expand(B, T, T)  # (B, T, T)
+                if position_ids is None:
+                    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+            else:
+                mask = attention_mask.bool().view(B, T, T)
+            # A query with no key to attend to (a padding row) would make SDPA return
+            # NaN; letting every token see itself keeps padding rows finite and unused.
+            mask = mask | torch.eye(T, dtype=torch.bool, device=input_ids.device)
+            mask = mask[:, None]  # (B, 1, T, T)
+        if position_ids is None:
+            position_ids = torch.arange(T, device=input_ids.device).expand(B, T)
+        angles = position_ids[:, None, :, None].float() * self.inv_freq  # (B, 1, T, Dh/2)
+        cos, sin = angles.cos(), angles.sin()
+        x = self.embed(input_ids)  # (B, T, D)
+        for block in self.blocks:
+            x = block(x, cos, sin, mask)
+        logits = self.lm_head(self.norm(x))  # (B, T, V)
+        loss = None
+        if labels is not None:
+            loss = F.cross_entropy(logits.view(-1, logits.size(-1)).float(), labels.view(-1))
+        return MaskedLMOutput(loss=loss, logits=logits)

@@ -1,0 +1,289 @@
+"""Supervised training of a tiny masked-diffusion LM from scratch (the `sft` verb).
+
+Loss (LLaDA, Nie et al. 2025, Eq. 5 for SFT): with t ~ U(0, 1], mask each completion slot
+independently with probability t (the prompt is never masked) and take
+
+    L = -(1 / (B L)) Σ_b (1 / t_b) Σ_{i masked} log p_θ(y_i | x_t, q),
+
+an upper bound on the completion's negative log-likelihood. Every one of the L slots is
+a target, including EOS and the PAD after it, because the sampler must learn where the
+answer ends. Deviations, both variance reductions that keep t's marginal U(t_min, 1]:
+t is stratified across the batch (t_b = 1 - (1 - t_min) frac(u + b / B)), and t_min = 1e-3
+keeps 1/t finite.
+
+The loop: fresh training problems each step (the task's train split, seeded by step),
+AdamW with warmup and cosine decay, gradient clipping, JSONL metrics, a progress bar,
+atomic checkpoints with exact resume, held-out evaluation, and the final model saved to
+``{output_dir}/final``.
+
+Shapes: B batch, P prompt columns, L completion length, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+import yaml
+from tqdm.auto import tqdm
+from transformers import get_cosine_with_min_lr_schedule_with_warmup
+
+from stabledrl.checkpoint import latest_checkpoint, load_trainer_state, save_checkpoint, write_atomic
+from stabledrl.config import check, to_dict
+from stabledrl.data import encode_completions, encode_prompts
+from stabledrl.evaluate import evaluate
+from stabledrl.models.policy import Policy, TinyPolicy
+from stabledrl.models.tiny import TinyDiffusionConfig, TinyDiffusionLM
+from stabledrl.sampling import SamplingConfig
+from stabledrl.tasks import get_task
+from stabledrl.tokenizer import build_char_tokenizer
+
+__all__ = ["ModelConfig", "TaskConfig", "SFTConfig", "masked_diffusion_loss", "run_sft"]
+
+
+@dataclass
+class ModelConfig:
+    """Size and attention of a new `TinyDiffusionLM`."""
+
+    hidden_size: int = 192
+    """Model width D."""
+    num_layers: int = 4
+    """Transformer blocks."""
+    num_heads: int = 6
+    """Attention heads; hidden_size / num_heads must be an even integer."""
+    intermediate_size: int | None = None
+    """SwiGLU hidden width; None = 4 * hidden_size."""
+    attention_kind: Literal["full", "block"] = "full"
+    """full: bidirectional (masked diffusion). block: block-causal (block diffusion)."""
+    block_size: int | None = None
+    """Block size S for attention_kind 'block'."""
+
+    def __post_init__(self) -> None:
+        check(self.hidden_size > 0 and self.num_layers > 0 and self.num_heads > 0,
+              "model.hidden_size, num_layers and num_heads must be positive")
+        check(self.hidden_size % self.num_heads == 0 and (self.hidden_size // self.num_heads) % 2 == 0,
+              f"model.hidden_size ({self.hidden_size}) / num_heads ({self.num_heads}) must be an even integer")
+        check(self.attention_kind == "full" or (self.block_size or 0) > 0,
+              "model.attention_kind 'block' needs model.block_size > 0")
+
+
+@dataclass
+class TaskConfig:
+    """Which task, with its options (e.g. num_numbers: 4 for Countdown)."""
+
+    name: str = "countdown"
+    """A registered task: countdown, sudoku."""
+    options: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments of the task's constructor."""
+
+
+@dataclass
+class SFTConfig:
+    """`stabledrl sft`: train a tiny masked-diffusion LM from scratch on a task."""
+
+    output_dir: str = "runs/sft"
+    """Run directory: config, metrics, checkpoints, final model, eval JSON."""
+    task: TaskConfig = field(default_factory=TaskConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    """Sampling used by the evaluations."""
+    seed: int = 0
+    """Seeds initialisation, data order and masks."""
+    steps: int = 4000
+    """Optimizer steps."""
+    batch_size: int = 256
+    """Problems per step."""
+    lr: float = 1e-3
+    """Peak AdamW learning rate."""
+    min_lr_ratio: float = 0.1
+    """Final learning rate as a fraction of lr (cosine decay)."""
+    warmup_steps: int = 200
+    """Linear warmup steps."""
+    weight_decay: float = 0.01
+    """AdamW weight decay."""
+    grad_clip: float = 1.0
+    """Max global gradient norm."""
+    t_min: float = 1e-3
+    """Smallest masking level t, keeps the 1/t weight finite."""
+    stratified_t: bool = True
+    """Spread t evenly over the batch (same marginal, lower variance)."""
+    log_every: int = 20
+    """Steps between metric lines."""
+    eval_every: int = 1000
+    """Steps between held-out evaluations (0 = only at the end)."""
+    eval_n: int = 500
+    """Held-out problems per evaluation (test split, seed 0: the same set as `stabledrl eval`)."""
+    save_every: int = 500
+    """Steps between checkpoints."""
+    threads: int | None = None
+    """torch CPU threads; None = torch's default."""
+
+    def __post_init__(self) -> None:
+        check(self.steps > 0, f"steps must be positive, got {self.steps}")
+        check(self.batch_size > 0, f"batch_size must be positive, got {self.batch_size}")
+        check(self.lr > 0, f"lr must be positive, got {self.lr}")
+        check(0 <= self.min_lr_ratio <= 1, f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        check(0 < self.t_min < 1, f"t_min must be in (0, 1), got {self.t_min}")
+        check(self.warmup_steps >= 0 and self.eval_every >= 0, "warmup_steps and eval_every must be >= 0")
+        check(self.log_every > 0 and self.save_every > 0, "log_every and save_every must be positive")
+        check(self.eval_n > 0, f"eval_n must be positive, got {self.eval_n}")
+
+
+def masked_diffusion_loss(
+    policy: Policy,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    completion_ids: torch.Tensor,
+    *,
+    generator: torch.Generator,
+    t_min: float = 1e-3,
+    stratified_t: bool = True,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """The SFT loss of the module docstring; returns (loss, metrics)."""
+    B, L = completion_ids.shape
+    device = completion_ids.device
+    if stratified_t:
+        u = (torch.rand(1, generator=generator, device=device) + torch.arange(B, device=device) / B) % 1.0
+    else:
+        u = torch.rand(B, generator=generator, device=device)
+    t = 1.0 - (1.0 - t_min) * u  # (B,) in (t_min, 1]
+    masked = torch.rand((B, L), generator=generator, device=device) < t[:, None]  # (B, L)
+    noisy = completion_ids.masked_fill(masked, policy.mask_token_id)  # (B, L)
+    x = torch.cat([prompt_ids, noisy], dim=1)  # (B, P+L)
+    attn = torch.cat([prompt_mask, torch.ones_like(noisy)], dim=1)
+    logits = policy.logits(x, attn)[:, prompt_ids.size(1) :]  # (B, L, V)
+    nll = F.cross_entropy(logits.float().transpose(1, 2), completion_ids, reduction="none")  # (B, L)
+    loss = (nll * masked / t[:, None]).sum() / (B * L)
+    with torch.no_grad():
+        n_masked = masked.sum().clamp(min=1)
+        acc = ((logits.argmax(-1) == completion_ids) & masked).sum() / n_masked
+        metrics = {"masked_nll": float((nll * masked).sum() / n_masked), "masked_acc": float(acc)}
+    return loss, metrics
+
+
+def _new_policy(cfg: SFTConfig) -> TinyPolicy:
+    tok = build_char_tokenizer()
+    task = get_task(cfg.task.name, **cfg.task.options)
+    mc = TinyDiffusionConfig(
+        vocab_size=len(tok),
+        hidden_size=cfg.model.hidden_size,
+        num_hidden_layers=cfg.model.num_layers,
+        num_attention_heads=cfg.model.num_heads,
+        intermediate_size=cfg.model.intermediate_size,
+        max_position_embeddings=task.prompt_length + task.completion_length + 2,
+        attention_kind=cfg.model.attention_kind,
+        block_size=cfg.model.block_size,
+        mask_token_id=tok.mask_token_id,
+        pad_token_id=tok.pad_token_id,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+    )
+    return TinyPolicy(TinyDiffusionLM(mc), tok)
+
+
+def run_sft(cfg: SFTConfig, *, resume: bool = False, progress: bool = True) -> dict[str, Any]:
+    """Train, evaluate and save; returns the final evaluation summary."""
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    out = Path(cfg.output_dir)
+    ckpt = latest_checkpoint(out) if resume else None
+    if resume and ckpt is None:
+        raise FileNotFoundError(f"--resume: no checkpoint in {out}")
+    if not resume and latest_checkpoint(out) is not None:
+        raise FileExistsError(f"{out} already holds checkpoints; pass --resume or choose another output_dir")
+    out.mkdir(parents=True, exist_ok=True)
+    write_atomic(out / "config.yaml", yaml.safe_dump(to_dict(cfg), sort_keys=False))
+
+    task = get_task(cfg.task.name, **cfg.task.options)
+    torch.manual_seed(cfg.seed)  # parameter initialisation only
+    policy = _new_policy(cfg)
+    model = policy.model
+    model.train()
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=cfg.lr, betas=(0.9, 0.95),
+    )
+    sched = get_cosine_with_min_lr_schedule_with_warmup(opt, cfg.warmup_steps, cfg.steps, min_lr_rate=cfg.min_lr_ratio)
+    gen = torch.Generator().manual_seed(cfg.seed)
+    start = 0
+    if ckpt is not None:
+        loaded = TinyDiffusionLM.from_pretrained(ckpt)
+        model.load_state_dict(loaded.state_dict())
+        state = load_trainer_state(ckpt)
+        opt.load_state_dict(state["optimizer"])
+        sched.load_state_dict(state["scheduler"])
+        gen.set_state(state["generator"])
+        start = state["step"]
+        _truncate_metrics(out / "metrics.jsonl", start)
+
+    eval_problems = task.generate(cfg.eval_n, split="test", seed=0)
+    metrics_file = open(out / "metrics.jsonl", "a")
+    tokens = 0
+    t0 = time.perf_counter()
+    bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, desc="sft", disable=not progress)
+    for step in bar:
+        problems = task.generate(cfg.batch_size, split="train", seed=cfg.seed * 1_000_003 + step)
+        p_ids, p_mask = encode_prompts(policy.tokenizer, [p.prompt for p in problems])
+        c_ids = encode_completions(policy.tokenizer, [p.answer for p in problems], task.completion_length)
+        loss, m = masked_diffusion_loss(
+            policy, p_ids, p_mask, c_ids, generator=gen, t_min=cfg.t_min, stratified_t=cfg.stratified_t
+        )
+        if not torch.isfinite(loss):
+            raise FloatingPointError(f"non-finite SFT loss at step {step}; lower lr (now {cfg.lr})")
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip))
+        opt.step()
+        sched.step()
+        tokens += p_ids.numel() + c_ids.numel()
+        done = step + 1
+        if done % cfg.log_every == 0 or done == cfg.steps:
+            elapsed = time.perf_counter() - t0
+            row = {"step": done, "loss": float(loss), "grad_norm": grad_norm, "lr": sched.get_last_lr()[0],
+                   "tokens_per_s": tokens / elapsed, **m}
+            metrics_file.write(json.dumps(row) + "\n")
+            metrics_file.flush()
+            bar.set_postfix(loss=f"{float(loss):.3f}", acc=f"{m['masked_acc']:.3f}", tok_s=f"{tokens / elapsed:.0f}")
+        if cfg.eval_every and done % cfg.eval_every == 0 and done != cfg.steps:
+            res = evaluate(policy, task, eval_problems, cfg.sampling, progress=False)
+            model.train()
+            metrics_file.write(json.dumps({"step": done, "eval_accuracy": res.accuracy, "eval_reward": res.mean_reward}) + "\n")
+            metrics_file.flush()
+            bar.write(f"step {done}: held-out accuracy {res.accuracy:.3f}, mean reward {res.mean_reward:.3f}")
+        if done % cfg.save_every == 0 or done == cfg.steps:
+            state = {"optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
+                     "generator": gen.get_state(), "step": done}
+            save_checkpoint(out, done, policy, state)
+    bar.close()
+
+    res = evaluate(policy, task, eval_problems, cfg.sampling, progress=progress)
+    summary = {"step": cfg.steps, "eval_accuracy": res.accuracy, "eval_reward": res.mean_reward}
+    metrics_file.write(json.dumps(summary) + "\n")
+    metrics_file.close()
+    policy.model.eval()
+    final = out / "final"
+    tmp = out / ".tmp-final"
+    policy.save(tmp)
+    if final.exists():
+        import shutil
+
+        shutil.rmtree(final)
+    tmp.rename(final)
+    write_atomic(out / "eval.json", json.dumps({**res.summary(), "samples": res.samples[:50]}, indent=2))
+    return summary
+
+
+def _truncate_metrics(path: Path, step: int) -> None:
+    """Drop metric lines written after `step` (they belong to the run being replaced)."""
+    if not path.is_file():
+        return
+    keep = [line for line in path.read_text().splitlines() if line and json.loads(line).get("step", 0) <= step]
+    write_atomic(path, "".join(line + "\n" for line in keep))

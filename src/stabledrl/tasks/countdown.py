@@ -1,0 +1,240 @@
+"""Countdown: combine the given numbers with + - * / to reach the target.
+
+Prompt  ``"3,5,7=22"`` (the numbers in ascending order, then the target).
+Answer  ``"3*5+7"``: an arithmetic expression using every given number exactly once.
+
+Arithmetic is exact (`fractions.Fraction`): intermediate values may be fractions, the
+target is an integer in [1, max_target]. The split is by number multiset, so no test
+problem shares its numbers with a training problem.
+
+Reward (SPEC §7): 1.0 for a correct expression; 0.1 for a well-formed expression that is
+wrong (wrong value, numbers missing, reused or unknown, division by zero); 0.0 for
+anything that does not parse (junk, unary minus, ``**``, text longer than 64 chars).
+Model text is parsed by a small recursive-descent parser, never evaluated by Python.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from dataclasses import dataclass
+from fractions import Fraction
+from functools import lru_cache
+from typing import Sequence
+
+from stabledrl.tasks.base import Problem, Split, register_task, split_of
+
+__all__ = ["Countdown", "parse_expression", "solve"]
+
+MAX_EXPRESSION_CHARS = 64
+MAX_LITERAL_DIGITS = 6
+
+
+class _ParseError(ValueError):
+    pass
+
+
+class _DivisionByZero(ArithmeticError):
+    pass
+
+
+def parse_expression(text: str) -> tuple[Fraction | None, list[int]]:
+    """Parse an arithmetic expression of non-negative integers, + - * / and parentheses.
+
+    Returns (value, literals): value is None when the expression divides by zero.
+    Raises ValueError when `text` is not such an expression.
+    """
+    s = "".join(text.split())  # whitespace is allowed anywhere and ignored
+    if not s:
+        raise _ParseError("empty expression")
+    if len(s) > MAX_EXPRESSION_CHARS:
+        raise _ParseError(f"expression longer than {MAX_EXPRESSION_CHARS} characters")
+    pos = 0
+    literals: list[int] = []
+    zero_division = False
+
+    def peek() -> str:
+        return s[pos] if pos < len(s) else ""
+
+    def expr() -> Fraction:  # expr := term (('+' | '-') term)*
+        nonlocal pos
+        value = term()
+        while peek() in ("+", "-"):
+            op = s[pos]
+            pos += 1
+            rhs = term()
+            value = value + rhs if op == "+" else value - rhs
+        return value
+
+    def term() -> Fraction:  # term := factor (('*' | '/') factor)*
+        nonlocal pos, zero_division
+        value = factor()
+        while peek() in ("*", "/"):
+            op = s[pos]
+            pos += 1
+            rhs = factor()
+            if op == "*":
+                value = value * rhs
+            elif rhs == 0:
+                zero_division = True
+                value = Fraction(0)  # keep parsing to decide well-formedness
+            else:
+                value = value / rhs
+        return value
+
+    def factor() -> Fraction:  # factor := NUMBER | '(' expr ')'
+        nonlocal pos
+        if peek() == "(":
+            pos += 1
+            value = expr()
+            if peek() != ")":
+                raise _ParseError(f"expected ')' at {pos}")
+            pos += 1
+            return value
+        start = pos
+        while peek().isdigit() and peek().isascii():
+            pos += 1
+        if start == pos:
+            raise _ParseError(f"expected a number at {pos}")
+        if pos - start > MAX_LITERAL_DIGITS:
+            raise _ParseError("number literal too long")
+        literal = int(s[start:pos])
+        literals.append(literal)
+        return Fraction(literal)
+
+    value = expr()
+    if pos != len(s):
+        raise _ParseError(f"unexpected {s[pos]!r} at {pos}")
+    return (None if zero_division else value), literals
+
+
+# --- solver -------------------------------------------------------------------------
+# An item is (text, value, precedence): 3 for a number, 2 for * and /, 1 for + and -.
+_Item = tuple[str, Fraction, int]
+
+
+def _combine(a: _Item, b: _Item, op: str) -> _Item | None:
+    (sa, va, pa), (sb, vb, pb) = a, b
+    if op == "+":
+        return f"{sa}+{sb}", va + vb, 1
+    if op == "-":
+        return f"{sa}-{sb if pb > 1 else f'({sb})'}", va - vb, 1
+    left = sa if pa > 1 else f"({sa})"
+    if op == "*":
+        return f"{left}*{sb if pb > 1 else f'({sb})'}", va * vb, 2
+    if vb == 0:
+        return None
+    return f"{left}/{sb if pb > 2 else f'({sb})'}", va / vb, 2
+
+
+def _all_expressions(items: tuple[_Item, ...]) -> list[_Item]:
+    if len(items) == 1:
+        return list(items)
+    out: list[_Item] = []
+    for i, j in itertools.permutations(range(len(items)), 2):
+        rest = tuple(x for k, x in enumerate(items) if k not in (i, j))
+        for op in "+-*/":
+            c = _combine(items[i], items[j], op)
+            if c is not None:
+                out.extend(_all_expressions(rest + (c,)))
+    return out
+
+
+@lru_cache(maxsize=None)
+def solve(numbers: tuple[int, ...], max_target: int = 100) -> dict[int, str]:
+    """Every integer target in [1, max_target] reachable from `numbers`, with one
+    canonical solution each: fewest parentheses, then the lexicographically smallest text."""
+    best: dict[int, str] = {}
+    for text, value, _ in _all_expressions(tuple((str(n), Fraction(n), 3) for n in numbers)):
+        if value.denominator != 1 or not 1 <= value <= max_target:
+            continue
+        t = int(value)
+        key = (text.count("("), text)
+        if t not in best or key < (best[t].count("("), best[t]):
+            best[t] = text
+    return best
+
+
+@dataclass
+class Countdown:
+    """Countdown with `num_numbers` numbers drawn from [1, max_number]."""
+
+    num_numbers: int = 3
+    max_number: int = 20
+    max_target: int = 100
+    test_fraction: float = 0.1
+    name: str = "countdown"
+
+    def __post_init__(self) -> None:
+        if self.num_numbers not in (3, 4):
+            raise ValueError(f"num_numbers must be 3 or 4, got {self.num_numbers}")
+        if not 1 <= self.max_number <= 99:
+            raise ValueError(f"max_number must be in [1, 99], got {self.max_number}")
+        if not 0 < self.test_fraction < 1:
+            raise ValueError(f"test_fraction must be in (0, 1), got {self.test_fraction}")
+
+    @property
+    def prompt_length(self) -> int:
+        return len(",".join([str(self.max_number)] * self.num_numbers)) + 1 + len(str(self.max_target))
+
+    @property
+    def completion_length(self) -> int:
+        # Longest canonical answer: every number two digits, three ops, two pairs of
+        # parentheses for four numbers ((a-b)*(c-d)), one pair for three; plus EOS.
+        digits = len(str(self.max_number)) * self.num_numbers
+        longest = digits + (self.num_numbers - 1) + 2 * (self.num_numbers - 2)
+        return longest + 1
+
+    def _multisets(self, split: Split) -> list[tuple[int, ...]]:
+        all_sets = itertools.combinations_with_replacement(range(1, self.max_number + 1), self.num_numbers)
+        return [m for m in all_sets if split_of(",".join(map(str, m)), self.test_fraction) == split]
+
+    def generate(self, n: int, *, split: Split = "train", seed: int = 0) -> list[Problem]:
+        """`n` distinct problems of `split`, reproducible from `seed`."""
+        if split not in ("train", "test"):
+            raise ValueError(f"split must be 'train' or 'test', got {split!r}")
+        rng = random.Random(f"countdown-{split}-{seed}")
+        pool = self._multisets(split)
+        seen: set[tuple[tuple[int, ...], int]] = set()
+        problems: list[Problem] = []
+        attempts = 0
+        while len(problems) < n:
+            attempts += 1
+            if attempts > 50 * n + 1000:
+                raise ValueError(f"the {split} split has too few distinct problems for n={n}")
+            numbers = rng.choice(pool)
+            solutions = solve(numbers, self.max_target)
+            if not solutions:
+                continue
+            target = rng.choice(sorted(solutions))
+            if (numbers, target) in seen:
+                continue
+            seen.add((numbers, target))
+            prompt = ",".join(map(str, numbers)) + f"={target}"
+            problems.append(Problem(prompt, solutions[target], {"numbers": numbers, "target": target}))
+        return problems
+
+    def score(self, completion: str, problem: Problem) -> float:
+        try:
+            value, literals = parse_expression(completion)
+        except (ValueError, RecursionError):
+            return 0.0
+        ok = (
+            value is not None
+            and value == problem.meta["target"]
+            and sorted(literals) == sorted(problem.meta["numbers"])
+        )
+        return 1.0 if ok else 0.1
+
+    def reward(self, completions: Sequence[str], problems: Sequence[Problem]) -> list[float]:
+        if len(completions) != len(problems):
+            raise ValueError(f"{len(completions)} completions for {len(problems)} problems")
+        return [self.score(c, p) for c, p in zip(completions, problems)]
+
+    def is_correct(self, completion: str, problem: Problem) -> bool:
+        return self.score(completion, problem) == 1.0
+
+
+@register_task("countdown")
+def _countdown(**options: object) -> Countdown:
+    return Countdown(**options)  # type: ignore[arg-type]
