@@ -99,6 +99,8 @@ def _reject_unknown(cls: Any, data: Any, path: str) -> None:
 
 
 def _type_name(t: Any) -> str:
+    if typing.get_origin(t) is typing.Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(t))
     return getattr(t, "__name__", None) or str(t).replace("typing.", "")
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Literal, Protocol, runtime_checkable
 
 import torch
-from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import PreTrainedModel, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from stabledrl.models.tiny import TinyDiffusionLM
 
@@ -88,5 +88,5 @@ def load_policy(path: str | Path, *, device: str | torch.device = "cpu", dtype: 
         raise FileNotFoundError(f"{path} is not a saved model directory (no config.json)")
     model = TinyDiffusionLM.from_pretrained(path, dtype=dtype).to(device)
     model.eval()
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(path)
     return TinyPolicy(model, tokenizer)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import itertools
 import random
+import re
 from dataclasses import dataclass
 from fractions import Fraction
 from functools import lru_cache
@@ -28,6 +29,7 @@ __all__ = ["Countdown", "parse_expression", "solve"]
 
 MAX_EXPRESSION_CHARS = 64
 MAX_LITERAL_DIGITS = 6
+_TOKEN = re.compile(r"[0-9]+|\S")
 
 
 class _ParseError(ValueError):
@@ -41,26 +43,28 @@ class _DivisionByZero(ArithmeticError):
 def parse_expression(text: str) -> tuple[Fraction | None, list[int]]:
     """Parse an arithmetic expression of non-negative integers, + - * / and parentheses.
 
+    Whitespace may separate tokens (it never joins digits: "2 3" is not 23).
     Returns (value, literals): value is None when the expression divides by zero.
     Raises ValueError when `text` is not such an expression.
     """
-    s = "".join(text.split())  # whitespace is allowed anywhere and ignored
+    s = text.strip()
     if not s:
         raise _ParseError("empty expression")
     if len(s) > MAX_EXPRESSION_CHARS:
         raise _ParseError(f"expression longer than {MAX_EXPRESSION_CHARS} characters")
+    tokens = _TOKEN.findall(s)  # numbers, and every other non-space character alone
     pos = 0
     literals: list[int] = []
     zero_division = False
 
     def peek() -> str:
-        return s[pos] if pos < len(s) else ""
+        return tokens[pos] if pos < len(tokens) else ""
 
     def expr() -> Fraction:  # expr := term (('+' | '-') term)*
         nonlocal pos
         value = term()
         while peek() in ("+", "-"):
-            op = s[pos]
+            op = tokens[pos]
             pos += 1
             rhs = term()
             value = value + rhs if op == "+" else value - rhs
@@ -70,7 +74,7 @@ def parse_expression(text: str) -> tuple[Fraction | None, list[int]]:
         nonlocal pos, zero_division
         value = factor()
         while peek() in ("*", "/"):
-            op = s[pos]
+            op = tokens[pos]
             pos += 1
             rhs = factor()
             if op == "*":
@@ -84,27 +88,25 @@ def parse_expression(text: str) -> tuple[Fraction | None, list[int]]:
 
     def factor() -> Fraction:  # factor := NUMBER | '(' expr ')'
         nonlocal pos
-        if peek() == "(":
+        tok = peek()
+        if tok == "(":
             pos += 1
             value = expr()
             if peek() != ")":
-                raise _ParseError(f"expected ')' at {pos}")
+                raise _ParseError(f"expected ')' at token {pos}")
             pos += 1
             return value
-        start = pos
-        while peek().isdigit() and peek().isascii():
-            pos += 1
-        if start == pos:
-            raise _ParseError(f"expected a number at {pos}")
-        if pos - start > MAX_LITERAL_DIGITS:
+        if not (tok and tok[0] in "0123456789"):
+            raise _ParseError(f"expected a number at token {pos}, got {tok!r}")
+        if len(tok) > MAX_LITERAL_DIGITS:
             raise _ParseError("number literal too long")
-        literal = int(s[start:pos])
-        literals.append(literal)
-        return Fraction(literal)
+        pos += 1
+        literals.append(int(tok))
+        return Fraction(int(tok))
 
     value = expr()
-    if pos != len(s):
-        raise _ParseError(f"unexpected {s[pos]!r} at {pos}")
+    if pos != len(tokens):
+        raise _ParseError(f"unexpected {tokens[pos]!r} at token {pos}")
     return (None if zero_division else value), literals
 
 

@@ -1,0 +1,5 @@
+import sys
+
+from stabledrl.cli import main
+
+sys.exit(main())

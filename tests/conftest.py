@@ -1,0 +1,50 @@
+"""Shared fixtures: a tiny randomly initialised model and a scripted fake policy."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from stabledrl.models import TinyDiffusionConfig, TinyDiffusionLM, TinyPolicy
+from stabledrl.tokenizer import build_char_tokenizer
+
+
+def make_tiny_policy(seed: int = 0, **overrides) -> TinyPolicy:
+    tok = build_char_tokenizer()
+    torch.manual_seed(seed)
+    cfg = dict(vocab_size=len(tok), hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+               max_position_embeddings=64, mask_token_id=tok.mask_token_id, pad_token_id=tok.pad_token_id,
+               bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    cfg.update(overrides)
+    model = TinyDiffusionLM(TinyDiffusionConfig(**cfg)).eval()
+    return TinyPolicy(model, tok)
+
+
+@pytest.fixture
+def tiny_policy() -> TinyPolicy:
+    return make_tiny_policy()
+
+
+class ScriptedPolicy:
+    """A fake policy: completion slot i prefers token `script[i]` with confidence
+    `confidence[i]` (a logit margin), whatever the input. Counts its calls."""
+
+    def __init__(self, script: list[int], confidence: list[float], prompt_len: int):
+        self.tokenizer = build_char_tokenizer()
+        self.mask_token_id = self.tokenizer.mask_token_id
+        self.pad_token_id = self.tokenizer.pad_token_id
+        self.eos_token_id = self.tokenizer.eos_token_id
+        self.attention_kind = "full"
+        self.block_size = None
+        self.model = torch.nn.Linear(1, 1)
+        self.script, self.confidence, self.prompt_len = script, confidence, prompt_len
+        self.calls: list[torch.Tensor] = []
+
+    def logits(self, input_ids, attention_mask=None, position_ids=None):
+        self.calls.append(input_ids.clone())
+        B, T = input_ids.shape
+        V = len(self.tokenizer)
+        out = torch.zeros(B, T, V)
+        for i, (tok, c) in enumerate(zip(self.script, self.confidence)):
+            out[:, self.prompt_len + i, tok] = c
+        return out

@@ -1,0 +1,74 @@
+import pytest
+import torch
+
+from stabledrl.models import TinyDiffusionConfig, TinyDiffusionLM, TinyPolicy, load_policy
+from tests.conftest import make_tiny_policy
+
+
+def test_save_load_gives_identical_logits(tmp_path):
+    policy = make_tiny_policy(seed=3)
+    x = torch.randint(5, len(policy.tokenizer), (3, 12))
+    am = torch.ones_like(x)
+    am[0, :4] = 0
+    before = policy.logits(x, am)
+    policy.save(tmp_path)
+    loaded = load_policy(tmp_path)
+    assert torch.equal(loaded.logits(x, am), before)
+    assert loaded.mask_token_id == policy.mask_token_id
+    assert loaded.tokenizer.encode("1+2", add_special_tokens=False) == policy.tokenizer.encode("1+2", add_special_tokens=False)
+
+
+def test_left_padding_does_not_change_real_token_logits():
+    # Positions are counted over real tokens and padding keys are masked, so a prompt
+    # padded on the left must give the same logits as the same prompt alone.
+    policy = make_tiny_policy(seed=1)
+    x = torch.randint(5, len(policy.tokenizer), (1, 7))
+    alone = policy.logits(x, torch.ones_like(x))
+    padded = torch.cat([torch.zeros(1, 5, dtype=torch.long), x], dim=1)
+    am = torch.cat([torch.zeros(1, 5, dtype=torch.long), torch.ones_like(x)], dim=1)
+    out = policy.logits(padded, am)
+    assert torch.allclose(out[:, 5:], alone, atol=1e-5)
+    assert torch.isfinite(out).all()  # padding rows are finite, not NaN
+
+
+def test_full_attention_is_bidirectional():
+    policy = make_tiny_policy(seed=2)
+    x = torch.randint(5, len(policy.tokenizer), (1, 8))
+    y = x.clone()
+    y[0, -1] = (x[0, -1] - 4) % (len(policy.tokenizer) - 5) + 5  # change only the last token
+    assert not torch.allclose(policy.logits(x)[0, 0], policy.logits(y)[0, 0])
+
+
+def test_four_d_boolean_mask_matches_key_padding_mask():
+    policy = make_tiny_policy(seed=4)
+    x = torch.randint(5, len(policy.tokenizer), (2, 6))
+    am = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
+    four_d = am.bool()[:, None, :].expand(2, 6, 6)
+    pos = (am.cumsum(-1) - 1).clamp(min=0)
+    assert torch.allclose(policy.logits(x, am), policy.logits(x, four_d, pos), atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(hidden_size=30, num_attention_heads=4), "divisible"),
+        (dict(hidden_size=18, num_attention_heads=6), "even"),
+        (dict(attention_kind="sparse"), "attention_kind"),
+        (dict(attention_kind="block"), "block_size"),
+    ],
+)
+def test_config_rejects_bad_values(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        TinyDiffusionConfig(**kwargs)
+
+
+def test_policy_requires_distinct_mask_and_pad(tiny_policy):
+    cfg = TinyDiffusionConfig(vocab_size=24, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                              mask_token_id=tiny_policy.pad_token_id)
+    with pytest.raises(ValueError, match="equals pad_token_id"):
+        TinyPolicy(TinyDiffusionLM(cfg), tiny_policy.tokenizer)
+
+
+def test_load_policy_rejects_a_directory_without_a_model(tmp_path):
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        load_policy(tmp_path)

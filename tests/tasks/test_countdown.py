@@ -1,0 +1,120 @@
+from fractions import Fraction
+
+import pytest
+
+from stabledrl.tasks import Problem, get_task
+from stabledrl.tasks.countdown import parse_expression, solve
+
+P = Problem("3,5,7=22", "3*5+7", {"numbers": (3, 5, 7), "target": 22})
+Q = Problem("2,3,12=8", "12/3*2", {"numbers": (2, 3, 12), "target": 8})
+
+
+@pytest.mark.parametrize("text, problem, expected", [
+    # right: 3*5+7 = 22, every number once, in any order and bracketing
+    ("3*5+7", P, 1.0),
+    ("7+5*3", P, 1.0),
+    (" (5*3) + 7 ", P, 1.0),
+    ("12/3*2", Q, 1.0),          # 4*2 = 8
+    ("2/3*12", Q, 1.0),          # exact: 2/3 * 12 = 8, no float rounding
+    ("12/(3/2)", Q, 1.0),        # 12 / 1.5 = 8
+    # wrong but well-formed: 0.1
+    ("3*5-7", P, 0.1),           # 8, not 22
+    ("3*7+5", P, 0.1),           # 26
+    ("3*5+7+0", P, 0.1),         # an unknown number (0)
+    ("3*5+7*1", P, 0.1),         # value 22 but uses an extra number
+    ("5*5-3", P, 0.1),           # 5 reused, 7 unused
+    ("22", P, 0.1),              # the target alone
+    ("3*5", P, 0.1),             # a number missing
+    ("12/(3-3)*2", Q, 0.1),      # division by zero
+    ("999999*5+7", P, 0.1),      # large literal
+    # not an expression: 0
+    ("", P, 0.0),
+    ("   ", P, 0.0),
+    ("3*5+", P, 0.0),
+    ("-3+5*7", P, 0.0),          # unary minus is not allowed
+    ("3**5+7", P, 0.0),
+    ("(3*5+7", P, 0.0),
+    ("3*5+7)", P, 0.0),
+    ("3*5+7=22", P, 0.0),
+    ("3,5,7", P, 0.0),
+    ("__import__('os').system('ls')", P, 0.0),
+    ("3*5+7; print(1)", P, 0.0),
+    ("3 * 5 + 7", P, 1.0),
+    ("3*5+2 2", P, 0.0),         # not 3*5+22 - 15
+    ("1234567*5+7", P, 0.0),     # literal over 6 digits
+    ("(" * 40 + "3" + ")" * 40, P, 0.0),  # over 64 characters
+    ("(" * 30 + "3*5+7" + ")" * 29, P, 0.0),  # deep and unbalanced
+    ("3٣*5+7", P, 0.0),          # a non-ASCII digit
+    ("1e3", P, 0.0),
+    ("3.0*5+7", P, 0.0),
+])
+def test_reward_table(text, problem, expected):
+    task = get_task("countdown")
+    assert task.reward([text], [problem]) == [expected]
+    assert task.is_correct(text, problem) == (expected == 1.0)
+
+
+def test_parser_is_exact_and_respects_precedence():
+    assert parse_expression("1/3+1/3+1/3") == (Fraction(1), [1, 3, 1, 3, 1, 3])
+    assert parse_expression("2+3*4")[0] == 14
+    assert parse_expression("(2+3)*4")[0] == 20
+    assert parse_expression("8/4/2")[0] == 1   # left associative
+    assert parse_expression("8-4-2")[0] == 2
+    assert parse_expression("5/(2-2)")[0] is None
+    assert parse_expression(" 12 * ( 3 + 4 ) ") == (Fraction(84), [12, 3, 4])
+    with pytest.raises(ValueError):
+        parse_expression("2 3")  # whitespace never joins digits into 23
+
+
+def test_canonical_solutions_are_correct_for_every_three_number_problem():
+    task = get_task("countdown")
+    pairs = 0
+    for numbers in task._multisets("train")[:300] + task._multisets("test"):
+        for target, text in solve(numbers).items():
+            value, literals = parse_expression(text)
+            assert value == target and sorted(literals) == sorted(numbers), (numbers, target, text)
+            assert len(text) + 1 <= task.completion_length
+            pairs += 1
+    assert pairs > 3000
+
+
+def test_known_solution_counts():
+    # 1,1,1 reaches 1 (1*1*1), 2 (1+1*1), 3 (1+1+1); nothing else in [1, 100].
+    assert sorted(solve((1, 1, 1))) == [1, 2, 3]
+    # 2,3,4: 2*3*4 = 24 is the largest; (2+3)*4 = 20 needs parentheses, 4*5 cannot be avoided.
+    assert max(solve((2, 3, 4))) == 24
+    assert solve((2, 3, 4))[20] == "(2+3)*4"
+
+
+def test_generation_is_reproducible_and_the_splits_are_disjoint():
+    task = get_task("countdown")
+    a = task.generate(300, split="train", seed=1)
+    assert a == task.generate(300, split="train", seed=1)
+    assert a != task.generate(300, split="train", seed=2)
+    test = task.generate(300, split="test", seed=1)
+    assert len({p.prompt for p in a}) == 300  # distinct within a call
+    assert not {p.meta["numbers"] for p in a} & {p.meta["numbers"] for p in test}
+    assert task.reward([p.answer for p in a + test], a + test) == [1.0] * 600
+    for p in a:
+        assert p.prompt == ",".join(map(str, p.meta["numbers"])) + f"={p.meta['target']}"
+
+
+def test_four_numbers():
+    task = get_task("countdown", num_numbers=4)
+    problems = task.generate(20, split="test", seed=0)
+    assert all(len(p.meta["numbers"]) == 4 for p in problems)
+    assert task.reward([p.answer for p in problems], problems) == [1.0] * 20
+    assert max(len(p.answer) for p in problems) < task.completion_length
+    assert task.completion_length == 16  # "(20-19)*(18-17)" + EOS
+
+
+def test_bad_options_and_inputs():
+    with pytest.raises(ValueError, match="num_numbers"):
+        get_task("countdown", num_numbers=5)
+    with pytest.raises(ValueError, match="unknown task"):
+        get_task("chess")
+    task = get_task("countdown")
+    with pytest.raises(ValueError, match="split"):
+        task.generate(3, split="validation")
+    with pytest.raises(ValueError, match="completions"):
+        task.reward(["1"], [])

@@ -1,0 +1,106 @@
+import pytest
+import torch
+
+from stabledrl.data import decode_completions, encode_prompts
+from stabledrl.sampling import generate
+from tests.conftest import ScriptedPolicy, make_tiny_policy
+
+PROMPTS = ["3,5,7=22", "12,13,5,6=99", "1=1"]
+
+
+def _run(policy, prompts=PROMPTS, **kw):
+    ids, mask = encode_prompts(policy.tokenizer, prompts)
+    return ids, generate(policy, ids, mask, **kw)
+
+
+@pytest.mark.parametrize("kw", [
+    dict(gen_length=11),
+    dict(gen_length=11, steps=4, temperature=0.8, generator=torch.Generator().manual_seed(1)),
+    dict(gen_length=10, steps=6, block_length=4, remasking="random", generator=torch.Generator().manual_seed(2)),
+])
+def test_fills_every_mask_keeps_prompt_and_pads_after_eos(kw):
+    policy = make_tiny_policy(seed=5)
+    ids, out = _run(policy, **kw)
+    L = kw["gen_length"]
+    comp = out.completion_ids
+    assert comp.shape == (len(PROMPTS), L)
+    assert not (comp == policy.mask_token_id).any()
+    assert torch.equal(out.sequences[:, : ids.size(1)], ids)  # the prompt is never altered
+    assert torch.equal(out.sequences[:, ids.size(1):], comp)
+    for row, m in zip(comp, out.completion_mask):
+        eos = (row == policy.eos_token_id).nonzero()
+        if len(eos):
+            first = int(eos[0])
+            assert (row[first + 1:] == policy.pad_token_id).all()
+            assert m[: first + 1].all() and not m[first + 1:].any()
+        else:
+            assert m.all()
+        banned = {policy.mask_token_id, policy.tokenizer.bos_token_id, policy.tokenizer.unk_token_id}
+        assert not set(row[m].tolist()) & banned
+    assert (out.unmask_step >= 0).all() and (out.unmask_step < (kw.get("steps") or L)).all()
+
+
+def test_deterministic_for_a_fixed_generator_and_different_for_another():
+    policy = make_tiny_policy(seed=6)
+    kw = dict(gen_length=11, temperature=1.0)
+    a = _run(policy, generator=torch.Generator().manual_seed(7), **kw)[1].completion_ids
+    b = _run(policy, generator=torch.Generator().manual_seed(7), **kw)[1].completion_ids
+    c = _run(policy, generator=torch.Generator().manual_seed(8), **kw)[1].completion_ids
+    assert torch.equal(a, b)
+    assert not torch.equal(a, c)
+
+
+def test_unequal_prompt_lengths_give_the_same_completion_as_alone():
+    # Greedy decoding: each prompt in a left-padded batch decodes exactly as on its own.
+    policy = make_tiny_policy(seed=7)
+    _, batched = _run(policy, gen_length=9)
+    for i, p in enumerate(PROMPTS):
+        _, alone = _run(policy, prompts=[p], gen_length=9)
+        assert torch.equal(batched.completion_ids[i], alone.completion_ids[0])
+
+
+def test_low_confidence_commits_the_most_confident_slot_first_and_eos_pads_the_rest():
+    tok_a = 5  # '0'
+    eos = 3
+    # slot: 0     1     2     3     4     5
+    script = [tok_a, tok_a, eos, tok_a, tok_a, tok_a]
+    conf = [1.0, 2.0, 9.0, 8.0, 3.0, 0.5]  # EOS at slot 2 is the most confident
+    ids, mask = encode_prompts(ScriptedPolicy([], [], 0).tokenizer, ["12"])
+    policy = ScriptedPolicy(script, conf, prompt_len=ids.size(1))
+    out = generate(policy, ids, mask, gen_length=6)
+    # step 0 commits EOS at slot 2, which turns slots 3-5 into PAD at once; the two
+    # remaining slots take one step each in order of confidence (slot 1, then slot 0).
+    assert out.completion_ids[0].tolist() == [tok_a, tok_a, eos, 0, 0, 0]
+    assert out.unmask_step[0].tolist()[:3] == [2, 1, 0]
+    assert out.unmask_step[0].tolist()[3:] == [0, 0, 0]
+    assert out.completion_mask[0].tolist() == [True, True, True, False, False, False]
+    # Slots were filled early, so the remaining steps did not call the model.
+    assert out.forward_passes == 3 == len(policy.calls)
+    # The model was shown the PAD after EOS from the second call on.
+    assert (policy.calls[1][0, ids.size(1) + 3:] == 0).all()
+
+
+def test_semi_autoregressive_blocks_decode_left_to_right():
+    policy = make_tiny_policy(seed=8)
+    _, out = _run(policy, gen_length=12, steps=6, block_length=4)
+    steps = out.unmask_step
+    decoded = out.completion_ids != policy.pad_token_id  # PAD fill after EOS may happen any time
+    for b in range(1, 3):
+        prev = steps[:, (b - 1) * 4: b * 4].masked_fill(~decoded[:, (b - 1) * 4: b * 4], -1)
+        cur = steps[:, b * 4: (b + 1) * 4].masked_fill(~decoded[:, b * 4: (b + 1) * 4], 10**6)
+        assert (prev.max(1).values < cur.min(1).values).all()
+
+
+def test_random_sampling_without_generator_is_an_error():
+    policy = make_tiny_policy()
+    with pytest.raises(ValueError, match="generator"):
+        _run(policy, gen_length=5, temperature=0.5)
+    with pytest.raises(ValueError, match="steps"):
+        _run(policy, gen_length=8, steps=1, block_length=2)
+
+
+def test_decode_stops_at_first_eos():
+    policy = make_tiny_policy()
+    tok = policy.tokenizer
+    row = tok.encode("1+2", add_special_tokens=False) + [tok.eos_token_id, tok.pad_token_id]
+    assert decode_completions(tok, torch.tensor([row])) == ["1+2"]
