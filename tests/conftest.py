@@ -8,6 +8,10 @@ import torch
 from stabledrl.models import TinyDiffusionConfig, TinyDiffusionLM, TinyPolicy
 from stabledrl.tokenizer import build_char_tokenizer
 
+# The test models are tiny: one thread is as fast, and it avoids the large slow-downs of
+# two OpenMP threads fighting another process for two cores.
+torch.set_num_threads(1)
+
 
 def make_tiny_policy(seed: int = 0, **overrides) -> TinyPolicy:
     tok = build_char_tokenizer()
