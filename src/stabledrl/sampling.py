@@ -114,6 +114,8 @@ def generate(
         raise ValueError(f"remasking must be 'low_confidence' or 'random', got {remasking!r}")
     if generator is None and (temperature > 0 or remasking == "random"):
         raise ValueError("random sampling needs an explicit generator=torch.Generator().manual_seed(seed)")
+    if policy.attention_kind != "full":
+        raise NotImplementedError(f"this sampler is for full-attention models, not {policy.attention_kind!r}")
     device = prompt_ids.device
     if prompt_mask is None:
         prompt_mask = torch.ones_like(prompt_ids)

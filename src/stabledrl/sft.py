@@ -236,7 +236,8 @@ def run_sft(cfg: SFTConfig, *, resume: bool = False, progress: bool = True) -> d
         loss, m = masked_diffusion_loss(
             policy, p_ids, p_mask, c_ids, generator=gen, t_min=cfg.t_min, stratified_t=cfg.stratified_t
         )
-        if not torch.isfinite(loss):
+        loss_value = loss.item()
+        if not math.isfinite(loss_value):
             raise FloatingPointError(f"non-finite SFT loss at step {step}; lower lr (now {cfg.lr})")
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -247,11 +248,11 @@ def run_sft(cfg: SFTConfig, *, resume: bool = False, progress: bool = True) -> d
         done = step + 1
         if done % cfg.log_every == 0 or done == cfg.steps:
             elapsed = time.perf_counter() - t0
-            row = {"step": done, "loss": float(loss), "grad_norm": grad_norm, "lr": sched.get_last_lr()[0],
+            row = {"step": done, "loss": loss_value, "grad_norm": grad_norm, "lr": sched.get_last_lr()[0],
                    "tokens_per_s": tokens / elapsed, **m}
             metrics_file.write(json.dumps(row) + "\n")
             metrics_file.flush()
-            bar.set_postfix(loss=f"{float(loss):.3f}", acc=f"{m['masked_acc']:.3f}", tok_s=f"{tokens / elapsed:.0f}")
+            bar.set_postfix(loss=f"{loss_value:.3f}", acc=f"{m['masked_acc']:.3f}", tok_s=f"{tokens / elapsed:.0f}")
         if cfg.eval_every and done % cfg.eval_every == 0 and done != cfg.steps:
             res = evaluate(policy, task, eval_problems, cfg.sampling, progress=False)
             model.train()

@@ -72,3 +72,9 @@ def test_policy_requires_distinct_mask_and_pad(tiny_policy):
 def test_load_policy_rejects_a_directory_without_a_model(tmp_path):
     with pytest.raises(FileNotFoundError, match="config.json"):
         load_policy(tmp_path)
+
+
+def test_block_attention_is_refused_until_it_exists():
+    cfg = TinyDiffusionConfig(attention_kind="block", block_size=4)
+    with pytest.raises(NotImplementedError, match="full"):
+        TinyDiffusionLM(cfg)

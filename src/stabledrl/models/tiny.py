@@ -113,6 +113,10 @@ class TinyDiffusionLM(PreTrainedModel):
     _supports_sdpa = True
 
     def __init__(self, config: TinyDiffusionConfig) -> None:
+        if config.attention_kind != "full":
+            # The config reserves 'block'; the block-causal model is not built yet, and
+            # silently running full attention instead would leak future blocks.
+            raise NotImplementedError("TinyDiffusionLM supports attention_kind='full' only for now")
         super().__init__(config)
         self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
         self.blocks = nn.ModuleList(_Block(config) for _ in range(config.num_hidden_layers))
