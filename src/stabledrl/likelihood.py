@@ -1,0 +1,399 @@
+"""Likelihood estimators for diffusion LMs (SPEC §3): mc, sdmc, mean_field.
+
+A dLLM's log π(y|q) is intractable; RL needs an estimate ℓ(y). Every estimator here is
+model-agnostic: it decides *which noised views* of each completion to score (a
+`ViewPlan`: which slots are replaced by the mask token, with what weight) and asks the
+policy only for logits. Splitting the plan from its evaluation is what gives common
+random numbers: one plan, drawn once from a `torch.Generator`, can be scored under θ,
+θ_old and a reference, so their difference carries no mask noise. Nothing here touches
+the global RNG.
+
+For every method the estimate is a weighted sum over views v of
+
+    Σ_{i masked in v} log p_θ(y_i | x_v, q),
+
+written into a per-token (B, L) tensor (slot i collects the terms where it was masked)
+and summed over the scored slots into a per-sequence (B,) estimate (`reduction="sum"`,
+a log-likelihood) or divided by the scored length (`"mean"`).
+
+Methods (n = the number of scored slots of a sequence, K = `num_samples`):
+
+- ``mc``: double Monte Carlo estimate of the masked-diffusion ELBO
+  (LLaDA, Nie et al. 2025, Eq. 3 / Eq. 12). Per view, ``masking="count"`` draws
+  k ~ U{1..n} and masks exactly k slots, weight n/k (exact-count form, bounded
+  weights); ``masking="bernoulli"`` draws t ~ U(0,1] and masks each slot with
+  probability t, weight 1/t (unbounded variance as t → 0: prefer "count").
+  ``stratified=True`` spreads the K draws of k or t over strata;
+  ``antithetic=True`` (bernoulli only) pairs each mask at t with its complement at
+  1 − t, each weighted by its own 1/t (coupled-GRPO, Gong et al. 2025).
+  Unbiased for the ELBO in every variant.
+- ``sdmc``: GDPO's semi-deterministic Monte Carlo (Rojas et al. 2025): t at the N
+  Gauss–Legendre nodes t_j of (0,1) with weights w_j; at each node K masks of exactly
+  k_j = max(1, round(t_j n)) slots, weight n/k_j; ℓ = Σ_j w_j mean_K(·). Deviation: when
+  K ≥ C(n, k_j) the node enumerates its C(n, k_j) subsets once each (its exact value,
+  with fewer forward passes) instead of sampling K with repeats.
+- ``mean_field``: diffu-GRPO's one-step estimate (d1, Zhao et al. 2025): every
+  completion slot masked, each real prompt token (not BOS) masked i.i.d. with
+  probability ``p_prompt``; one view per sequence; ℓ = Σ_i log p(y_i | q̃, all masked).
+  Biased — it is the baseline.
+
+Shapes: B batch, P prompt columns, L completion slots, V vocabulary, Nv views,
+K samples, N quadrature nodes.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+import torch
+
+from stabledrl.models.policy import Policy
+
+__all__ = [
+    "ViewPlan",
+    "LikelihoodEstimate",
+    "plan_views",
+    "score_views",
+    "backward_views",
+    "estimate",
+    "gauss_legendre",
+    "METHODS",
+]
+
+Method = Literal["mc", "sdmc", "mean_field"]
+METHODS: tuple[str, ...] = ("mc", "sdmc", "mean_field")
+
+
+@dataclass
+class ViewPlan:
+    """Which noised views to score, independent of any model."""
+
+    seq_index: torch.Tensor
+    """(Nv,) the sequence each view noises."""
+    masked: torch.Tensor
+    """(Nv, L) bool: the slots whose log-probability the view counts. For ELBO views
+    these are exactly the slots replaced by the mask token."""
+    weight: torch.Tensor
+    """(Nv,) float64 weight of the view's masked log-probabilities."""
+    prompt_masked: torch.Tensor | None
+    """(Nv, P) bool: prompt tokens replaced by the mask token (mean_field only)."""
+    batch_size: int
+    """B."""
+    mask_whole_completion: bool = False
+    """mean_field: every completion slot is replaced by the mask token, not only `masked`."""
+
+    @property
+    def num_views(self) -> int:
+        return int(self.seq_index.numel())
+
+
+@dataclass
+class LikelihoodEstimate:
+    sequence: torch.Tensor
+    """(B,) estimate of log π(y|q) (reduction "sum") or of its per-token mean."""
+    token: torch.Tensor
+    """(B, L) per-slot terms; zero off the scored slots. `sequence` = token.sum(-1)
+    (divided by the scored length for "mean")."""
+    num_views: int
+    """Noised views scored, i.e. forward passes of one sequence each."""
+
+
+def gauss_legendre(n: int) -> tuple[np.ndarray, np.ndarray]:
+    """Nodes and weights of n-point Gauss–Legendre quadrature on (0, 1)."""
+    if not 1 <= n <= 16:
+        raise ValueError(f"the number of quadrature nodes must be in [1, 16], got {n}")
+    x, w = np.polynomial.legendre.leggauss(n)
+    return (x + 1) / 2, w / 2
+
+
+# --- input checks ---------------------------------------------------------------------
+
+
+def _check_inputs(
+    policy: Policy, prompt_ids: torch.Tensor, completion_ids: torch.Tensor, completion_mask: torch.Tensor,
+    prompt_mask: torch.Tensor | None,
+) -> torch.Tensor:
+    if getattr(policy, "mask_token_id", None) is None:
+        raise ValueError("the policy has no mask_token_id: the estimators need to know the mask token")
+    if completion_ids.dim() != 2 or prompt_ids.dim() != 2:
+        raise ValueError(f"prompt_ids and completion_ids must be (B, P) and (B, L), got "
+                         f"{tuple(prompt_ids.shape)} and {tuple(completion_ids.shape)}")
+    if prompt_ids.size(0) != completion_ids.size(0):
+        raise ValueError(f"{prompt_ids.size(0)} prompts for {completion_ids.size(0)} completions")
+    if prompt_mask is not None and prompt_mask.shape != prompt_ids.shape:
+        raise ValueError(f"prompt_mask {tuple(prompt_mask.shape)} does not match prompt_ids {tuple(prompt_ids.shape)}")
+    if completion_mask.shape != completion_ids.shape:
+        raise ValueError(f"completion_mask {tuple(completion_mask.shape)} does not match completion_ids "
+                         f"{tuple(completion_ids.shape)}")
+    scored = completion_mask.bool()
+    if not scored.any(dim=1).all():
+        empty = (~scored.any(dim=1)).nonzero().flatten().tolist()
+        raise ValueError(f"empty completions (no scored slot) at rows {empty[:10]}: drop them before estimating")
+    bad = scored & ((completion_ids == policy.mask_token_id) | (completion_ids == policy.pad_token_id))
+    if bad.any():
+        raise ValueError("completion_mask scores PAD or MASK tokens: it does not match completion_ids "
+                         "(use stabledrl.data.completion_mask(ids, eos_token_id))")
+    return scored
+
+
+def _need_generator(generator: torch.Generator | None, method: str) -> torch.Generator:
+    if generator is None:
+        raise ValueError(f"method {method!r} draws random masks: pass generator=torch.Generator().manual_seed(s) "
+                         "(the same generator state gives the same masks)")
+    return generator
+
+
+# --- plans ----------------------------------------------------------------------------
+
+
+def _uniforms(B: int, K: int, stratified: bool, generator: torch.Generator) -> torch.Tensor:
+    """(B, K) uniforms in (0, 1]; stratified: one per stratum ((k + u) / K, shuffled)."""
+    u = torch.rand((B, K), generator=generator, dtype=torch.float64)
+    if stratified:
+        strata = torch.rand((B, K), generator=generator).argsort(dim=1).double()  # a random stratum order
+        u = (strata + u) / K
+    return 1.0 - u  # (0, 1]
+
+
+def _random_subsets(scored: torch.Tensor, k: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """(Nv, L) scored slots, (Nv,) counts -> (Nv, L) bool: k uniformly chosen scored slots."""
+    scores = torch.rand(scored.shape, generator=generator).masked_fill(~scored, 2.0)  # unscored last
+    rank = scores.argsort(dim=1).argsort(dim=1)  # (Nv, L) rank of each slot
+    return rank < k[:, None]
+
+
+def _plan_mc(scored, K, masking, stratified, antithetic, generator) -> ViewPlan:
+    B, L = scored.shape
+    n = scored.sum(1)  # (B,)
+    if antithetic:
+        if masking != "bernoulli":
+            raise ValueError("antithetic masks need masking='bernoulli' (the complement of a k-subset is an "
+                             "(n-k)-subset, which the exact-count weights do not pair)")
+        if K % 2:
+            raise ValueError(f"antithetic=True needs an even num_samples, got {K}")
+        draws = K // 2
+    else:
+        draws = K
+    u = _uniforms(B, draws, stratified, generator)  # (B, D)
+    seq = torch.arange(B).repeat_interleave(draws)  # (B*D,)
+    sc = scored[seq]  # (B*D, L)
+    if masking == "count":
+        k = torch.ceil(u * n[:, None]).long().clamp(min=1).minimum(n[:, None]).flatten()  # (B*D,) in 1..n
+        masked = _random_subsets(sc, k, generator)
+        weight = n[seq].double() / k.double() / K
+    elif masking == "bernoulli":
+        t = u.flatten()  # (B*D,)
+        masked = (torch.rand(sc.shape, generator=generator, dtype=torch.float64) < t[:, None]) & sc
+        weight = 1.0 / t / K
+        if antithetic:
+            t_c = 1.0 - t
+            masked = torch.cat([masked, sc & ~masked])
+            weight = torch.cat([weight, torch.where(t_c > 0, 1.0 / t_c.clamp(min=1e-300), 0.0) / K])
+            seq = torch.cat([seq, seq])
+    else:
+        raise ValueError(f"masking must be 'count' or 'bernoulli', got {masking!r}")
+    return ViewPlan(seq, masked, weight, None, B)
+
+
+def _plan_sdmc(scored, K, num_nodes, generator) -> ViewPlan:
+    B, L = scored.shape
+    nodes, node_w = gauss_legendre(num_nodes)
+    seqs, masks, weights = [], [], []
+    for b in range(B):
+        slots = scored[b].nonzero().flatten()  # (n,)
+        n = int(slots.numel())
+        for t_j, w_j in zip(nodes, node_w):
+            k = min(n, max(1, round(t_j * n)))
+            subsets = math.comb(n, k)
+            if K >= subsets:  # enumerate the node exactly
+                m = torch.zeros((subsets, L), dtype=torch.bool)
+                for r, combo in enumerate(itertools.combinations(slots.tolist(), k)):
+                    m[r, list(combo)] = True
+                reps = subsets
+            else:
+                m = _random_subsets(scored[b].expand(K, L), torch.full((K,), k), generator)
+                reps = K
+            seqs.append(torch.full((reps,), b))
+            masks.append(m)
+            weights.append(torch.full((reps,), w_j * (n / k) / reps, dtype=torch.float64))
+    return ViewPlan(torch.cat(seqs), torch.cat(masks), torch.cat(weights), None, B)
+
+
+def _plan_mean_field(scored, prompt_mask, prompt_ids, bos_token_id, p_prompt, generator) -> ViewPlan:
+    B, L = scored.shape
+    maskable = prompt_mask.bool()
+    if bos_token_id is not None:
+        maskable = maskable & (prompt_ids != bos_token_id)
+    if p_prompt > 0:
+        prompt_masked = (torch.rand(prompt_ids.shape, generator=generator) < p_prompt) & maskable  # (B, P)
+    else:
+        prompt_masked = torch.zeros_like(maskable)
+    # The whole completion is masked; the scored slots are the counted ones.
+    return ViewPlan(torch.arange(B), scored.clone(), torch.ones(B, dtype=torch.float64), prompt_masked, B,
+                    mask_whole_completion=True)
+
+
+def plan_views(
+    method: Method,
+    completion_mask: torch.Tensor,
+    *,
+    num_samples: int = 1,
+    generator: torch.Generator | None = None,
+    prompt_ids: torch.Tensor | None = None,
+    prompt_mask: torch.Tensor | None = None,
+    bos_token_id: int | None = None,
+    masking: Literal["count", "bernoulli"] = "count",
+    stratified: bool = False,
+    antithetic: bool = False,
+    num_nodes: int = 2,
+    p_prompt: float = 0.15,
+) -> ViewPlan:
+    """Draw the noised views of `method` for completions with scored slots
+    `completion_mask` (B, L). The same generator state gives the same plan."""
+    scored = completion_mask.bool().cpu()
+    if num_samples < 1:
+        raise ValueError(f"num_samples must be >= 1, got {num_samples}")
+    if method == "mc":
+        return _plan_mc(scored, num_samples, masking, stratified, antithetic, _need_generator(generator, method))
+    if method == "sdmc":
+        return _plan_sdmc(scored, num_samples, num_nodes, _need_generator(generator, method))
+    if method == "mean_field":
+        if prompt_ids is None:
+            raise ValueError("mean_field needs prompt_ids (it masks prompt tokens)")
+        if not 0 <= p_prompt < 1:
+            raise ValueError(f"p_prompt must be in [0, 1), got {p_prompt}")
+        if num_samples != 1:
+            raise ValueError("mean_field is a one-view estimate: num_samples must be 1")
+        pm = torch.ones_like(prompt_ids) if prompt_mask is None else prompt_mask
+        gen = _need_generator(generator, method) if p_prompt > 0 else generator
+        return _plan_mean_field(scored, pm.cpu(), prompt_ids.cpu(), bos_token_id, p_prompt, gen)
+    raise ValueError(f"unknown method {method!r}; choose one of {METHODS}")
+
+
+# --- scoring --------------------------------------------------------------------------
+
+
+def _view_terms(
+    policy: Policy, plan: ViewPlan, idx: torch.Tensor, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
+    completion_ids: torch.Tensor, completion_mask: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Weighted masked log-probs of views `idx`: (n, L) terms and (n,) their sequences."""
+    device = completion_ids.device
+    b = plan.seq_index[idx].to(device)  # (n,)
+    counted = plan.masked[idx].to(device)  # (n, L)
+    noised = torch.ones_like(counted) if plan.mask_whole_completion else counted
+    comp = completion_ids[b].masked_fill(noised, policy.mask_token_id)  # (n, L)
+    prm = prompt_ids[b]  # (n, P)
+    if plan.prompt_masked is not None:
+        prm = prm.masked_fill(plan.prompt_masked[idx].to(device), policy.mask_token_id)
+    x = torch.cat([prm, comp], dim=1)  # (n, P+L)
+    attn = torch.cat([prompt_mask[b], torch.ones_like(comp)], dim=1)
+    logits = policy.logits(x, attn)[:, prm.size(1):].float()  # (n, L, V)
+    logp = torch.log_softmax(logits, dim=-1).gather(-1, completion_ids[b][..., None]).squeeze(-1)  # (n, L)
+    w = plan.weight[idx].to(device=device, dtype=logp.dtype)  # (n,)
+    terms = torch.where(counted & completion_mask[b], logp, torch.zeros_like(logp)) * w[:, None]
+    return terms, b
+
+
+def _chunks(num_views: int, max_views: int | None):
+    step = num_views if not max_views else max_views
+    for s in range(0, num_views, step):
+        yield torch.arange(s, min(s + step, num_views))
+
+
+def _reduce(token: torch.Tensor, completion_mask: torch.Tensor, reduction: str) -> torch.Tensor:
+    seq = token.sum(-1)  # (B,)
+    if reduction == "mean":
+        seq = seq / completion_mask.sum(-1).to(seq.dtype)
+    return seq
+
+
+def score_views(
+    policy: Policy,
+    plan: ViewPlan,
+    prompt_ids: torch.Tensor,
+    completion_ids: torch.Tensor,
+    completion_mask: torch.Tensor,
+    *,
+    prompt_mask: torch.Tensor | None = None,
+    reduction: Literal["sum", "mean"] = "sum",
+    max_views_per_forward: int | None = None,
+) -> LikelihoodEstimate:
+    """Score a plan under `policy`. Differentiable unless called under `torch.no_grad()`;
+    with gradients, every micro-batch's graph is kept until backward (use
+    `backward_views` to bound memory in training)."""
+    if reduction not in ("sum", "mean"):
+        raise ValueError(f"reduction must be 'sum' or 'mean', got {reduction!r}")
+    if plan.batch_size != completion_ids.size(0):
+        raise ValueError(f"the plan is for {plan.batch_size} sequences, got {completion_ids.size(0)}")
+    scored = _check_inputs(policy, prompt_ids, completion_ids, completion_mask, prompt_mask)
+    pm = torch.ones_like(prompt_ids) if prompt_mask is None else prompt_mask
+    B, L = completion_ids.shape
+    token = torch.zeros((B, L), device=completion_ids.device)
+    for idx in _chunks(plan.num_views, max_views_per_forward):
+        terms, b = _view_terms(policy, plan, idx, prompt_ids, pm, completion_ids, scored)
+        token = token.index_add(0, b, terms)
+    return LikelihoodEstimate(_reduce(token, scored, reduction), token, plan.num_views)
+
+
+def backward_views(
+    policy: Policy,
+    plan: ViewPlan,
+    prompt_ids: torch.Tensor,
+    completion_ids: torch.Tensor,
+    completion_mask: torch.Tensor,
+    grad_sequence: torch.Tensor,
+    *,
+    prompt_mask: torch.Tensor | None = None,
+    reduction: Literal["sum", "mean"] = "sum",
+    max_views_per_forward: int | None = None,
+) -> None:
+    """Accumulate Σ_b grad_sequence[b] · ∇_θ ℓ_b into the parameters' `.grad`, one
+    micro-batch of views at a time, so memory does not grow with the number of views.
+
+    ℓ is linear in the view terms, so this equals `(grad_sequence * ℓ).sum().backward()`
+    on `score_views(...)` of the same plan. `grad_sequence` (B,) is ∂loss/∂ℓ, computed
+    from a no-grad estimate (ℓ's value does not depend on the chunking)."""
+    scored = _check_inputs(policy, prompt_ids, completion_ids, completion_mask, prompt_mask)
+    pm = torch.ones_like(prompt_ids) if prompt_mask is None else prompt_mask
+    g = grad_sequence.detach().to(completion_ids.device, torch.float32)  # (B,)
+    if reduction == "mean":
+        g = g / scored.sum(-1)
+    for idx in _chunks(plan.num_views, max_views_per_forward):
+        terms, b = _view_terms(policy, plan, idx, prompt_ids, pm, completion_ids, scored)
+        (terms.sum(-1) * g[b]).sum().backward()
+
+
+def estimate(
+    policy: Policy,
+    prompt_ids: torch.Tensor,
+    completion_ids: torch.Tensor,
+    completion_mask: torch.Tensor,
+    *,
+    method: Method,
+    num_samples: int = 1,
+    generator: torch.Generator | None = None,
+    prompt_mask: torch.Tensor | None = None,
+    reduction: Literal["sum", "mean"] = "sum",
+    max_views_per_forward: int | None = None,
+    **options,
+) -> LikelihoodEstimate:
+    """Estimate log π(y|q) for each completion: `plan_views` then `score_views`.
+
+    `options` go to `plan_views` (masking, stratified, antithetic, num_nodes, p_prompt).
+    For common random numbers across models, call `plan_views` once and `score_views`
+    per model — or pass generators in the same state.
+    """
+    _check_inputs(policy, prompt_ids, completion_ids, completion_mask, prompt_mask)
+    plan = plan_views(
+        method, completion_mask, num_samples=num_samples, generator=generator, prompt_ids=prompt_ids,
+        prompt_mask=prompt_mask, bos_token_id=getattr(policy.tokenizer, "bos_token_id", None), **options,
+    )
+    return score_views(
+        policy, plan, prompt_ids, completion_ids, completion_mask, prompt_mask=prompt_mask,
+        reduction=reduction, max_views_per_forward=max_views_per_forward,
+    )

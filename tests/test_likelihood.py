@@ -1,0 +1,237 @@
+"""Estimators against exact values computed independently, by enumerating masks."""
+
+import itertools
+import math
+
+import pytest
+import torch
+
+from stabledrl.data import completion_mask as make_completion_mask
+from stabledrl.data import encode_completions, encode_prompts
+from stabledrl.likelihood import backward_views, estimate, gauss_legendre, plan_views, score_views
+from tests.conftest import make_tiny_policy
+
+
+@pytest.fixture(scope="module")
+def setup():
+    policy = make_tiny_policy(seed=31)
+    # Two completions of 4 and 6 scored slots (answer + EOS), PAD after; prompts of unequal length.
+    p_ids, p_mask = encode_prompts(policy.tokenizer, ["3,5,7=22", "12,4,6=9"])
+    c_ids = encode_completions(policy.tokenizer, ["3*5", "12-4+1"], 8)
+    c_mask = make_completion_mask(c_ids, policy.eos_token_id)
+    assert c_mask.sum(1).tolist() == [4, 7]
+    return policy, p_ids, p_mask, c_ids, c_mask
+
+
+def _logp_masked(policy, p_ids, p_mask, c_ids, b, subset):
+    """log p(y_i | y with `subset` masked) for i in subset: one direct forward."""
+    comp = c_ids[b].clone()
+    comp[list(subset)] = policy.mask_token_id
+    x = torch.cat([p_ids[b], comp])[None]
+    attn = torch.cat([p_mask[b], torch.ones_like(comp)])[None]
+    with torch.no_grad():
+        logp = policy.logits(x, attn)[0, p_ids.size(1):].double().log_softmax(-1)
+    return sum(float(logp[i, c_ids[b, i]]) for i in subset)
+
+
+def exact_elbo(policy, p_ids, p_mask, c_ids, c_mask):
+    """Σ over every non-empty subset S of the scored slots of P(S) · (n/|S|) · Σ_{i∈S} log p,
+    with P(S) = 1/(n C(n,|S|)): the ELBO in its exact-count form, enumerated."""
+    out = []
+    for b in range(c_ids.size(0)):
+        slots = c_mask[b].nonzero().flatten().tolist()
+        n = len(slots)
+        total = 0.0
+        for k in range(1, n + 1):
+            for S in itertools.combinations(slots, k):
+                total += (1 / (n * math.comb(n, k))) * (n / k) * _logp_masked(policy, p_ids, p_mask, c_ids, b, S)
+        out.append(total)
+    return torch.tensor(out, dtype=torch.float64)
+
+
+def exact_sdmc(policy, p_ids, p_mask, c_ids, c_mask, num_nodes):
+    nodes, weights = gauss_legendre(num_nodes)
+    out = []
+    for b in range(c_ids.size(0)):
+        slots = c_mask[b].nonzero().flatten().tolist()
+        n = len(slots)
+        total = 0.0
+        for t, w in zip(nodes, weights):
+            k = min(n, max(1, round(t * n)))
+            subsets = list(itertools.combinations(slots, k))
+            total += w * (n / k) * sum(_logp_masked(policy, p_ids, p_mask, c_ids, b, S) for S in subsets) / len(subsets)
+        out.append(total)
+    return torch.tensor(out, dtype=torch.float64)
+
+
+def _repeat(setup, R):
+    policy, p_ids, p_mask, c_ids, c_mask = setup
+    return policy, p_ids.repeat(R, 1), p_mask.repeat(R, 1), c_ids.repeat(R, 1), c_mask.repeat(R, 1)
+
+
+def test_gauss_legendre_nodes_match_the_spec():
+    t, w = gauss_legendre(2)
+    assert t.tolist() == pytest.approx([0.5 - 0.5 / math.sqrt(3), 0.5 + 0.5 / math.sqrt(3)])  # 0.2113, 0.7887
+    assert w.tolist() == pytest.approx([0.5, 0.5])
+    t, w = gauss_legendre(3)
+    assert t.tolist() == pytest.approx([0.5 - 0.5 * math.sqrt(0.6), 0.5, 0.5 + 0.5 * math.sqrt(0.6)])
+    assert w.tolist() == pytest.approx([5 / 18, 8 / 18, 5 / 18])
+    # exact for polynomials of degree 2N-1: ∫_0^1 t^5 dt = 1/6 with N = 3
+    assert float((w * t**5).sum()) == pytest.approx(1 / 6)
+
+
+@pytest.mark.parametrize("options", [
+    dict(masking="count"),
+    dict(masking="count", stratified=True, num_samples=4),
+    dict(masking="bernoulli", num_samples=2),
+    dict(masking="bernoulli", antithetic=True, num_samples=2),
+    dict(masking="bernoulli", stratified=True, antithetic=True, num_samples=4),
+])
+def test_mc_is_unbiased_for_the_exact_elbo(setup, options):
+    exact = exact_elbo(*setup)
+    R = 1500
+    policy, p_ids, p_mask, c_ids, c_mask = _repeat(setup, R)
+    options = dict(options)
+    K = options.pop("num_samples", 1)
+    with torch.no_grad():
+        est = estimate(policy, p_ids, c_ids, c_mask, prompt_mask=p_mask, method="mc", num_samples=K,
+                       generator=torch.Generator().manual_seed(0), **options).sequence.double().view(R, 2)
+    mean, se = est.mean(0), est.std(0) / math.sqrt(R)
+    assert ((mean - exact).abs() < 4 * se).all(), (mean, exact, se)
+
+
+def test_sdmc_large_k_equals_its_quadrature_by_enumeration(setup):
+    policy, p_ids, p_mask, c_ids, c_mask = setup
+    for N in (1, 2, 3, 5):
+        quad = exact_sdmc(*setup, num_nodes=N)
+        with torch.no_grad():
+            est = estimate(policy, p_ids, c_ids, c_mask, prompt_mask=p_mask, method="sdmc", num_samples=10**6,
+                           num_nodes=N, generator=torch.Generator().manual_seed(0))
+        assert torch.allclose(est.sequence.double(), quad, atol=1e-5, rtol=0), (N, est.sequence, quad)
+
+
+def test_sdmc_sampled_is_unbiased_for_its_quadrature_and_lands_near_the_elbo(setup):
+    quad = exact_sdmc(*setup, num_nodes=2)
+    R = 800
+    policy, p_ids, p_mask, c_ids, c_mask = _repeat(setup, R)
+    with torch.no_grad():
+        est = estimate(policy, p_ids, c_ids, c_mask, prompt_mask=p_mask, method="sdmc", num_samples=1,
+                       num_nodes=2, generator=torch.Generator().manual_seed(1)).sequence.double().view(R, 2)
+    mean, se = est.mean(0), est.std(0) / math.sqrt(R)
+    assert ((mean - quad).abs() < 4 * se).all()
+    # The quadrature is biased for the ELBO (integrand not polynomial in t); for this
+    # random model the bias is a small fraction of |ELBO|.
+    elbo = exact_elbo(*setup)
+    assert ((quad - elbo).abs() < 0.1 * elbo.abs()).all(), (quad, elbo)
+
+
+def test_mean_field_equals_a_direct_computation(setup):
+    policy, p_ids, p_mask, c_ids, c_mask = setup
+    gen = torch.Generator().manual_seed(4)
+    state = gen.get_state()
+    est = estimate(policy, p_ids, c_ids, c_mask, prompt_mask=p_mask, method="mean_field", p_prompt=0.5,
+                   generator=gen)
+    # Redo it by hand: the same prompt mask draw, the whole completion masked, one forward.
+    gen.set_state(state)
+    drop = (torch.rand(p_ids.shape, generator=gen) < 0.5) & p_mask.bool() & (p_ids != policy.tokenizer.bos_token_id)
+    x = torch.cat([p_ids.masked_fill(drop, policy.mask_token_id), torch.full_like(c_ids, policy.mask_token_id)], 1)
+    attn = torch.cat([p_mask, torch.ones_like(c_ids)], 1)
+    with torch.no_grad():
+        logp = policy.logits(x, attn)[:, p_ids.size(1):].log_softmax(-1).gather(-1, c_ids[..., None]).squeeze(-1)
+    expected = (logp * c_mask).sum(1)
+    assert torch.allclose(est.sequence.detach(), expected, atol=1e-5)
+    assert torch.allclose(est.token.detach(), logp * c_mask, atol=1e-5)
+    assert est.num_views == 2
+    assert drop.any()  # the check above exercised prompt masking
+
+
+def test_antithetic_pairs_cover_every_scored_position_exactly_once(setup):
+    *_, c_mask = setup
+    plan = plan_views("mc", c_mask, num_samples=6, masking="bernoulli", antithetic=True,
+                      generator=torch.Generator().manual_seed(2))
+    D = plan.num_views // 2
+    first, second = plan.masked[:D], plan.masked[D:]
+    assert torch.equal(plan.seq_index[:D], plan.seq_index[D:])
+    assert not (first & second).any()
+    assert torch.equal(first | second, c_mask.bool()[plan.seq_index[:D]])
+
+
+def test_same_generator_state_gives_the_same_masks_and_values(setup):
+    policy, p_ids, p_mask, c_ids, c_mask = setup
+    other = make_tiny_policy(seed=32)
+    for method, opts in [("mc", {}), ("sdmc", {"num_nodes": 3}), ("mean_field", {})]:
+        k = 1 if method == "mean_field" else 3
+        a = plan_views(method, c_mask, num_samples=k, generator=torch.Generator().manual_seed(9), prompt_ids=p_ids, **opts)
+        b = plan_views(method, c_mask, num_samples=k, generator=torch.Generator().manual_seed(9), prompt_ids=p_ids, **opts)
+        assert torch.equal(a.masked, b.masked) and torch.equal(a.weight, b.weight)
+        # Scoring one plan under two models: the difference is the models', not the masks'.
+        with torch.no_grad():
+            ea = estimate(policy, p_ids, c_ids, c_mask, prompt_mask=p_mask, method=method, num_samples=k,
+                          generator=torch.Generator().manual_seed(9), **opts)
+            eb = score_views(policy, b, p_ids, c_ids, c_mask, prompt_mask=p_mask)
+            eo = score_views(other, b, p_ids, c_ids, c_mask, prompt_mask=p_mask)
+        assert torch.equal(ea.sequence, eb.sequence)
+        assert not torch.allclose(eo.sequence, eb.sequence)
+    state_before = torch.random.get_rng_state()
+    plan_views("mc", c_mask, num_samples=4, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(torch.random.get_rng_state(), state_before)  # the global RNG is untouched
+
+
+def test_micro_batches_and_backward_match_one_batch(setup):
+    policy, p_ids, p_mask, c_ids, c_mask = setup
+    plan = plan_views("sdmc", c_mask, num_samples=3, num_nodes=2, generator=torch.Generator().manual_seed(5))
+    whole = score_views(policy, plan, p_ids, c_ids, c_mask, prompt_mask=p_mask, reduction="mean")
+    chunked = score_views(policy, plan, p_ids, c_ids, c_mask, prompt_mask=p_mask, reduction="mean",
+                          max_views_per_forward=2)
+    assert torch.allclose(whole.sequence, chunked.sequence, atol=1e-6)
+    assert torch.allclose(whole.sequence, whole.token.sum(1) / c_mask.sum(1), atol=1e-6)
+    # Gradients: backward per micro-batch equals backward of the full graph.
+    g = torch.tensor([0.7, -1.3])
+    params = list(policy.model.parameters())
+    policy.model.zero_grad()
+    (g * whole.sequence).sum().backward()
+    ref = [p.grad.clone() for p in params]
+    assert any(r.abs().sum() > 0 for r in ref)  # gradients reach the model
+    policy.model.zero_grad()
+    backward_views(policy, plan, p_ids, c_ids, c_mask, g, prompt_mask=p_mask, reduction="mean",
+                   max_views_per_forward=2)
+    for r, p in zip(ref, params):
+        assert torch.allclose(r, p.grad, atol=1e-6)
+    policy.model.zero_grad()
+
+
+def test_no_grad_gives_a_detached_estimate(setup):
+    policy, p_ids, p_mask, c_ids, c_mask = setup
+    with torch.no_grad():
+        est = estimate(policy, p_ids, c_ids, c_mask, prompt_mask=p_mask, method="mc", num_samples=2,
+                       generator=torch.Generator().manual_seed(0))
+    assert not est.sequence.requires_grad and torch.isfinite(est.sequence).all()
+
+
+def test_loud_errors(setup):
+    policy, p_ids, p_mask, c_ids, c_mask = setup
+    gen = torch.Generator().manual_seed(0)
+    empty = c_mask.clone()
+    empty[1] = False
+    with pytest.raises(ValueError, match="empty completions"):
+        estimate(policy, p_ids, c_ids, empty, method="mc", generator=gen)
+    with pytest.raises(ValueError, match="does not match"):
+        estimate(policy, p_ids, c_ids, c_mask[:, :5], method="mc", generator=gen)
+    with pytest.raises(ValueError, match="PAD or MASK"):
+        estimate(policy, p_ids, c_ids, torch.ones_like(c_mask), method="mc", generator=gen)
+    with pytest.raises(ValueError, match="generator"):
+        estimate(policy, p_ids, c_ids, c_mask, method="sdmc")
+    with pytest.raises(ValueError, match="bernoulli"):
+        estimate(policy, p_ids, c_ids, c_mask, method="mc", antithetic=True, num_samples=2, generator=gen)
+    with pytest.raises(ValueError, match="even"):
+        estimate(policy, p_ids, c_ids, c_mask, method="mc", antithetic=True, masking="bernoulli", num_samples=3,
+                 generator=gen)
+    with pytest.raises(ValueError, match="unknown method"):
+        estimate(policy, p_ids, c_ids, c_mask, method="exact", generator=gen)
+
+    class NoMask:
+        mask_token_id = None
+        pad_token_id = 0
+
+    with pytest.raises(ValueError, match="mask_token_id"):
+        estimate(NoMask(), p_ids, c_ids, c_mask, method="mc", generator=gen)
