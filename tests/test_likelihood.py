@@ -69,6 +69,14 @@ def _repeat(setup, R):
     return policy, p_ids.repeat(R, 1), p_mask.repeat(R, 1), c_ids.repeat(R, 1), c_mask.repeat(R, 1)
 
 
+def test_exact_method_equals_the_independent_enumeration(setup):
+    policy, p_ids, p_mask, c_ids, c_mask = setup
+    with torch.no_grad():
+        est = estimate(policy, p_ids, c_ids, c_mask, prompt_mask=p_mask, method="exact", max_views_per_forward=50)
+    assert est.num_views == (2**4 - 1) + (2**7 - 1)
+    assert torch.allclose(est.sequence.double(), exact_elbo(*setup), atol=1e-5, rtol=0)
+
+
 def test_gauss_legendre_nodes_match_the_spec():
     t, w = gauss_legendre(2)
     assert t.tolist() == pytest.approx([0.5 - 0.5 / math.sqrt(3), 0.5 + 0.5 / math.sqrt(3)])  # 0.2113, 0.7887
@@ -227,7 +235,7 @@ def test_loud_errors(setup):
         estimate(policy, p_ids, c_ids, c_mask, method="mc", antithetic=True, masking="bernoulli", num_samples=3,
                  generator=gen)
     with pytest.raises(ValueError, match="unknown method"):
-        estimate(policy, p_ids, c_ids, c_mask, method="exact", generator=gen)
+        estimate(policy, p_ids, c_ids, c_mask, method="exhaustive", generator=gen)
 
     class NoMask:
         mask_token_id = None

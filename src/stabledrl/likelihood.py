@@ -32,6 +32,9 @@ Methods (n = the number of scored slots of a sequence, K = `num_samples`):
   k_j = max(1, round(t_j n)) slots, weight n/k_j; ℓ = Σ_j w_j mean_K(·). Deviation: when
   K ≥ C(n, k_j) the node enumerates its C(n, k_j) subsets once each (its exact value,
   with fewer forward passes) instead of sampling K with repeats.
+- ``exact``: the ELBO itself, by enumerating all 2^n − 1 non-empty masks (subset S
+  weighted (|S|−1)!(n−|S|)!/n!, the exact-count form's probability times n/|S|).
+  Deterministic; for n ≤ 16 only — a reference for tests and benchmarks.
 - ``mean_field``: diffu-GRPO's one-step estimate (d1, Zhao et al. 2025): every
   completion slot masked, each real prompt token (not BOS) masked i.i.d. with
   probability ``p_prompt``; one view per sequence; ℓ = Σ_i log p(y_i | q̃, all masked).
@@ -64,8 +67,9 @@ __all__ = [
     "METHODS",
 ]
 
-Method = Literal["mc", "sdmc", "mean_field"]
-METHODS: tuple[str, ...] = ("mc", "sdmc", "mean_field")
+Method = Literal["mc", "sdmc", "mean_field", "exact"]
+METHODS: tuple[str, ...] = ("mc", "sdmc", "mean_field", "exact")
+MAX_EXACT_SLOTS = 16
 
 
 @dataclass
@@ -223,6 +227,26 @@ def _plan_sdmc(scored, K, num_nodes, generator) -> ViewPlan:
     return ViewPlan(torch.cat(seqs), torch.cat(masks), torch.cat(weights), None, B)
 
 
+def _plan_exact(scored) -> ViewPlan:
+    B, L = scored.shape
+    seqs, masks, weights = [], [], []
+    for b in range(B):
+        slots = scored[b].nonzero().flatten().tolist()
+        n = len(slots)
+        if n > MAX_EXACT_SLOTS:
+            raise ValueError(f"method 'exact' enumerates 2^n masks; row {b} has n={n} > {MAX_EXACT_SLOTS} slots")
+        for k in range(1, n + 1):
+            combos = list(itertools.combinations(slots, k))
+            m = torch.zeros((len(combos), L), dtype=torch.bool)
+            for r, combo in enumerate(combos):
+                m[r, list(combo)] = True
+            seqs.append(torch.full((len(combos),), b))
+            masks.append(m)
+            weights.append(torch.full((len(combos),), math.factorial(k - 1) * math.factorial(n - k) / math.factorial(n),
+                                      dtype=torch.float64))
+    return ViewPlan(torch.cat(seqs), torch.cat(masks), torch.cat(weights), None, B)
+
+
 def _plan_mean_field(scored, prompt_mask, prompt_ids, bos_token_id, p_prompt, generator) -> ViewPlan:
     B, L = scored.shape
     maskable = prompt_mask.bool()
@@ -261,6 +285,8 @@ def plan_views(
         return _plan_mc(scored, num_samples, masking, stratified, antithetic, _need_generator(generator, method))
     if method == "sdmc":
         return _plan_sdmc(scored, num_samples, num_nodes, _need_generator(generator, method))
+    if method == "exact":
+        return _plan_exact(scored)
     if method == "mean_field":
         if prompt_ids is None:
             raise ValueError("mean_field needs prompt_ids (it masks prompt tokens)")
