@@ -208,6 +208,24 @@ def test_micro_batches_and_backward_match_one_batch(setup):
     policy.model.zero_grad()
 
 
+def test_a_tokenizer_that_pads_with_eos_is_accepted(setup):
+    policy, p_ids, p_mask, c_ids, c_mask = setup
+
+    class PadIsEos:
+        def __init__(self, inner):
+            self.inner = inner
+            self.mask_token_id, self.tokenizer = inner.mask_token_id, inner.tokenizer
+            self.pad_token_id = self.eos_token_id = inner.eos_token_id
+
+        def logits(self, *args):
+            return self.inner.logits(*args)
+
+    ids = c_ids.masked_fill(c_ids == policy.pad_token_id, policy.eos_token_id)  # pad with EOS
+    with torch.no_grad():
+        a = estimate(PadIsEos(policy), p_ids, ids, c_mask, prompt_mask=p_mask, method="mean_field", p_prompt=0.0)
+    assert torch.isfinite(a.sequence).all()
+
+
 def test_no_grad_gives_a_detached_estimate(setup):
     policy, p_ids, p_mask, c_ids, c_mask = setup
     with torch.no_grad():
@@ -236,6 +254,16 @@ def test_loud_errors(setup):
                  generator=gen)
     with pytest.raises(ValueError, match="unknown method"):
         estimate(policy, p_ids, c_ids, c_mask, method="exhaustive", generator=gen)
+
+    plan = plan_views("mc", c_mask, num_samples=2, generator=gen)
+    with pytest.raises(ValueError, match="grad_sequence"):
+        backward_views(policy, plan, p_ids, c_ids, c_mask, torch.ones(2, 1))
+    with pytest.raises(ValueError, match="reduction"):
+        backward_views(policy, plan, p_ids, c_ids, c_mask, torch.ones(2), reduction="avg")
+    with pytest.raises(ValueError, match="plan is for 2"):
+        score_views(policy, plan, p_ids[:1], c_ids[:1], c_mask[:1])
+    with pytest.raises(ValueError, match="takes the options"):
+        estimate(policy, p_ids, c_ids, c_mask, method="sdmc", masking="bernoulli", generator=gen)
 
     class NoMask:
         mask_token_id = None

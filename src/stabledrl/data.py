@@ -15,7 +15,7 @@ from typing import Sequence
 import torch
 from transformers import PreTrainedTokenizerBase
 
-__all__ = ["encode_prompts", "encode_completions", "completion_mask", "decode_completions"]
+__all__ = ["encode_prompts", "encode_completions", "completion_mask", "decode_completions", "position_ids"]
 
 
 def encode_prompts(tokenizer: PreTrainedTokenizerBase, prompts: Sequence[str]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -41,6 +41,11 @@ def encode_completions(tokenizer: PreTrainedTokenizerBase, answers: Sequence[str
             raise ValueError(f"answer {a!r} needs {len(r)} slots with EOS; completion length is {length}")
         ids[i, : len(r)] = torch.tensor(r)
     return ids
+
+
+def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
+    """(B, T) positions counted over real tokens, so left padding shifts nothing."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
 def completion_mask(completion_ids: torch.Tensor, eos_token_id: int) -> torch.Tensor:

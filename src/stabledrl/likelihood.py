@@ -16,6 +16,11 @@ written into a per-token (B, L) tensor (slot i collects the terms where it was m
 and summed over the scored slots into a per-sequence (B,) estimate (`reduction="sum"`,
 a log-likelihood) or divided by the scored length (`"mean"`).
 
+Only scored slots (up to and including the first EOS) are ever masked or counted; the
+PAD after EOS stays visible. So ℓ estimates log p(y, its length | q) as the rollout
+wrote it, and the easy PAD slots do not inflate it (SPEC §9's trap). θ, θ_old and the
+reference all see the same convention, so ratios are consistent.
+
 Methods (n = the number of scored slots of a sequence, K = `num_samples`):
 
 - ``mc``: double Monte Carlo estimate of the masked-diffusion ELBO
@@ -29,7 +34,7 @@ Methods (n = the number of scored slots of a sequence, K = `num_samples`):
   Unbiased for the ELBO in every variant.
 - ``sdmc``: GDPO's semi-deterministic Monte Carlo (Rojas et al. 2025): t at the N
   Gauss–Legendre nodes t_j of (0,1) with weights w_j; at each node K masks of exactly
-  k_j = max(1, round(t_j n)) slots, weight n/k_j; ℓ = Σ_j w_j mean_K(·). Deviation: when
+  k_j = max(1, ⌊t_j n + ½⌋) slots, weight n/k_j; ℓ = Σ_j w_j mean_K(·). Deviation: when
   K ≥ C(n, k_j) the node enumerates its C(n, k_j) subsets once each (its exact value,
   with fewer forward passes) instead of sampling K with repeats.
 - ``exact``: the ELBO itself, by enumerating all 2^n − 1 non-empty masks (subset S
@@ -54,6 +59,7 @@ from typing import Literal
 import numpy as np
 import torch
 
+from stabledrl.data import position_ids
 from stabledrl.models.policy import Policy
 
 __all__ = [
@@ -137,8 +143,10 @@ def _check_inputs(
     if not scored.any(dim=1).all():
         empty = (~scored.any(dim=1)).nonzero().flatten().tolist()
         raise ValueError(f"empty completions (no scored slot) at rows {empty[:10]}: drop them before estimating")
-    bad = scored & ((completion_ids == policy.mask_token_id) | (completion_ids == policy.pad_token_id))
-    if bad.any():
+    bad = completion_ids == policy.mask_token_id
+    if policy.pad_token_id != getattr(policy, "eos_token_id", None):  # some tokenizers pad with EOS
+        bad = bad | (completion_ids == policy.pad_token_id)
+    if (scored & bad).any():
         raise ValueError("completion_mask scores PAD or MASK tokens: it does not match completion_ids "
                          "(use stabledrl.data.completion_mask(ids, eos_token_id))")
     return scored
@@ -211,7 +219,7 @@ def _plan_sdmc(scored, K, num_nodes, generator) -> ViewPlan:
         slots = scored[b].nonzero().flatten()  # (n,)
         n = int(slots.numel())
         for t_j, w_j in zip(nodes, node_w):
-            k = min(n, max(1, round(t_j * n)))
+            k = min(n, max(1, math.floor(t_j * n + 0.5)))  # round half up, whatever n's parity
             subsets = math.comb(n, k)
             if K >= subsets:  # enumerate the node exactly
                 m = torch.zeros((subsets, L), dtype=torch.bool)
@@ -261,6 +269,14 @@ def _plan_mean_field(scored, prompt_mask, prompt_ids, bos_token_id, p_prompt, ge
                     mask_whole_completion=True)
 
 
+_OPTIONS = {
+    "mc": {"masking": "count", "stratified": False, "antithetic": False},
+    "sdmc": {"num_nodes": 2},
+    "mean_field": {"p_prompt": 0.15},
+    "exact": {},
+}
+
+
 def plan_views(
     method: Method,
     completion_mask: torch.Tensor,
@@ -270,34 +286,41 @@ def plan_views(
     prompt_ids: torch.Tensor | None = None,
     prompt_mask: torch.Tensor | None = None,
     bos_token_id: int | None = None,
-    masking: Literal["count", "bernoulli"] = "count",
-    stratified: bool = False,
-    antithetic: bool = False,
-    num_nodes: int = 2,
-    p_prompt: float = 0.15,
+    **options,
 ) -> ViewPlan:
     """Draw the noised views of `method` for completions with scored slots
-    `completion_mask` (B, L). The same generator state gives the same plan."""
+    `completion_mask` (B, L). The same generator state gives the same plan.
+
+    Options by method (an option another method takes is an error, not ignored):
+    mc: masking ("count" | "bernoulli"), stratified, antithetic; sdmc: num_nodes;
+    mean_field: p_prompt."""
+    if method not in _OPTIONS:
+        raise ValueError(f"unknown method {method!r}; choose one of {METHODS}")
+    unknown = set(options) - set(_OPTIONS[method])
+    if unknown:
+        raise ValueError(f"method {method!r} takes the options {sorted(_OPTIONS[method])}, not {sorted(unknown)}")
+    opts = {**_OPTIONS[method], **options}
     scored = completion_mask.bool().cpu()
     if num_samples < 1:
         raise ValueError(f"num_samples must be >= 1, got {num_samples}")
     if method == "mc":
-        return _plan_mc(scored, num_samples, masking, stratified, antithetic, _need_generator(generator, method))
+        return _plan_mc(scored, num_samples, opts["masking"], opts["stratified"], opts["antithetic"],
+                        _need_generator(generator, method))
     if method == "sdmc":
-        return _plan_sdmc(scored, num_samples, num_nodes, _need_generator(generator, method))
+        return _plan_sdmc(scored, num_samples, opts["num_nodes"], _need_generator(generator, method))
     if method == "exact":
         return _plan_exact(scored)
-    if method == "mean_field":
-        if prompt_ids is None:
-            raise ValueError("mean_field needs prompt_ids (it masks prompt tokens)")
-        if not 0 <= p_prompt < 1:
-            raise ValueError(f"p_prompt must be in [0, 1), got {p_prompt}")
-        if num_samples != 1:
-            raise ValueError("mean_field is a one-view estimate: num_samples must be 1")
-        pm = torch.ones_like(prompt_ids) if prompt_mask is None else prompt_mask
-        gen = _need_generator(generator, method) if p_prompt > 0 else generator
-        return _plan_mean_field(scored, pm.cpu(), prompt_ids.cpu(), bos_token_id, p_prompt, gen)
-    raise ValueError(f"unknown method {method!r}; choose one of {METHODS}")
+    # mean_field
+    p_prompt = opts["p_prompt"]
+    if prompt_ids is None:
+        raise ValueError("mean_field needs prompt_ids (it masks prompt tokens)")
+    if not 0 <= p_prompt < 1:
+        raise ValueError(f"p_prompt must be in [0, 1), got {p_prompt}")
+    if num_samples != 1:
+        raise ValueError("mean_field is a one-view estimate: num_samples must be 1")
+    pm = torch.ones_like(prompt_ids) if prompt_mask is None else prompt_mask
+    gen = _need_generator(generator, method) if p_prompt > 0 else generator
+    return _plan_mean_field(scored, pm.cpu(), prompt_ids.cpu(), bos_token_id, p_prompt, gen)
 
 
 # --- scoring --------------------------------------------------------------------------
@@ -318,11 +341,21 @@ def _view_terms(
         prm = prm.masked_fill(plan.prompt_masked[idx].to(device), policy.mask_token_id)
     x = torch.cat([prm, comp], dim=1)  # (n, P+L)
     attn = torch.cat([prompt_mask[b], torch.ones_like(comp)], dim=1)
-    logits = policy.logits(x, attn)[:, prm.size(1):].float()  # (n, L, V)
+    logits = policy.logits(x, attn, position_ids(attn))[:, prm.size(1):].float()  # (n, L, V)
     logp = torch.log_softmax(logits, dim=-1).gather(-1, completion_ids[b][..., None]).squeeze(-1)  # (n, L)
     w = plan.weight[idx].to(device=device, dtype=logp.dtype)  # (n,)
     terms = torch.where(counted & completion_mask[b], logp, torch.zeros_like(logp)) * w[:, None]
     return terms, b
+
+
+def _check_scoring(policy, plan, prompt_ids, completion_ids, completion_mask, prompt_mask, reduction):
+    if reduction not in ("sum", "mean"):
+        raise ValueError(f"reduction must be 'sum' or 'mean', got {reduction!r}")
+    if plan.batch_size != completion_ids.size(0):
+        raise ValueError(f"the plan is for {plan.batch_size} sequences, got {completion_ids.size(0)}")
+    scored = _check_inputs(policy, prompt_ids, completion_ids, completion_mask, prompt_mask)
+    pm = torch.ones_like(prompt_ids) if prompt_mask is None else prompt_mask
+    return scored, pm
 
 
 def _chunks(num_views: int, max_views: int | None):
@@ -352,12 +385,7 @@ def score_views(
     """Score a plan under `policy`. Differentiable unless called under `torch.no_grad()`;
     with gradients, every micro-batch's graph is kept until backward (use
     `backward_views` to bound memory in training)."""
-    if reduction not in ("sum", "mean"):
-        raise ValueError(f"reduction must be 'sum' or 'mean', got {reduction!r}")
-    if plan.batch_size != completion_ids.size(0):
-        raise ValueError(f"the plan is for {plan.batch_size} sequences, got {completion_ids.size(0)}")
-    scored = _check_inputs(policy, prompt_ids, completion_ids, completion_mask, prompt_mask)
-    pm = torch.ones_like(prompt_ids) if prompt_mask is None else prompt_mask
+    scored, pm = _check_scoring(policy, plan, prompt_ids, completion_ids, completion_mask, prompt_mask, reduction)
     B, L = completion_ids.shape
     token = torch.zeros((B, L), device=completion_ids.device)
     for idx in _chunks(plan.num_views, max_views_per_forward):
@@ -384,8 +412,9 @@ def backward_views(
     ℓ is linear in the view terms, so this equals `(grad_sequence * ℓ).sum().backward()`
     on `score_views(...)` of the same plan. `grad_sequence` (B,) is ∂loss/∂ℓ, computed
     from a no-grad estimate (ℓ's value does not depend on the chunking)."""
-    scored = _check_inputs(policy, prompt_ids, completion_ids, completion_mask, prompt_mask)
-    pm = torch.ones_like(prompt_ids) if prompt_mask is None else prompt_mask
+    scored, pm = _check_scoring(policy, plan, prompt_ids, completion_ids, completion_mask, prompt_mask, reduction)
+    if grad_sequence.shape != (completion_ids.size(0),):
+        raise ValueError(f"grad_sequence must have shape ({completion_ids.size(0)},), got {tuple(grad_sequence.shape)}")
     g = grad_sequence.detach().to(completion_ids.device, torch.float32)  # (B,)
     if reduction == "mean":
         g = g / scored.sum(-1)
@@ -419,6 +448,8 @@ def estimate(
         method, completion_mask, num_samples=num_samples, generator=generator, prompt_ids=prompt_ids,
         prompt_mask=prompt_mask, bos_token_id=getattr(policy.tokenizer, "bos_token_id", None), **options,
     )
+    if method == "exact" and max_views_per_forward is None:
+        max_views_per_forward = 4096  # up to 2^16 views per sequence: never all at once
     return score_views(
         policy, plan, prompt_ids, completion_ids, completion_mask, prompt_mask=prompt_mask,
         reduction=reduction, max_views_per_forward=max_views_per_forward,

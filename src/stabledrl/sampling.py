@@ -31,6 +31,7 @@ import torch
 
 from stabledrl.config import check
 from stabledrl.data import completion_mask as _completion_mask
+from stabledrl.data import position_ids
 from stabledrl.models.policy import Policy
 
 __all__ = ["SamplingConfig", "GenerationOutput", "generate"]
@@ -67,8 +68,9 @@ class GenerationOutput:
     completion_mask: torch.Tensor
     """(B, L) bool, True up to and including the first EOS: the scored positions."""
     unmask_step: torch.Tensor
-    """(B, L) the step (0-based, global over blocks) at which each slot was committed;
-    together with the generator's seed this replays the rollout."""
+    """(B, L) the step (0-based, global over blocks) at which each slot was committed
+    (or turned into PAD by an EOS before it); with the generator's seed and the
+    sampling settings this replays the rollout."""
     forward_passes: int
     """Model calls made (each on the rows that still had masks)."""
 
@@ -76,7 +78,7 @@ class GenerationOutput:
 def _rows_topk(scores: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     """(B, L) scores, (B,) counts -> (B, L) bool selecting each row's k[b] highest scores."""
     order = scores.argsort(dim=-1, descending=True)  # (B, L)
-    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(scores.size(-1)).expand_as(order))
+    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(scores.size(-1), device=scores.device).expand_as(order))
     return rank < k[:, None]
 
 
@@ -124,7 +126,7 @@ def generate(
     banned = sorted({mask_id, pad_id, *policy.tokenizer.all_special_ids} - {eos_id})
     x = torch.cat([prompt_ids, torch.full((B, L), mask_id, dtype=torch.long, device=device)], dim=1)  # (B, P+L)
     attn = torch.cat([prompt_mask, torch.ones((B, L), dtype=prompt_mask.dtype, device=device)], dim=1)
-    pos = (attn.long().cumsum(-1) - 1).clamp(min=0)  # (B, P+L)
+    pos = position_ids(attn)  # (B, P+L)
     comp = x[:, P:]  # (B, L) view: writing it writes x, never the prompt
     unmask_step = torch.full((B, L), -1, dtype=torch.long, device=device)
     slot = torch.arange(L, device=device)

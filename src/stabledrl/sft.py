@@ -36,7 +36,7 @@ from transformers import get_cosine_with_min_lr_schedule_with_warmup
 
 from stabledrl.checkpoint import latest_checkpoint, load_trainer_state, save_checkpoint, write_atomic
 from stabledrl.config import check, to_dict
-from stabledrl.data import encode_completions, encode_prompts
+from stabledrl.data import encode_completions, encode_prompts, position_ids
 from stabledrl.evaluate import evaluate
 from stabledrl.models.policy import Policy, TinyPolicy
 from stabledrl.models.tiny import TinyDiffusionConfig, TinyDiffusionLM
@@ -44,7 +44,7 @@ from stabledrl.sampling import SamplingConfig
 from stabledrl.tasks import get_task
 from stabledrl.tokenizer import build_char_tokenizer
 
-__all__ = ["ModelConfig", "TaskConfig", "SFTConfig", "masked_diffusion_loss", "run_sft"]
+__all__ = ["ModelConfig", "TaskConfig", "SFTConfig", "sample_mask_levels", "masked_diffusion_loss", "run_sft"]
 
 
 @dataclass
@@ -135,6 +135,18 @@ class SFTConfig:
         check(self.eval_n > 0, f"eval_n must be positive, got {self.eval_n}")
 
 
+def sample_mask_levels(
+    n: int, *, generator: torch.Generator, t_min: float = 1e-3, stratified: bool = True, device=None
+) -> torch.Tensor:
+    """(n,) masking levels t in (t_min, 1]: i.i.d. uniform, or stratified (one per
+    stratum of width (1 - t_min)/n, at a common random offset)."""
+    if stratified:
+        u = (torch.rand(1, generator=generator, device=device) + torch.arange(n, device=device) / n) % 1.0
+    else:
+        u = torch.rand(n, generator=generator, device=device)
+    return 1.0 - (1.0 - t_min) * u
+
+
 def masked_diffusion_loss(
     policy: Policy,
     prompt_ids: torch.Tensor,
@@ -148,16 +160,12 @@ def masked_diffusion_loss(
     """The SFT loss of the module docstring; returns (loss, metrics)."""
     B, L = completion_ids.shape
     device = completion_ids.device
-    if stratified_t:
-        u = (torch.rand(1, generator=generator, device=device) + torch.arange(B, device=device) / B) % 1.0
-    else:
-        u = torch.rand(B, generator=generator, device=device)
-    t = 1.0 - (1.0 - t_min) * u  # (B,) in (t_min, 1]
+    t = sample_mask_levels(B, generator=generator, t_min=t_min, stratified=stratified_t, device=device)  # (B,)
     masked = torch.rand((B, L), generator=generator, device=device) < t[:, None]  # (B, L)
     noisy = completion_ids.masked_fill(masked, policy.mask_token_id)  # (B, L)
     x = torch.cat([prompt_ids, noisy], dim=1)  # (B, P+L)
     attn = torch.cat([prompt_mask, torch.ones_like(noisy)], dim=1)
-    logits = policy.logits(x, attn)[:, prompt_ids.size(1) :]  # (B, L, V)
+    logits = policy.logits(x, attn, position_ids(attn))[:, prompt_ids.size(1) :]  # (B, L, V)
     nll = F.cross_entropy(logits.float().transpose(1, 2), completion_ids, reduction="none")  # (B, L)
     loss = (nll * masked / t[:, None]).sum() / (B * L)
     with torch.no_grad():

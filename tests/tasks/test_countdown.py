@@ -47,6 +47,8 @@ Q = Problem("2,3,12=8", "12/3*2", {"numbers": (2, 3, 12), "target": 8})
     ("3٣*5+7", P, 0.0),          # a non-ASCII digit
     ("1e3", P, 0.0),
     ("3.0*5+7", P, 0.0),
+    ("03*5+7", P, 0.0),          # leading zero
+    (None, P, 0.0),              # not a string at all
 ])
 def test_reward_table(text, problem, expected):
     task = get_task("countdown")

@@ -37,7 +37,7 @@ def test_count_solutions():
 
 @pytest.mark.parametrize("text, expected", [
     (SOLUTION, 1.0),
-    (SOLUTION + "999", 1.0),              # characters past the 16th are ignored
+    (SOLUTION + "999", 1.0),              # characters past the 16th are ignored by the reward
     ("1" * 16, 2 / 7),                    # right only where the solution has 1: cells 6 and 15
     ("", 0.0),
     ("garbage", 0.0),
@@ -61,7 +61,9 @@ def test_reward_counts_only_empty_cells():
     given = [i for i, c in enumerate(PUZZLE) if c != "."][0]
     wrong_given = list(SOLUTION)
     wrong_given[given] = "4" if SOLUTION[given] != "4" else "3"
-    assert task.reward(["".join(wrong_given)], [P]) == [1.0]  # a given cell does not count
+    assert task.reward(["".join(wrong_given)], [P]) == [1.0]  # a given cell does not count ...
+    assert not task.is_correct("".join(wrong_given), P)  # ... but accuracy wants the whole grid
+    assert task.is_correct(SOLUTION, P) and task.reward([None], [P]) == [0.0]
 
 
 def test_generated_puzzles_are_unique_reproducible_and_split():

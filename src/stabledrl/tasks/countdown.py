@@ -9,7 +9,8 @@ problem shares its numbers with a training problem.
 
 Reward (SPEC §7): 1.0 for a correct expression; 0.1 for a well-formed expression that is
 wrong (wrong value, numbers missing, reused or unknown, division by zero); 0.0 for
-anything that does not parse (junk, unary minus, ``**``, text longer than 64 chars).
+anything that does not parse (junk, unary minus, ``**``, leading zeros, text longer
+than 64 chars, a non-string).
 Model text is parsed by a small recursive-descent parser, never evaluated by Python.
 """
 
@@ -100,6 +101,8 @@ def parse_expression(text: str) -> tuple[Fraction | None, list[int]]:
             raise _ParseError(f"expected a number at token {pos}, got {tok!r}")
         if len(tok) > MAX_LITERAL_DIGITS:
             raise _ParseError("number literal too long")
+        if len(tok) > 1 and tok[0] == "0":
+            raise _ParseError(f"leading zero in {tok!r}")
         pos += 1
         literals.append(int(tok))
         return Fraction(int(tok))
@@ -217,6 +220,8 @@ class Countdown:
         return problems
 
     def score(self, completion: str, problem: Problem) -> float:
+        if not isinstance(completion, str):
+            return 0.0
         try:
             value, literals = parse_expression(completion)
         except (ValueError, RecursionError):

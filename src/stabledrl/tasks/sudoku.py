@@ -9,7 +9,8 @@ text (a stable hash), so no test puzzle appears in training.
 
 Reward (SPEC §7): the fraction of the originally empty cells whose digit in the
 completion equals the solution's; characters beyond the 16th are ignored, a missing or
-non-digit character counts as wrong. Never raises.
+non-digit character counts as wrong. Never raises. `is_correct` (accuracy) asks more:
+the completion is exactly the solved grid.
 """
 
 from __future__ import annotations
@@ -72,9 +73,10 @@ class Sudoku:
     completion_length: int = 17  # 16 digits + EOS
 
     def __post_init__(self) -> None:
-        if not 1 <= self.min_empty <= self.max_empty <= 16:
+        # A 4x4 puzzle with a unique solution keeps at least 4 givens.
+        if not 1 <= self.min_empty <= self.max_empty <= 12:
             raise ValueError(
-                f"need 1 <= min_empty <= max_empty <= 16, got {self.min_empty}, {self.max_empty}"
+                f"need 1 <= min_empty <= max_empty <= 12, got {self.min_empty}, {self.max_empty}"
             )
 
     def _make(self, rng: random.Random) -> tuple[str, str] | None:
@@ -124,6 +126,8 @@ class Sudoku:
         empty = [i for i, c in enumerate(puzzle) if c == "."]
         if not empty:
             return 1.0
+        if not isinstance(completion, str):
+            return 0.0
         text = completion.strip()
         right = sum(1 for i in empty if i < len(text) and text[i] == solution[i])
         return right / len(empty)
@@ -134,7 +138,8 @@ class Sudoku:
         return [self.score(c, p) for c, p in zip(completions, problems)]
 
     def is_correct(self, completion: str, problem: Problem) -> bool:
-        return self.score(completion, problem) == 1.0
+        """The whole grid, givens included, exactly (the reward counts empty cells only)."""
+        return isinstance(completion, str) and completion.strip() == problem.meta["solution"]
 
 
 @register_task("sudoku")
