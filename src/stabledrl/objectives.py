@@ -1,0 +1,202 @@
+"""RL objectives for diffusion LMs (SPEC §4): GRPO and StableDRL, as pure tensor functions.
+
+Every objective takes likelihood estimates (`stabledrl.likelihood`), not a model, and
+returns a `LossOutput(loss, metrics)`. Batches are laid out group by group: rows
+[g·G, (g+1)·G) are the G completions of prompt g.
+
+- `group_advantages`: A_i = r_i − mean_group(r) (StableDRL / d1 code), or divided by
+  (std_group + 1e-4) (original GRPO, Shao et al. 2024).
+- `grpo_loss`: −(1/G) Σ_i min(ρ_i A_i, clip(ρ_i, 1−ε, 1+ε) A_i) [+ β KL_k3], averaged over
+  groups (Shao et al. 2024, Eq. 3). *Conditional* clipping: when A_i < 0 and ρ_i ≫ 1+ε the
+  min picks the unclipped ρ_i A_i — the bypass through which estimation noise becomes a
+  gradient spike (StableDRL, Zhong et al. 2026, §3).
+- `stabledrl_loss`: ρ̃_i = clip_u(ρ_i) *unconditionally* (upper: min(ρ, c); two_sided:
+  clip(ρ, 1−ε, 1+ε)), self-normalized weights w_i = ρ̃_i / Σ_{j∈group} ρ̃_j computed as a
+  softmax of the clipped log-ratios and detached, loss = −Σ_i w_i A_i ℓ_θ(y_i), averaged
+  over groups. Its gradient Σ_i w_i A_i ∇ℓ_i lies in the convex hull of the per-sample
+  A_i ∇ℓ_i (Zhong et al. 2026, §4).
+
+Ratios: ``sequence`` ρ = exp(ℓ_θ − ℓ_old); ``sequence_normalized`` exp((ℓ_θ − ℓ_old)/|y|)
+(GSPO / GDPO); ``token`` per-token ratios (diffu-GRPO, with mean_field's per-token terms),
+averaged over each completion's scored tokens. Deviation, deliberate: log-ratios are
+clamped to ±80 before exp() so a float32 ratio never overflows to inf; ρ = e^80 is
+already a spike the diagnostics report.
+
+Shapes: B = num_groups · G rows, L completion slots.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+__all__ = [
+    "LossOutput",
+    "group_advantages",
+    "log_ratios",
+    "grpo_loss",
+    "stabledrl_loss",
+    "kl_k3",
+    "OBJECTIVES",
+]
+
+RatioLevel = Literal["sequence", "sequence_normalized", "token"]
+MAX_LOG_RATIO = 80.0
+
+
+@dataclass
+class LossOutput:
+    loss: torch.Tensor
+    """Scalar to minimise."""
+    metrics: dict[str, float] = field(default_factory=dict)
+    """Diagnostics of this step (ratio spread, bypass fraction, ESS, ...)."""
+
+
+def _groups(x: torch.Tensor, group_size: int) -> torch.Tensor:
+    if group_size < 1 or x.size(0) % group_size:
+        raise ValueError(f"batch of {x.size(0)} rows is not a whole number of groups of {group_size}")
+    return x.view(x.size(0) // group_size, group_size, *x.shape[1:])  # (num_groups, G, ...)
+
+
+def group_advantages(rewards: torch.Tensor, group_size: int, scale: Literal["none", "std"] = "none") -> torch.Tensor:
+    """(B,) rewards -> (B,) advantages relative to the group mean."""
+    r = _groups(rewards.float(), group_size)  # (num_groups, G)
+    adv = r - r.mean(dim=1, keepdim=True)
+    if scale == "std":
+        adv = adv / (r.std(dim=1, keepdim=True, unbiased=True).nan_to_num(0.0) + 1e-4)
+    elif scale != "none":
+        raise ValueError(f"scale must be 'none' or 'std', got {scale!r}")
+    return adv.flatten()
+
+
+def log_ratios(
+    logp: torch.Tensor, old_logp: torch.Tensor, level: RatioLevel, completion_mask: torch.Tensor | None = None
+) -> torch.Tensor:
+    """log ρ: (B,) for sequence levels (from (B,) estimates), (B, L) for ``token``
+    (from (B, L) per-token terms), clamped to ±80."""
+    if logp.shape != old_logp.shape:
+        raise ValueError(f"logp {tuple(logp.shape)} and old_logp {tuple(old_logp.shape)} differ in shape")
+    diff = logp - old_logp.detach()
+    if level == "sequence":
+        if diff.dim() != 1:
+            raise ValueError("sequence ratios need (B,) sequence estimates")
+    elif level == "sequence_normalized":
+        if diff.dim() != 1 or completion_mask is None:
+            raise ValueError("sequence_normalized ratios need (B,) estimates and the completion_mask")
+        diff = diff / completion_mask.sum(-1).clamp(min=1)
+    elif level == "token":
+        if diff.dim() != 2 or completion_mask is None:
+            raise ValueError("token ratios need (B, L) per-token terms and the completion_mask")
+    else:
+        raise ValueError(f"ratio level must be sequence, sequence_normalized or token, got {level!r}")
+    return diff.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+
+
+def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    """Schulman's k3 estimator of KL(π_θ ‖ π_ref): e^{ref−θ} − (ref−θ) − 1 ≥ 0, elementwise."""
+    d = (ref_logp.detach() - logp).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+    return torch.exp(d) - d - 1
+
+
+def _token_mean(x: torch.Tensor, completion_mask: torch.Tensor) -> torch.Tensor:
+    m = completion_mask.to(x.dtype)
+    return (x * m).sum(-1) / m.sum(-1).clamp(min=1)  # (B,)
+
+
+@torch.no_grad()
+def _ratio_metrics(log_rho: torch.Tensor, adv: torch.Tensor, eps: float, completion_mask: torch.Tensor | None):
+    rho = log_rho.exp()
+    if rho.dim() == 2:  # token level: statistics over scored tokens, advantage broadcast
+        m = completion_mask.bool()
+        a = adv[:, None].expand_as(rho)[m]
+        rho = rho[m]
+    else:
+        a = adv
+    outside = (rho < 1 - eps) | (rho > 1 + eps)
+    return {
+        "ratio_mean": float(rho.mean()),
+        "ratio_std": float(rho.std()) if rho.numel() > 1 else 0.0,
+        "ratio_max": float(rho.max()),
+        "log_ratio_std": float(rho.log().std()) if rho.numel() > 1 else 0.0,
+        "clip_fraction": float(outside.float().mean()),
+        "bypass_fraction": float(((a < 0) & (rho > 1 + eps)).float().mean()),
+    }
+
+
+def grpo_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    *,
+    group_size: int,
+    clip_eps: float = 0.2,
+    ratio_level: RatioLevel = "sequence",
+    completion_mask: torch.Tensor | None = None,
+    ref_logp: torch.Tensor | None = None,
+    beta: float = 0.0,
+) -> LossOutput:
+    """GRPO with conditional clipping and fixed 1/G normalisation (module docstring)."""
+    _groups(advantages, group_size)  # shape check
+    log_rho = log_ratios(logp, old_logp, ratio_level, completion_mask)  # (B,) or (B, L)
+    rho = log_rho.exp()
+    adv = advantages.detach() if log_rho.dim() == 1 else advantages.detach()[:, None]
+    pg_loss1 = rho * adv
+    pg_loss2 = rho.clamp(1 - clip_eps, 1 + clip_eps) * adv
+    per = torch.minimum(pg_loss1, pg_loss2)  # (B,) or (B, L)
+    if per.dim() == 2:
+        per = _token_mean(per, completion_mask)  # (B,)
+    # −(1/G) Σ_i within a group, then the mean over groups: a plain mean over rows.
+    loss = -per.mean()
+    metrics = _ratio_metrics(log_rho.detach(), advantages, clip_eps, completion_mask)
+    if beta:
+        if ref_logp is None:
+            raise ValueError("beta > 0 needs ref_logp")
+        kl = kl_k3(logp, ref_logp)
+        kl = _token_mean(kl, completion_mask) if kl.dim() == 2 else kl
+        loss = loss + beta * kl.mean()
+        metrics["kl_ref"] = float(kl.mean())
+    return LossOutput(loss, metrics)
+
+
+def stabledrl_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    *,
+    group_size: int,
+    clip: Literal["upper", "two_sided"] = "upper",
+    clip_max: float = 5.0,
+    clip_eps: float = 0.2,
+    weight_logp: torch.Tensor | None = None,
+    weight_old_logp: torch.Tensor | None = None,
+    ratio_level: Literal["sequence", "sequence_normalized"] = "sequence",
+    completion_mask: torch.Tensor | None = None,
+) -> LossOutput:
+    """StableDRL: unconditional clipping + group self-normalisation (module docstring).
+
+    `weight_logp` / `weight_old_logp`: optional estimates from a *separate* mask draw, used
+    only for the weights, so that w_i and ∇ℓ_i do not share the same mask noise
+    (SPEC §9's open question); by default the weights use `logp` itself."""
+    if clip not in ("upper", "two_sided"):
+        raise ValueError(f"clip must be 'upper' or 'two_sided', got {clip!r}")
+    if (weight_logp is None) != (weight_old_logp is None):
+        raise ValueError("pass both weight_logp and weight_old_logp, or neither")
+    _groups(advantages, group_size)
+    wl = logp if weight_logp is None else weight_logp
+    wo = old_logp if weight_old_logp is None else weight_old_logp
+    log_rho = log_ratios(wl.detach(), wo.detach(), ratio_level, completion_mask)  # (B,)
+    if clip == "upper":
+        clipped = log_rho.clamp(max=torch.log(torch.tensor(clip_max)).item())
+    else:
+        clipped = log_rho.clamp(torch.log1p(torch.tensor(-clip_eps)).item(), torch.log1p(torch.tensor(clip_eps)).item())
+    w = torch.softmax(_groups(clipped, group_size), dim=1)  # (num_groups, G), rows sum to 1
+    per_group = (w * _groups(advantages.detach(), group_size) * _groups(logp, group_size)).sum(1)  # (num_groups,)
+    loss = -per_group.mean()
+    metrics = _ratio_metrics(log_rho, advantages, clip_eps, completion_mask)
+    metrics["ess"] = float((1.0 / (w**2).sum(1)).mean())  # effective sample size, in [1, G]
+    return LossOutput(loss, metrics)
+
+
+OBJECTIVES = {"grpo": grpo_loss, "stabledrl": stabledrl_loss}

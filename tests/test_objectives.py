@@ -1,0 +1,124 @@
+import math
+
+import pytest
+import torch
+
+from stabledrl.objectives import grpo_loss, group_advantages, kl_k3, log_ratios, stabledrl_loss
+
+
+def test_group_advantages_by_hand():
+    r = torch.tensor([1.0, 0.0, 0.0, 1.0, 0.5, 0.5, 0.5, 0.5])
+    # group 1 mean 0.5 -> ±0.5; group 2 all equal -> 0
+    assert group_advantages(r, 4).tolist() == [0.5, -0.5, -0.5, 0.5, 0, 0, 0, 0]
+    # unbiased std of (1,0,0,1) = sqrt(1/3) = 0.57735; 0.5 / (0.57735 + 1e-4) = 0.86588
+    a = group_advantages(r, 4, scale="std")
+    assert a[0].item() == pytest.approx(0.5 / (math.sqrt(1 / 3) + 1e-4), rel=1e-6)
+    assert a[4:].abs().max() == 0
+    with pytest.raises(ValueError, match="groups of 3"):
+        group_advantages(r, 3)
+
+
+def test_grpo_with_g1_and_no_clipping_is_reinforce():
+    # At θ = θ_old, ρ = 1 and ∇ρ = ∇ℓ: the GRPO gradient is −(1/B) Σ A_i ∇ℓ_i.
+    logp = torch.tensor([-3.0, -1.5, -7.0], requires_grad=True)
+    adv = torch.tensor([0.7, -0.2, 1.3])
+    grpo_loss(logp, logp.detach().clone(), adv, group_size=1, clip_eps=1e9).loss.backward()
+    ref = logp.detach().clone().requires_grad_()
+    (-(adv * ref).mean()).backward()
+    assert torch.allclose(logp.grad, ref.grad)
+
+
+def test_grpo_arithmetic_and_the_bypass():
+    eps = 0.2
+    # log ρ = (0, log 1.5, log 10, log 0.5); A = (+1, +1, −1, −1), one group of 4
+    old = torch.zeros(4)
+    logp = torch.log(torch.tensor([1.0, 1.5, 10.0, 0.5])).requires_grad_()
+    adv = torch.tensor([1.0, 1.0, -1.0, -1.0])
+    out = grpo_loss(logp, old, adv, group_size=4, clip_eps=eps)
+    # per-sample min(ρA, clip(ρ)A): 1, min(1.5, 1.2) = 1.2, min(−10, −1.2) = −10 (bypass), min(−0.5, −0.8) = −0.8
+    assert out.loss.item() == pytest.approx(-(1 + 1.2 - 10 - 0.8) / 4)
+    out.loss.backward()
+    # d/dℓ of −(1/4)·ρA where unclipped (sample 0 and the bypassed 2); 0 where the clip binds (1, 3)
+    assert logp.grad.tolist() == pytest.approx([-0.25, 0.0, 10 / 4, 0.0])
+    assert out.metrics["bypass_fraction"] == 0.25  # sample 2: A < 0 and ρ > 1.2
+    assert out.metrics["clip_fraction"] == 0.75  # 1.5, 10 and 0.5 lie outside [0.8, 1.2]
+    assert out.metrics["ratio_max"] == pytest.approx(10.0)
+
+
+@pytest.mark.parametrize("rho", [10.0, 100.0, 1e4])
+def test_grpo_gradient_grows_with_rho_while_stabledrl_stays_bounded(rho):
+    old = torch.zeros(4)
+    adv = torch.tensor([1.0, 1.0, -1.0, -1.0])
+    log_rho = torch.tensor([0.0, 0.0, math.log(rho), 0.0])
+    g = log_rho.clone().requires_grad_()
+    grpo_loss(g, old, adv, group_size=4).loss.backward()
+    assert g.grad[2].item() == pytest.approx(rho / 4, rel=1e-5)  # grows linearly with ρ
+    s = log_rho.clone().requires_grad_()
+    stabledrl_loss(s, old, adv, group_size=4).loss.backward()
+    # |∂loss/∂ℓ_i| = w_i |A_i| ≤ max |A| = 1, whatever ρ is
+    assert s.grad.abs().max() <= 1.0
+    # upper clip c = 5: ρ̃ = (1, 1, 5, 1), w = ρ̃/8; the bypassed sample's weight is 5/8
+    assert s.grad.tolist() == pytest.approx([-1 / 8, -1 / 8, 5 / 8, 1 / 8])
+
+
+def test_stabledrl_weights_are_a_softmax_of_clipped_log_ratios_summing_to_one():
+    torch.manual_seed(0)
+    G = 5
+    logp = torch.randn(3 * G, requires_grad=True)
+    old = logp.detach() + torch.randn(3 * G)
+    ones = torch.ones(3 * G)  # with A = 1 the gradient is −w / num_groups
+    stabledrl_loss(logp, old, ones, group_size=G, clip="two_sided", clip_eps=0.2).loss.backward()
+    w = -logp.grad.view(3, G) * 3
+    assert torch.allclose(w.sum(1), torch.ones(3))
+    rho = (logp.detach() - old).exp().clamp(0.8, 1.2).view(3, G)
+    assert torch.allclose(w, rho / rho.sum(1, keepdim=True), atol=1e-6)
+
+
+def test_stabledrl_gradient_equals_the_weighted_sum_of_per_sample_gradients():
+    # ℓ_i = θ · x_i (a linear "model"): ∇ℓ_i = x_i, so the gradient must be −Σ w_i A_i x_i / groups.
+    torch.manual_seed(1)
+    G, D = 4, 3
+    x = torch.randn(2 * G, D)
+    theta = torch.randn(D, requires_grad=True)
+    old = (x @ theta).detach() + 0.3 * torch.randn(2 * G)
+    adv = group_advantages(torch.rand(2 * G), G)
+    stabledrl_loss(x @ theta, old, adv, group_size=G, clip="upper", clip_max=1.1).loss.backward()
+    rho = ((x @ theta).detach() - old).exp().clamp(max=1.1).view(2, G)
+    w = (rho / rho.sum(1, keepdim=True)).flatten()
+    expected = -(w[:, None] * adv[:, None] * x).sum(0) / 2
+    assert torch.allclose(theta.grad, expected, atol=1e-6)
+
+
+def test_separate_weight_draw_changes_only_the_weights():
+    logp = torch.tensor([-1.0, -2.0], requires_grad=True)
+    old = torch.tensor([-1.0, -2.0])
+    adv = torch.tensor([1.0, -1.0])
+    # weights from another draw: log ρ = (log 3, 0) -> w = (3/4, 1/4)
+    out = stabledrl_loss(logp, old, adv, group_size=2, weight_logp=torch.tensor([math.log(3), 0.0]),
+                         weight_old_logp=torch.zeros(2))
+    out.loss.backward()
+    assert logp.grad.tolist() == pytest.approx([-3 / 4, 1 / 4])
+    assert out.metrics["ess"] == pytest.approx(1 / (9 / 16 + 1 / 16))
+
+
+def test_ratio_levels_and_overflow():
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]])
+    # sequence_normalized: (ℓ − ℓ_old) / |y| = 3/3 and 4/2
+    assert log_ratios(torch.tensor([3.0, 4.0]), torch.zeros(2), "sequence_normalized", mask).tolist() == [1.0, 2.0]
+    # a log-ratio of 1000 is clamped to 80 so exp() stays finite in float32
+    assert torch.isfinite(log_ratios(torch.tensor([1000.0]), torch.zeros(1), "sequence").exp()).all()
+    # token level: per-token ratios, min/clip per token, averaged over each sequence's scored tokens
+    logp = torch.log(torch.tensor([[2.0, 1.0, 1.0, 9.0], [1.0, 1.0, 9.0, 9.0]]))
+    out = grpo_loss(logp, torch.zeros(2, 4), torch.tensor([1.0, -1.0]), group_size=2, ratio_level="token",
+                    completion_mask=mask, clip_eps=0.2)
+    # row 0 (A=+1): min(2, 1.2), 1, 1 -> mean 3.2/3; row 1 (A=−1): −1, −1 -> −1; loss = −(3.2/3 − 1)/2
+    assert out.loss.item() == pytest.approx(-(3.2 / 3 - 1) / 2)
+
+
+def test_kl_k3_by_hand():
+    # d = ref − θ; k3 = e^d − d − 1: 0 at d = 0; at d = log 2: 2 − 0.6931 − 1 = 0.3069
+    v = kl_k3(torch.tensor([0.0, 0.0]), torch.tensor([0.0, math.log(2)]))
+    assert v.tolist() == pytest.approx([0.0, 1 - math.log(2)])
+    out = grpo_loss(torch.zeros(2), torch.zeros(2), torch.zeros(2), group_size=2,
+                    ref_logp=torch.tensor([0.0, math.log(2)]), beta=0.04)
+    assert out.loss.item() == pytest.approx(0.04 * (1 - math.log(2)) / 2)
