@@ -1,3 +1,5 @@
+import math
+
 import pytest
 import torch
 
@@ -76,6 +78,14 @@ def test_low_confidence_commits_the_most_confident_slot_first_and_eos_pads_the_r
     assert out.completion_mask[0].tolist() == [True, True, True, False, False, False]
     # Slots were filled early, so the remaining steps did not call the model.
     assert out.forward_passes == 3 == len(policy.calls)
+    # Entropy: a slot with margin c over 19 other allowed tokens (24 − MASK, PAD, BOS, UNK)
+    # has H(c) = −p log p − 19 q log q, p = e^c/(e^c+19), q = 1/(e^c+19); the three
+    # committed slots had c = 9, 2, 1 (the PAD fills are not commitments).
+    def H(c):
+        z = math.exp(c) + 19
+        return -(math.exp(c) / z) * math.log(math.exp(c) / z) - 19 * (1 / z) * math.log(1 / z)
+
+    assert out.entropy[0].item() == pytest.approx((H(9) + H(2) + H(1)) / 3, rel=1e-5)
     # The model was shown the PAD after EOS from the second call on.
     assert (policy.calls[1][0, ids.size(1) + 3:] == 0).all()
 

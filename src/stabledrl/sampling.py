@@ -73,6 +73,9 @@ class GenerationOutput:
     sampling settings this replays the rollout."""
     forward_passes: int
     """Model calls made (each on the rows that still had masks)."""
+    entropy: torch.Tensor
+    """(B,) mean entropy (nats) of the model's distribution at each slot it committed,
+    at the step it committed it (special tokens other than EOS excluded)."""
 
 
 def _rows_topk(scores: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
@@ -129,6 +132,8 @@ def generate(
     pos = position_ids(attn)  # (B, P+L)
     comp = x[:, P:]  # (B, L) view: writing it writes x, never the prompt
     unmask_step = torch.full((B, L), -1, dtype=torch.long, device=device)
+    entropy_sum = torch.zeros(B, device=device)
+    committed = torch.zeros(B, device=device)
     slot = torch.arange(L, device=device)
     # Steps per block: as even as possible, earlier blocks take the remainder.
     per_block = [steps // num_blocks + (b < steps % num_blocks) for b in range(num_blocks)]
@@ -160,6 +165,10 @@ def generate(
             left = per_block[b] - s
             k = (elig.sum(-1) + left - 1) // left  # ceil(masked / steps left), (A,)
             chosen = _rows_topk(score, k) & elig  # (A, L)
+            logq = logits.log_softmax(-1)  # (A, L, V)
+            ent = -(logq.exp() * logq.nan_to_num(neginf=0.0)).sum(-1)  # (A, L)
+            entropy_sum[active] += (ent * chosen).sum(-1)
+            committed[active] += chosen.sum(-1)
             rows = comp[active]
             rows = torch.where(chosen, x0, rows)
             # After the first EOS only PAD, whether those slots were decoded or not.
@@ -176,4 +185,5 @@ def generate(
         completion_mask=_completion_mask(comp, eos_id),
         unmask_step=unmask_step,
         forward_passes=passes,
+        entropy=entropy_sum / committed.clamp(min=1),
     )
