@@ -17,7 +17,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["save_checkpoint", "latest_checkpoint", "load_trainer_state", "write_atomic"]
+__all__ = ["save_checkpoint", "latest_checkpoint", "load_trainer_state", "write_atomic", "save_final",
+           "truncate_metrics"]
 
 _NAME = re.compile(r"^checkpoint-(\d+)$")
 
@@ -77,3 +78,31 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
 
 def load_trainer_state(checkpoint_dir: str | Path) -> dict[str, Any]:
     return torch.load(Path(checkpoint_dir) / "trainer_state.pt", weights_only=False)
+
+
+def save_final(run_dir: str | Path, policy: Any) -> Path:
+    """Save the finished model to ``{run_dir}/final`` (written aside, then swapped in)."""
+    run_dir = Path(run_dir)
+    final = run_dir / "final"
+    tmp = Path(tempfile.mkdtemp(dir=run_dir, prefix=".tmp-final-"))
+    policy.save(tmp)
+    if final.exists():
+        old = run_dir / ".old-final"
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
+        os.replace(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, final)
+    return final
+
+
+def truncate_metrics(path: str | Path, step: int) -> None:
+    """Drop JSONL metric lines after `step`: on resume they belong to the replaced run."""
+    import json
+
+    path = Path(path)
+    if not path.is_file():
+        return
+    keep = [line for line in path.read_text().splitlines() if line and json.loads(line).get("step", 0) <= step]
+    write_atomic(path, "".join(line + "\n" for line in keep))

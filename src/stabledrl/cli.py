@@ -1,6 +1,7 @@
-"""The `stabledrl` command: sft, eval, sample.
+"""The `stabledrl` command: sft, train, eval, sample.
 
     stabledrl sft --config configs/sft-countdown.yaml [--set steps=100 ...] [--resume]
+    stabledrl train --config configs/countdown-stabledrl.yaml [--set lr=3e-5 ...] [--resume]
     stabledrl eval --model checkpoints/countdown-tiny --task countdown --split test --n 500
     stabledrl sample --model checkpoints/countdown-tiny --prompt 3,5,7=22 --prompt 2,4,9=17
 """
@@ -54,6 +55,20 @@ def _cmd_sft(args: argparse.Namespace) -> int:
     cfg = load_config(SFTConfig, args.config, args.set)
     summary = run_sft(cfg, resume=args.resume)
     print(json.dumps(summary))
+    print(f"final model: {Path(cfg.output_dir) / 'final'}")
+    return 0
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    from stabledrl.train import TrainConfig, run_train
+
+    overrides = list(args.set) + ([f"model={args.model}"] if args.model else [])
+    cfg = load_config(TrainConfig, args.config, overrides)
+    summary = run_train(cfg, resume=args.resume)
+    before, after = summary["eval_initial"], summary["eval_final"]
+    print(f"held-out accuracy {before['accuracy']:.4f} -> {after['accuracy']:.4f}, "
+          f"mean reward {before['mean_reward']:.4f} -> {after['mean_reward']:.4f}")
+    print(f"skipped steps {summary['skipped_steps']}, zero-variance groups {summary['zero_variance_groups']}")
     print(f"final model: {Path(cfg.output_dir) / 'final'}")
     return 0
 
@@ -113,6 +128,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in output_dir")
     p.set_defaults(func=_cmd_sft)
+
+    p = sub.add_parser("train", help="RL post-training (grpo, stabledrl, diffu-grpo, gdpo presets)")
+    p.add_argument("--config", required=True, help="YAML file (fields: stabledrl.train.TrainConfig)")
+    p.add_argument("--model", help="initial policy directory (overrides the config's model)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
+    p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in output_dir")
+    p.set_defaults(func=_cmd_train)
 
     p = sub.add_parser("eval", help="accuracy and mean reward on generated problems")
     p.add_argument("--model", required=True, help="a saved model directory")

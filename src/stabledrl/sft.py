@@ -34,7 +34,14 @@ import yaml
 from tqdm.auto import tqdm
 from transformers import get_cosine_with_min_lr_schedule_with_warmup
 
-from stabledrl.checkpoint import latest_checkpoint, load_trainer_state, save_checkpoint, write_atomic
+from stabledrl.checkpoint import (
+    latest_checkpoint,
+    load_trainer_state,
+    save_checkpoint,
+    save_final,
+    truncate_metrics,
+    write_atomic,
+)
 from stabledrl.config import check, to_dict
 from stabledrl.data import encode_completions, encode_prompts, position_ids
 from stabledrl.evaluate import evaluate
@@ -230,7 +237,7 @@ def run_sft(cfg: SFTConfig, *, resume: bool = False, progress: bool = True) -> d
         sched.load_state_dict(state["scheduler"])
         gen.set_state(state["generator"])
         start = state["step"]
-        _truncate_metrics(out / "metrics.jsonl", start)
+        truncate_metrics(out / "metrics.jsonl", start)
 
     eval_problems = task.generate(cfg.eval_n, split="test", seed=0)
     metrics_file = open(out / "metrics.jsonl", "a")
@@ -278,21 +285,6 @@ def run_sft(cfg: SFTConfig, *, resume: bool = False, progress: bool = True) -> d
     metrics_file.write(json.dumps(summary) + "\n")
     metrics_file.close()
     policy.model.eval()
-    final = out / "final"
-    tmp = out / ".tmp-final"
-    policy.save(tmp)
-    if final.exists():
-        import shutil
-
-        shutil.rmtree(final)
-    tmp.rename(final)
+    save_final(out, policy)
     write_atomic(out / "eval.json", json.dumps({**res.summary(), "samples": res.samples[:50]}, indent=2))
     return summary
-
-
-def _truncate_metrics(path: Path, step: int) -> None:
-    """Drop metric lines written after `step` (they belong to the run being replaced)."""
-    if not path.is_file():
-        return
-    keep = [line for line in path.read_text().splitlines() if line and json.loads(line).get("step", 0) <= step]
-    write_atomic(path, "".join(line + "\n" for line in keep))

@@ -1,0 +1,369 @@
+"""RL post-training of a diffusion LM (the `train` verb): GRPO, StableDRL, diffu-GRPO, GDPO.
+
+One step, top to bottom:
+
+1. prompts: `prompts_per_step` training problems, each repeated `group_size` (G) times;
+2. rollouts: masked-diffusion sampling from the current policy (θ_old), seeded per step;
+3. rewards → group advantages; groups whose rewards are all equal carry no signal and
+   are dropped when `skip_zero_variance_groups` (counted either way);
+4. ℓ_old = the likelihood estimate of each rollout under θ_old, no grad, from a mask plan
+   drawn from a per-step generator (and ℓ_ref under the initial policy when β > 0 or
+   for the drift diagnostic, on the same plan);
+5. μ inner iterations: ℓ_θ on the same plan (``masks: shared``, common random numbers)
+   or a fresh one (``independent``) → objective → backward → clip → AdamW step.
+   Non-finite loss or gradient: the step is skipped, counted and logged, and the
+   weights are not touched.
+
+Deviations from the named algorithms, deliberate:
+- ``diffu-grpo`` (d1) recomputes the prompt mask per inner iteration; here the plan
+  (prompt mask included) follows the ``masks`` switch like every other estimator.
+- Every random draw comes from a generator seeded by (seed, step, purpose), so a run
+  resumed from a checkpoint continues exactly as the uninterrupted run.
+
+Shapes: P prompts per step, G group size, B = P·G rollouts, L completion slots.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+import yaml
+from tqdm.auto import tqdm
+from transformers import get_cosine_with_min_lr_schedule_with_warmup
+
+from stabledrl.checkpoint import (
+    latest_checkpoint,
+    load_trainer_state,
+    save_checkpoint,
+    save_final,
+    truncate_metrics,
+    write_atomic,
+)
+from stabledrl.config import check, to_dict
+from stabledrl.data import decode_completions, encode_prompts
+from stabledrl.evaluate import evaluate
+from stabledrl.likelihood import METHODS, plan_views, score_views
+from stabledrl.models.policy import load_policy
+from stabledrl.objectives import group_advantages, grpo_loss, stabledrl_loss
+from stabledrl.sampling import SamplingConfig, generate
+from stabledrl.sft import TaskConfig
+from stabledrl.tasks import get_task
+
+__all__ = ["EstimatorConfig", "ObjectiveConfig", "TrainConfig", "run_train"]
+
+
+@dataclass
+class EstimatorConfig:
+    """The likelihood estimator ℓ (see stabledrl.likelihood)."""
+
+    method: Literal["mc", "sdmc", "mean_field", "exact"] = "mc"
+    """mc (ELBO), sdmc (GDPO), mean_field (d1), exact (enumeration, tiny L only)."""
+    num_samples: int = 1
+    """K: masks per sequence (per node for sdmc)."""
+    options: dict[str, Any] = field(default_factory=dict)
+    """Method options: mc: masking, stratified, antithetic; sdmc: num_nodes; mean_field: p_prompt."""
+    reduction: Literal["sum", "mean"] = "sum"
+    """sum: a log-likelihood; mean: per scored token."""
+    max_views_per_forward: int | None = None
+    """Micro-batch of noised views per forward (None: all at once)."""
+
+    def __post_init__(self) -> None:
+        check(self.method in METHODS, f"estimator.method must be one of {METHODS}")
+        check(self.num_samples >= 1, f"estimator.num_samples must be >= 1, got {self.num_samples}")
+
+
+@dataclass
+class ObjectiveConfig:
+    """The policy-gradient objective (see stabledrl.objectives)."""
+
+    name: Literal["grpo", "stabledrl"] = "stabledrl"
+    """grpo: conditional clip, 1/G. stabledrl: unconditional clip, self-normalised."""
+    ratio_level: Literal["sequence", "sequence_normalized", "token"] = "sequence"
+    """sequence: exp(ℓ−ℓ_old); sequence_normalized: divided by |y| (GDPO); token: per token (d1, mean_field)."""
+    clip_eps: float = 0.2
+    """ε of the [1−ε, 1+ε] clip (grpo, stabledrl two_sided) and of the diagnostics."""
+    clip: Literal["upper", "two_sided"] = "upper"
+    """stabledrl: upper min(ρ, clip_max) (authors' code) or two-sided (paper)."""
+    clip_max: float = 5.0
+    """stabledrl upper clip c."""
+    beta: float = 0.0
+    """Weight of the k3 KL to the initial policy (grpo only)."""
+    advantage_scale: Literal["none", "std"] = "none"
+    """none: r − mean (StableDRL, d1); std: divided by the group std (original GRPO)."""
+    separate_weight_masks: bool = False
+    """stabledrl: compute the weights' likelihoods on a separate mask draw (SPEC §9)."""
+
+    def __post_init__(self) -> None:
+        check(0 < self.clip_eps < 1, f"objective.clip_eps must be in (0, 1), got {self.clip_eps}")
+        check(self.clip_max > 1, f"objective.clip_max must be > 1, got {self.clip_max}")
+        check(self.beta >= 0, f"objective.beta must be >= 0, got {self.beta}")
+        check(self.name == "grpo" or self.beta == 0,
+              "objective.beta > 0 is for grpo; stabledrl has no KL term (set beta: 0)")
+        check(self.name == "stabledrl" or not self.separate_weight_masks,
+              "objective.separate_weight_masks is a stabledrl option")
+        check(self.name == "grpo" or self.ratio_level != "token",
+              "stabledrl weights sequences: ratio_level must be sequence or sequence_normalized")
+
+
+@dataclass
+class TrainConfig:
+    """`stabledrl train`: RL from a saved policy."""
+
+    model: str = "checkpoints/countdown-tiny"
+    """Directory of the initial policy (also the KL reference and drift baseline)."""
+    output_dir: str = "runs/train"
+    """Run directory: config, metrics.jsonl, TensorBoard, checkpoints, final model."""
+    task: TaskConfig = field(default_factory=TaskConfig)
+    objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
+    estimator: EstimatorConfig = field(default_factory=EstimatorConfig)
+    rollout: SamplingConfig = field(default_factory=lambda: SamplingConfig(temperature=1.0))
+    """Sampling of the rollouts (temperature > 0 for diverse groups)."""
+    eval_sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    """Sampling of the held-out evaluation (greedy by default, as `stabledrl eval`)."""
+    masks: Literal["shared", "independent"] = "shared"
+    """shared: ℓ_θ on ℓ_old's masks (common random numbers); independent: fresh masks."""
+    skip_zero_variance_groups: bool = True
+    """Drop groups whose rewards are all equal (zero advantage); counted either way."""
+    seed: int = 0
+    steps: int = 100
+    """RL steps (each: rollouts + mu optimizer updates)."""
+    prompts_per_step: int = 16
+    group_size: int = 8
+    """G: completions per prompt."""
+    mu: int = 1
+    """Inner optimizer iterations per batch of rollouts."""
+    lr: float = 1e-5
+    min_lr_ratio: float = 1.0
+    """Final lr / lr (cosine); 1.0 = constant."""
+    warmup_steps: int = 0
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    """Max global gradient norm (the norm before clipping is logged)."""
+    eval_every: int = 0
+    """Steps between held-out evaluations (0: start and end only)."""
+    eval_n: int = 500
+    """Held-out problems (test split, seed 0: the set `stabledrl eval` uses)."""
+    save_every: int = 50
+    log_every: int = 1
+    threads: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "prompts_per_step", "group_size", "mu", "eval_n", "save_every", "log_every"):
+            check(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}")
+        check(self.group_size >= 2, "group_size must be >= 2: advantages compare completions of one prompt")
+        check(self.lr > 0, f"lr must be positive, got {self.lr}")
+        check(self.rollout.temperature > 0 or self.rollout.remasking == "random",
+              "rollout.temperature is 0 with low_confidence remasking: every completion of a group would be "
+              "identical; set rollout.temperature > 0")
+
+
+def _seeded(seed: int, step: int, purpose: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed * 1_000_003 + step * 16 + purpose)
+
+
+class _Stage:
+    """Accumulates wall time per stage of a step."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    def __call__(self, name: str):
+        stage = self
+
+        class _Timer:
+            def __enter__(self):
+                self.t0 = time.perf_counter()
+
+            def __exit__(self, *exc):
+                stage.seconds[name] = stage.seconds.get(name, 0.0) + time.perf_counter() - self.t0
+
+        return _Timer()
+
+
+def run_train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) -> dict[str, Any]:
+    """Train; returns the final held-out evaluation (and the initial one)."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    out = Path(cfg.output_dir)
+    ckpt = latest_checkpoint(out) if resume else None
+    if resume and ckpt is None:
+        raise FileNotFoundError(f"--resume: no checkpoint in {out}")
+    if not resume and latest_checkpoint(out) is not None:
+        raise FileExistsError(f"{out} already holds checkpoints; pass --resume or choose another output_dir")
+    out.mkdir(parents=True, exist_ok=True)
+    write_atomic(out / "config.yaml", yaml.safe_dump(to_dict(cfg), sort_keys=False))
+
+    task = get_task(cfg.task.name, **cfg.task.options)
+    policy = load_policy(ckpt or cfg.model)
+    reference = load_policy(cfg.model)  # the initial policy: KL reference and drift baseline
+    reference.model.requires_grad_(False)
+    model = policy.model
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    sched = get_cosine_with_min_lr_schedule_with_warmup(opt, cfg.warmup_steps, cfg.steps, min_lr_rate=cfg.min_lr_ratio)
+    start = 0
+    counters = {"skipped_steps": 0, "zero_variance_groups": 0}
+    history: dict[str, Any] = {}
+    if ckpt is not None:
+        state = load_trainer_state(ckpt)
+        opt.load_state_dict(state["optimizer"])
+        sched.load_state_dict(state["scheduler"])
+        start, counters, history = state["step"], state["counters"], state["history"]
+        truncate_metrics(out / "metrics.jsonl", start)
+
+    eval_problems = task.generate(cfg.eval_n, split="test", seed=0)
+    if "eval_initial" not in history:
+        res = evaluate(policy, task, eval_problems, cfg.eval_sampling, progress=False)
+        history["eval_initial"] = {"accuracy": res.accuracy, "mean_reward": res.mean_reward}
+    metrics_file = open(out / "metrics.jsonl", "a")
+    tb = SummaryWriter(str(out / "tensorboard"))
+    if start == 0:
+        _log(metrics_file, tb, {"step": 0, "eval_accuracy": history["eval_initial"]["accuracy"],
+                                "eval_reward": history["eval_initial"]["mean_reward"]})
+    gen_length = cfg.rollout.gen_length or task.completion_length
+    G = cfg.group_size
+    est_kw = dict(num_samples=cfg.estimator.num_samples, bos_token_id=policy.tokenizer.bos_token_id,
+                  **cfg.estimator.options)
+    need_tokens = cfg.objective.ratio_level == "token"
+
+    bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, desc=f"train {cfg.objective.name}",
+               disable=not progress)
+    for step in bar:
+        stage = _Stage()
+        t_step = time.perf_counter()
+        model.eval()
+        # 1-2. prompts and rollouts from θ_old
+        with stage("rollout"):
+            problems = task.generate(cfg.prompts_per_step, split="train", seed=cfg.seed * 1_000_003 + step)
+            group_problems = [p for p in problems for _ in range(G)]
+            p_ids, p_mask = encode_prompts(policy.tokenizer, [p.prompt for p in group_problems])
+            roll = generate(policy, p_ids, p_mask, gen_length=gen_length, steps=cfg.rollout.steps,
+                            block_length=cfg.rollout.block_length, temperature=cfg.rollout.temperature,
+                            remasking=cfg.rollout.remasking, generator=_seeded(cfg.seed, step, 0))
+            texts = decode_completions(policy.tokenizer, roll.completion_ids)
+        # 3. rewards and advantages
+        rewards = torch.tensor(task.reward(texts, group_problems), dtype=torch.float32)
+        adv = group_advantages(rewards, G, cfg.objective.advantage_scale)
+        r_groups = rewards.view(-1, G)
+        flat = (r_groups == r_groups[:, :1]).all(1)  # (P,) every reward equal
+        counters["zero_variance_groups"] += int(flat.sum())
+        keep_groups = (~flat).nonzero().flatten() if cfg.skip_zero_variance_groups else torch.arange(len(problems))
+        row: dict[str, Any] = {
+            "step": step + 1, "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()),
+            "accuracy_train": float((rewards == 1.0).float().mean()),
+            "completion_length": float(roll.completion_mask.sum(1).float().mean()),
+            "entropy": float(roll.entropy.mean()), "zero_variance_fraction": float(flat.float().mean()),
+            "groups_used": int(keep_groups.numel()), "lr": sched.get_last_lr()[0],
+        }
+        if keep_groups.numel() > 0:
+            idx = (keep_groups[:, None] * G + torch.arange(G)).flatten()  # (B',) rows of kept groups
+            batch = (p_ids[idx], p_mask[idx], roll.completion_ids[idx], roll.completion_mask[idx])
+            b_adv = adv[idx]
+
+            def plan(purpose: int, inner: int = 0):
+                return plan_views(cfg.estimator.method, batch[3], generator=_seeded(cfg.seed, step, purpose + inner),
+                                  prompt_ids=batch[0], prompt_mask=batch[1], **est_kw)
+
+            def score(pol, pl):
+                est = score_views(pol, pl, batch[0], batch[2], batch[3], prompt_mask=batch[1],
+                                  reduction=cfg.estimator.reduction,
+                                  max_views_per_forward=cfg.estimator.max_views_per_forward)
+                return est.token if need_tokens else est.sequence
+
+            # 4. ℓ_old (and ℓ_ref) under no grad
+            with stage("likelihood_old"), torch.no_grad():
+                plan_old = plan(1)
+                old = score(policy, plan_old)
+                ref = score(reference, plan_old)
+                # KL(π_old ‖ π_init) ≈ mean over π_old's own samples of ℓ_old − ℓ_init
+                gap = (old - ref).sum(-1) if need_tokens else old - ref  # (B',)
+                row["drift_kl"] = float(gap.mean())
+                if cfg.objective.separate_weight_masks:
+                    plan_w = plan(2)
+                    w_old = score(policy, plan_w)
+            # 5. μ inner iterations
+            model.train()
+            inner_rows = []
+            for it in range(cfg.mu):
+                with stage("update"):
+                    pl = plan_old if cfg.masks == "shared" else plan(3, it)
+                    logp = score(policy, pl)
+                    if cfg.objective.name == "grpo":
+                        res = grpo_loss(logp, old, b_adv, group_size=G, clip_eps=cfg.objective.clip_eps,
+                                        ratio_level=cfg.objective.ratio_level, completion_mask=batch[3],
+                                        ref_logp=ref if cfg.objective.beta else None, beta=cfg.objective.beta)
+                    else:
+                        w_kw = {}
+                        if cfg.objective.separate_weight_masks:
+                            with torch.no_grad():
+                                w_kw = {"weight_logp": score(policy, plan_w), "weight_old_logp": w_old}
+                        res = stabledrl_loss(logp, old, b_adv, group_size=G, clip=cfg.objective.clip,
+                                             clip_max=cfg.objective.clip_max, clip_eps=cfg.objective.clip_eps,
+                                             ratio_level=cfg.objective.ratio_level, completion_mask=batch[3], **w_kw)
+                    opt.zero_grad(set_to_none=True)
+                    finite = bool(torch.isfinite(res.loss))
+                    if finite:
+                        res.loss.backward()
+                        grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip))
+                        finite = math.isfinite(grad_norm)
+                    else:
+                        grad_norm = float("nan")
+                    if not finite:  # never let a non-finite update reach the weights
+                        opt.zero_grad(set_to_none=True)
+                        counters["skipped_steps"] += 1
+                        inner_rows.append({**res.metrics, "loss": float(res.loss.detach()), "grad_norm": grad_norm,
+                                           "update_norm": 0.0})
+                        continue
+                    before = [p.detach().clone() for p in model.parameters()]
+                    opt.step()
+                    update = math.sqrt(sum(float((p.detach() - b).pow(2).sum()) for p, b in zip(model.parameters(), before)))
+                    inner_rows.append({**res.metrics, "loss": float(res.loss.detach()), "grad_norm": grad_norm,
+                                       "update_norm": update})
+            # Over the μ inner iterations: maxima of *_max metrics, means of the others.
+            for k in inner_rows[0]:
+                vals = [r[k] for r in inner_rows]
+                row[k] = max(vals) if k.endswith("_max") else sum(vals) / len(vals)
+            row["grad_norm_max"] = max(r["grad_norm"] for r in inner_rows)
+        sched.step()
+        row.update(counters)
+        row["seconds"] = time.perf_counter() - t_step
+        row.update({f"time_{k}": v for k, v in stage.seconds.items()})
+        done = step + 1
+        if cfg.eval_every and done % cfg.eval_every == 0 and done != cfg.steps:
+            res_e = evaluate(policy, task, eval_problems, cfg.eval_sampling, progress=False)
+            row.update({"eval_accuracy": res_e.accuracy, "eval_reward": res_e.mean_reward})
+        if done % cfg.log_every == 0 or "eval_accuracy" in row:
+            _log(metrics_file, tb, row)
+        bar.set_postfix(reward=f"{row['reward_mean']:.3f}", gnorm=f"{row.get('grad_norm', 0):.2g}",
+                        ratio_max=f"{row.get('ratio_max', 1):.3g}", skipped=counters["skipped_steps"])
+        if done % cfg.save_every == 0 or done == cfg.steps:
+            state = {"optimizer": opt.state_dict(), "scheduler": sched.state_dict(), "step": done,
+                     "counters": counters, "history": history}
+            save_checkpoint(out, done, policy, state)
+    bar.close()
+
+    res = evaluate(policy, task, eval_problems, cfg.eval_sampling, progress=False)
+    history["eval_final"] = {"accuracy": res.accuracy, "mean_reward": res.mean_reward}
+    _log(metrics_file, tb, {"step": cfg.steps, "eval_accuracy": res.accuracy, "eval_reward": res.mean_reward})
+    metrics_file.close()
+    tb.close()
+    policy.model.eval()
+    save_final(out, policy)
+    summary = {**history, **counters}
+    write_atomic(out / "summary.json", json.dumps(summary, indent=2))
+    return summary
+
+
+def _log(f, tb, row: dict[str, Any]) -> None:
+    f.write(json.dumps(row) + "\n")
+    f.flush()
+    for k, v in row.items():
+        if k != "step" and isinstance(v, (int, float)) and math.isfinite(v):
+            tb.add_scalar(k, v, row["step"])
