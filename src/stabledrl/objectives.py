@@ -156,7 +156,7 @@ def grpo_loss(
         kl = kl_k3(logp, ref_logp)
         kl = _token_mean(kl, completion_mask) if kl.dim() == 2 else kl
         loss = loss + beta * kl.mean()
-        metrics["kl_ref"] = float(kl.mean())
+        metrics["kl_ref"] = float(kl.detach().mean())
     return LossOutput(loss, metrics)
 
 

@@ -1,0 +1,111 @@
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import stabledrl.train as train_mod
+from stabledrl.config import ConfigError, load_config
+from stabledrl.train import TrainConfig, run_train
+from tests.conftest import make_tiny_policy
+
+
+@pytest.fixture(scope="module")
+def init_model(tmp_path_factory):
+    path = tmp_path_factory.mktemp("init") / "model"
+    make_tiny_policy(seed=41).save(path)
+    return path
+
+
+def _cfg(init_model, out, **kw):
+    # Sudoku: a random model's rewards are fractions, so groups almost never tie.
+    base = {"model": str(init_model), "output_dir": str(out), "task": {"name": "sudoku"}, "steps": 4,
+            "prompts_per_step": 2, "group_size": 4, "mu": 2, "lr": 1e-3, "eval_n": 4, "save_every": 2,
+            "estimator": {"method": "mc", "num_samples": 2}}
+    base.update(kw)
+    return load_config(TrainConfig, base)
+
+
+def _losses(path):
+    rows = [json.loads(x) for x in path.read_text().splitlines()]
+    return [(r["step"], r["loss"], r["grad_norm"], r["ratio_max"]) for r in rows if "loss" in r]
+
+
+@pytest.mark.parametrize("objective, estimator", [
+    ({"name": "stabledrl"}, {"method": "mc", "num_samples": 2}),
+    ({"name": "stabledrl", "separate_weight_masks": True, "clip": "two_sided"}, {"method": "sdmc", "num_samples": 1}),
+    ({"name": "grpo", "ratio_level": "token", "beta": 0.04}, {"method": "mean_field", "num_samples": 1}),
+    ({"name": "grpo", "ratio_level": "sequence_normalized"}, {"method": "sdmc", "num_samples": 1}),
+])
+def test_a_short_run_changes_parameters_and_logs_every_diagnostic(init_model, tmp_path, objective, estimator):
+    cfg = _cfg(init_model, tmp_path / "run", steps=2, objective=objective, estimator=estimator, masks="independent")
+    summary = run_train(cfg, progress=False)
+    before = load_file(init_model / "model.safetensors")
+    after = load_file(tmp_path / "run" / "final" / "model.safetensors")
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    step_rows = [r for r in rows if "loss" in r]
+    assert len(step_rows) == 2
+    for key in ("reward_mean", "reward_std", "ratio_mean", "ratio_std", "ratio_max", "clip_fraction",
+                "bypass_fraction", "grad_norm", "update_norm", "drift_kl", "completion_length", "entropy"):
+        assert key in step_rows[0], key
+    assert step_rows[0]["update_norm"] > 0
+    if objective["name"] == "stabledrl":
+        assert 1 <= step_rows[0]["ess"] <= 4
+    assert "eval_initial" in summary and "eval_final" in summary
+    assert (tmp_path / "run" / "tensorboard").is_dir()
+
+
+def test_resume_continues_exactly(init_model, tmp_path):
+    full = _cfg(init_model, tmp_path / "full")
+    run_train(full, progress=False)
+
+    crash = _cfg(init_model, tmp_path / "crash")
+    real = train_mod.save_checkpoint
+
+    class Stop(Exception):
+        pass
+
+    def save_then_stop(*a, **k):
+        real(*a, **k)
+        raise Stop
+
+    train_mod.save_checkpoint = save_then_stop
+    try:
+        with pytest.raises(Stop):
+            run_train(crash, progress=False)  # stops right after the step-2 checkpoint
+    finally:
+        train_mod.save_checkpoint = real
+    run_train(crash, resume=True, progress=False)
+    assert _losses(tmp_path / "crash" / "metrics.jsonl") == _losses(tmp_path / "full" / "metrics.jsonl")
+    a = load_file(tmp_path / "full" / "final" / "model.safetensors")
+    b = load_file(tmp_path / "crash" / "final" / "model.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step()`")  # no optimizer step ran: intended
+def test_a_non_finite_loss_is_skipped_and_never_reaches_the_weights(init_model, tmp_path, monkeypatch):
+    real = train_mod.stabledrl_loss
+
+    def poisoned(*a, **k):
+        out = real(*a, **k)
+        out.loss = out.loss * float("nan")
+        return out
+
+    monkeypatch.setattr(train_mod, "stabledrl_loss", poisoned)
+    summary = run_train(_cfg(init_model, tmp_path / "nan", steps=2), progress=False)
+    assert summary["skipped_steps"] == 4  # 2 steps x mu 2
+    before = load_file(init_model / "model.safetensors")
+    after = load_file(tmp_path / "nan" / "final" / "model.safetensors")
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_config_cross_checks():
+    with pytest.raises(ConfigError, match="beta"):
+        load_config(TrainConfig, {"objective": {"name": "stabledrl", "beta": 0.1}})
+    with pytest.raises(ConfigError, match="temperature"):
+        load_config(TrainConfig, {"rollout": {"temperature": 0.0}})
+    with pytest.raises(ConfigError, match="group_size"):
+        load_config(TrainConfig, {"group_size": 1})
+    with pytest.raises(ConfigError, match="ratio_level"):
+        load_config(TrainConfig, {"objective": {"name": "stabledrl", "ratio_level": "token"}})
