@@ -1,7 +1,8 @@
-"""The `stabledrl` command: sft, train, eval, sample.
+"""The `stabledrl` command: sft, train, report, eval, sample.
 
     stabledrl sft --config configs/sft-countdown.yaml [--set steps=100 ...] [--resume]
     stabledrl train --config configs/countdown-stabledrl.yaml [--set lr=3e-5 ...] [--resume]
+    stabledrl report runs/countdown-stabledrl runs/countdown-grpo
     stabledrl eval --model checkpoints/countdown-tiny --task countdown --split test --n 500
     stabledrl sample --model checkpoints/countdown-tiny --prompt 3,5,7=22 --prompt 2,4,9=17
 """
@@ -73,6 +74,14 @@ def _cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_report(args: argparse.Namespace) -> int:
+    from stabledrl.report import plot_runs
+
+    out = Path(args.out) if args.out else Path(args.runs[0]) / "report.png"
+    print(f"wrote {plot_runs(args.runs, out)}")
+    return 0
+
+
 def _cmd_eval(args: argparse.Namespace) -> int:
     from stabledrl.evaluate import evaluate
     from stabledrl.models import load_policy
@@ -135,6 +144,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in output_dir")
     p.set_defaults(func=_cmd_train)
+
+    p = sub.add_parser("report", help="plot reward, gradient norm, ratio spread, bypass and drift of runs")
+    p.add_argument("runs", nargs="+", help="run directories (several are overlaid)")
+    p.add_argument("--out", help="PNG path (default: FIRST_RUN/report.png)")
+    p.set_defaults(func=_cmd_report)
 
     p = sub.add_parser("eval", help="accuracy and mean reward on generated problems")
     p.add_argument("--model", required=True, help="a saved model directory")
