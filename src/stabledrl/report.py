@@ -48,7 +48,8 @@ def plot_runs(run_dirs: Sequence[str | Path], out: str | Path) -> Path:
                 pts = [(s, v) for s, v in pts if v > 0]
             if pts:
                 xs, ys = zip(*pts)
-                ax.plot(xs, ys, "o-" if key == "eval_accuracy" else "-", label=Path(name).name, lw=1.2, ms=3)
+                marker = "o-" if key == "eval_accuracy" or len(xs) <= 30 else "-"  # single points stay visible
+                ax.plot(xs, ys, marker, label=Path(name).name, lw=1.2, ms=3)
         ax.set(title=title, xlabel="step", yscale=scale)
         ax.grid(alpha=0.3)
     axes.flat[0].legend(fontsize=8)
