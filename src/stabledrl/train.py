@@ -310,7 +310,8 @@ def run_train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) 
                     opt.zero_grad(set_to_none=True)
                     finite = bool(torch.isfinite(res.loss))
                     if finite:
-                        res.loss.backward()
+                        with stage("backward"):
+                            res.loss.backward()
                         grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip))
                         finite = math.isfinite(grad_norm)
                     else:

@@ -1,0 +1,86 @@
+"""GRPO vs StableDRL under the same noisy estimator: does GRPO's instability loop appear?
+
+    python benchmarks/stability.py --seeds 0 1 2 --steps 100 --lr 1e-4 --set estimator.num_samples=1
+
+Runs `configs/countdown-grpo.yaml` and `configs/countdown-stabledrl.yaml` for each seed
+with identical data, estimator, learning rate and μ (any `--set` applies to both), then
+reports per run: the reward curve, gradient spikes (norm before clipping > 5x its running
+median over the previous 10 steps), max and median gradient norm, variance of log ρ, mean
+bypass fraction, and held-out accuracy before and after. Writes JSON and one figure to
+benchmarks/results/stability-<tag>.{json,png}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+from stabledrl.config import load_config
+from stabledrl.report import load_metrics, plot_runs
+from stabledrl.train import TrainConfig, run_train
+
+
+def spikes(norms: list[float], factor: float = 5.0, window: int = 10) -> int:
+    """Count steps whose gradient norm exceeds `factor` x the median of the previous `window`."""
+    count = 0
+    for i in range(1, len(norms)):
+        past = norms[max(0, i - window):i]
+        if norms[i] > factor * statistics.median(past):
+            count += 1
+    return count
+
+
+def summarise(run_dir: Path, summary: dict) -> dict:
+    rows = [r for r in load_metrics(run_dir) if "grad_norm" in r]
+    norms = [r["grad_norm"] for r in rows if r["grad_norm"] == r["grad_norm"]]  # drop NaN (skipped)
+    return {
+        "run": str(run_dir),
+        "reward_curve": [r["reward_mean"] for r in load_metrics(run_dir) if "reward_mean" in r],
+        "spikes": spikes(norms) if norms else 0,
+        "grad_norm_max": max(norms) if norms else None,
+        "grad_norm_median": statistics.median(norms) if norms else None,
+        "log_ratio_var_mean": statistics.mean(r["log_ratio_std"] ** 2 for r in rows) if rows else None,
+        "bypass_fraction_mean": statistics.mean(r["bypass_fraction"] for r in rows) if rows else None,
+        "skipped_steps": summary["skipped_steps"],
+        "eval_initial": summary["eval_initial"], "eval_final": summary["eval_final"],
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    ap.add_argument("--steps", type=int, default=100)
+    ap.add_argument("--lr", type=float, default=1e-4)
+    ap.add_argument("--set", action="append", default=[], help="override for both objectives")
+    ap.add_argument("--tag", default="default")
+    ap.add_argument("--runs-dir", default="runs/stability")
+    args = ap.parse_args()
+    results = []
+    run_dirs = []
+    for seed in args.seeds:
+        for name in ("grpo", "stabledrl"):
+            out = Path(args.runs_dir) / args.tag / f"{name}-seed{seed}"
+            cfg = load_config(TrainConfig, f"configs/countdown-{name}.yaml",
+                              [f"output_dir={out}", f"seed={seed}", f"steps={args.steps}", f"lr={args.lr}",
+                               "save_every=1000000", *args.set])
+            if (out / "summary.json").is_file():  # finished earlier: reuse it
+                summary = json.loads((out / "summary.json").read_text())
+            else:  # fresh, or resumed after an interruption
+                summary = run_train(cfg, resume=any(out.glob("checkpoint-*")))
+            results.append({"objective": name, "seed": seed, **summarise(out, summary)})
+            run_dirs.append(out)
+            r = results[-1]
+            print(f"{name:9s} seed {seed}: spikes {r['spikes']}, grad max {r['grad_norm_max']:.3g}, "
+                  f"median {r['grad_norm_median']:.3g}, accuracy {r['eval_initial']['accuracy']:.3f} -> "
+                  f"{r['eval_final']['accuracy']:.3f}", flush=True)
+    out = Path("benchmarks/results") / f"stability-{args.tag}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"args": vars(args), "runs": results}, indent=2))
+    plot_runs(run_dirs, out.with_suffix(".png"))
+    print(f"wrote {out} and {out.with_suffix('.png')}")
+
+
+if __name__ == "__main__":
+    main()
