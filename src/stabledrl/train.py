@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import math
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -167,23 +168,14 @@ def _seeded(seed: int, step: int, purpose: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed * 1_000_003 + step * 16 + purpose)
 
 
-class _Stage:
-    """Accumulates wall time per stage of a step."""
-
-    def __init__(self) -> None:
-        self.seconds: dict[str, float] = {}
-
-    def __call__(self, name: str):
-        stage = self
-
-        class _Timer:
-            def __enter__(self):
-                self.t0 = time.perf_counter()
-
-            def __exit__(self, *exc):
-                stage.seconds[name] = stage.seconds.get(name, 0.0) + time.perf_counter() - self.t0
-
-        return _Timer()
+@contextmanager
+def _timed(seconds: dict[str, float], name: str):
+    """Add the wall time of the block to seconds[name]."""
+    t0 = time.perf_counter()
+    try:
+        yield
+    finally:
+        seconds[name] = seconds.get(name, 0.0) + time.perf_counter() - t0
 
 
 def run_train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) -> dict[str, Any]:
@@ -236,11 +228,11 @@ def run_train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) 
     bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, desc=f"train {cfg.objective.name}",
                disable=not progress)
     for step in bar:
-        stage = _Stage()
+        times: dict[str, float] = {}
         t_step = time.perf_counter()
         model.eval()
         # 1-2. prompts and rollouts from θ_old
-        with stage("rollout"):
+        with _timed(times, "rollout"):
             problems = task.generate(cfg.prompts_per_step, split="train", seed=cfg.seed * 1_000_003 + step)
             group_problems = [p for p in problems for _ in range(G)]
             p_ids, p_mask = encode_prompts(policy.tokenizer, [p.prompt for p in group_problems])
@@ -278,7 +270,7 @@ def run_train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) 
                 return est.token if need_tokens else est.sequence
 
             # 4. ℓ_old (and ℓ_ref) under no grad
-            with stage("likelihood_old"), torch.no_grad():
+            with _timed(times, "likelihood_old"), torch.no_grad():
                 plan_old = plan(1)
                 old = score(policy, plan_old)
                 ref = score(reference, plan_old)
@@ -292,7 +284,7 @@ def run_train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) 
             model.train()
             inner_rows = []
             for it in range(cfg.mu):
-                with stage("update"):
+                with _timed(times, "update"):
                     pl = plan_old if cfg.masks == "shared" else plan(3, it)
                     logp = score(policy, pl)
                     if cfg.objective.name == "grpo":
@@ -310,7 +302,7 @@ def run_train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) 
                     opt.zero_grad(set_to_none=True)
                     finite = bool(torch.isfinite(res.loss))
                     if finite:
-                        with stage("backward"):
+                        with _timed(times, "backward"):
                             res.loss.backward()
                         grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip))
                         finite = math.isfinite(grad_norm)
@@ -335,7 +327,7 @@ def run_train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) 
         sched.step()
         row.update(counters)
         row["seconds"] = time.perf_counter() - t_step
-        row.update({f"time_{k}": v for k, v in stage.seconds.items()})
+        row.update({f"time_{k}": v for k, v in times.items()})
         done = step + 1
         if cfg.eval_every and done % cfg.eval_every == 0 and done != cfg.steps:
             res_e = evaluate(policy, task, eval_problems, cfg.eval_sampling, progress=False)
