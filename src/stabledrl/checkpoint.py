@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["save_checkpoint", "latest_checkpoint", "load_trainer_state", "write_atomic", "save_final",
+__all__ = ["open_run_dir", "save_checkpoint", "latest_checkpoint", "load_trainer_state", "write_atomic", "save_final",
            "truncate_metrics"]
 
 _NAME = re.compile(r"^checkpoint-(\d+)$")
@@ -106,3 +106,21 @@ def truncate_metrics(path: str | Path, step: int) -> None:
         return
     keep = [line for line in path.read_text().splitlines() if line and json.loads(line).get("step", 0) <= step]
     write_atomic(path, "".join(line + "\n" for line in keep))
+
+
+def open_run_dir(run_dir: str | Path, config: dict, *, resume: bool) -> Path | None:
+    """Create (or reopen, with `resume`) a run directory and write its resolved config.
+
+    Returns the checkpoint to resume from, or None for a fresh run. Refuses to start a
+    fresh run over existing checkpoints, and to resume without one."""
+    import yaml
+
+    run_dir = Path(run_dir)
+    ckpt = latest_checkpoint(run_dir)
+    if resume and ckpt is None:
+        raise FileNotFoundError(f"--resume: no checkpoint in {run_dir}")
+    if not resume and ckpt is not None:
+        raise FileExistsError(f"{run_dir} already holds checkpoints; pass --resume or choose another output_dir")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    write_atomic(run_dir / "config.yaml", yaml.safe_dump(config, sort_keys=False))
+    return ckpt

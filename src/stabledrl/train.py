@@ -34,12 +34,11 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-import yaml
 from tqdm.auto import tqdm
 from transformers import get_cosine_with_min_lr_schedule_with_warmup
 
 from stabledrl.checkpoint import (
-    latest_checkpoint,
+    open_run_dir,
     load_trainer_state,
     save_checkpoint,
     save_final,
@@ -185,13 +184,7 @@ def run_train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) 
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     out = Path(cfg.output_dir)
-    ckpt = latest_checkpoint(out) if resume else None
-    if resume and ckpt is None:
-        raise FileNotFoundError(f"--resume: no checkpoint in {out}")
-    if not resume and latest_checkpoint(out) is not None:
-        raise FileExistsError(f"{out} already holds checkpoints; pass --resume or choose another output_dir")
-    out.mkdir(parents=True, exist_ok=True)
-    write_atomic(out / "config.yaml", yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    ckpt = open_run_dir(out, to_dict(cfg), resume=resume)
 
     task = get_task(cfg.task.name, **cfg.task.options)
     policy = load_policy(ckpt or cfg.model)
