@@ -167,6 +167,23 @@ def _seeded(seed: int, step: int, purpose: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed * 1_000_003 + step * 16 + purpose)
 
 
+class _ForwardClock:
+    """Sums the wall time spent inside the models' forward passes (via hooks)."""
+
+    def __init__(self, *models: torch.nn.Module) -> None:
+        self.seconds = 0.0
+        self._t0 = 0.0
+        for m in models:
+            m.register_forward_pre_hook(self._start)
+            m.register_forward_hook(self._stop)
+
+    def _start(self, *args) -> None:
+        self._t0 = time.perf_counter()
+
+    def _stop(self, *args) -> None:
+        self.seconds += time.perf_counter() - self._t0
+
+
 @contextmanager
 def _timed(seconds: dict[str, float], name: str):
     """Add the wall time of the block to seconds[name]."""
@@ -212,6 +229,7 @@ def run_train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) 
     if start == 0:
         _log(metrics_file, tb, {"step": 0, "eval_accuracy": history["eval_initial"]["accuracy"],
                                 "eval_reward": history["eval_initial"]["mean_reward"]})
+    forward_clock = _ForwardClock(policy.model, reference.model)
     gen_length = cfg.rollout.gen_length or task.completion_length
     G = cfg.group_size
     est_kw = dict(num_samples=cfg.estimator.num_samples, bos_token_id=policy.tokenizer.bos_token_id,
@@ -222,6 +240,7 @@ def run_train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) 
                disable=not progress)
     for step in bar:
         times: dict[str, float] = {}
+        forward_clock.seconds = 0.0
         t_step = time.perf_counter()
         model.eval()
         # 1-2. prompts and rollouts from θ_old
@@ -321,6 +340,9 @@ def run_train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) 
         row.update(counters)
         row["seconds"] = time.perf_counter() - t_step
         row.update({f"time_{k}": v for k, v in times.items()})
+        row["time_model_forward"] = forward_clock.seconds
+        # The framework's share: time in neither the model's forward nor the backward.
+        row["framework_share"] = 1 - (forward_clock.seconds + times.get("backward", 0.0)) / row["seconds"]
         done = step + 1
         if cfg.eval_every and done % cfg.eval_every == 0 and done != cfg.steps:
             res_e = evaluate(policy, task, eval_problems, cfg.eval_sampling, progress=False)
