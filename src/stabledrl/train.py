@@ -131,18 +131,23 @@ class TrainConfig:
     skip_zero_variance_groups: bool = True
     """Drop groups whose rewards are all equal (zero advantage); counted either way."""
     seed: int = 0
+    """Seeds the prompts, rollouts and masks of every step (a step's draws depend only on (seed, step))."""
     steps: int = 100
     """RL steps (each: rollouts + mu optimizer updates)."""
     prompts_per_step: int = 16
+    """Distinct training problems per step."""
     group_size: int = 8
     """G: completions per prompt."""
     mu: int = 1
     """Inner optimizer iterations per batch of rollouts."""
     lr: float = 1e-5
+    """AdamW learning rate."""
     min_lr_ratio: float = 1.0
     """Final lr / lr (cosine); 1.0 = constant."""
     warmup_steps: int = 0
+    """Linear warmup steps."""
     weight_decay: float = 0.0
+    """AdamW weight decay."""
     grad_clip: float = 1.0
     """Max global gradient norm (the norm before clipping is logged)."""
     eval_every: int = 0
@@ -150,8 +155,11 @@ class TrainConfig:
     eval_n: int = 500
     """Held-out problems (test split, seed 0: the set `stabledrl eval` uses)."""
     save_every: int = 50
+    """Steps between checkpoints (and at the end)."""
     log_every: int = 1
+    """Steps between metric lines (JSONL and TensorBoard)."""
     threads: int | None = None
+    """torch CPU threads; None = torch's default."""
 
     def __post_init__(self) -> None:
         for name in ("steps", "prompts_per_step", "group_size", "mu", "eval_n", "save_every", "log_every"):
