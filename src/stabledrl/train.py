@@ -58,6 +58,17 @@ from stabledrl.tasks import get_task
 __all__ = ["EstimatorConfig", "ObjectiveConfig", "TrainConfig", "run_train"]
 
 
+_SEED_SLOTS = 16  # per step: 0 rollouts, 1 ℓ_old masks, 2 weight masks, 3.. inner-iteration masks
+MAX_MU = _SEED_SLOTS - 3
+
+
+def _seeded(seed: int, step: int, purpose: int) -> torch.Generator:
+    """A generator for one purpose of one step: draws never depend on earlier steps."""
+    if not 0 <= purpose < _SEED_SLOTS:
+        raise ValueError(f"seed slot {purpose} out of range")
+    return torch.Generator().manual_seed(seed * 1_000_003 + step * _SEED_SLOTS + purpose)
+
+
 @dataclass
 class EstimatorConfig:
     """The likelihood estimator ℓ (see stabledrl.likelihood)."""
@@ -164,15 +175,12 @@ class TrainConfig:
     def __post_init__(self) -> None:
         for name in ("steps", "prompts_per_step", "group_size", "mu", "eval_n", "save_every", "log_every"):
             check(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}")
+        check(self.mu <= MAX_MU, f"mu must be at most {MAX_MU} (each inner iteration has its own seed slot)")
         check(self.group_size >= 2, "group_size must be >= 2: advantages compare completions of one prompt")
         check(self.lr > 0, f"lr must be positive, got {self.lr}")
         check(self.rollout.temperature > 0 or self.rollout.remasking == "random",
               "rollout.temperature is 0 with low_confidence remasking: every completion of a group would be "
               "identical; set rollout.temperature > 0")
-
-
-def _seeded(seed: int, step: int, purpose: int) -> torch.Generator:
-    return torch.Generator().manual_seed(seed * 1_000_003 + step * 16 + purpose)
 
 
 class _ForwardClock:
