@@ -78,7 +78,8 @@ def main() -> None:
     out = Path("benchmarks/results") / f"stability-{args.tag}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"args": vars(args), "runs": results}, indent=2))
-    plot_runs(run_dirs, out.with_suffix(".png"))
+    palette = {"grpo": "tab:blue", "stabledrl": "tab:orange"}
+    plot_runs(run_dirs, out.with_suffix(".png"), colors=[palette[r["objective"]] for r in results])
     print(f"wrote {out} and {out.with_suffix('.png')}")
 
 

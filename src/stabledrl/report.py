@@ -30,8 +30,9 @@ def load_metrics(run_dir: str | Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def plot_runs(run_dirs: Sequence[str | Path], out: str | Path) -> Path:
-    """Draw every panel for every run into one PNG at `out`."""
+def plot_runs(run_dirs: Sequence[str | Path], out: str | Path, *, colors: Sequence[str] | None = None) -> Path:
+    """Draw every panel for every run into one PNG at `out`; `colors` (one per run)
+    lets related runs share a colour (e.g. one per objective)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -40,6 +41,9 @@ def plot_runs(run_dirs: Sequence[str | Path], out: str | Path) -> Path:
     if not run_dirs:
         raise ValueError("no run directories given")
     runs = {str(d): load_metrics(d) for d in run_dirs}
+    if colors is not None and len(colors) != len(runs):
+        raise ValueError(f"{len(colors)} colours for {len(runs)} runs")
+    color_of = dict(zip(runs, colors)) if colors is not None else {}
     fig, axes = plt.subplots(2, 3, figsize=(15, 8))
     for ax, (key, title, scale) in zip(axes.flat, PANELS):
         for name, rows in runs.items():
@@ -49,7 +53,7 @@ def plot_runs(run_dirs: Sequence[str | Path], out: str | Path) -> Path:
             if pts:
                 xs, ys = zip(*pts)
                 marker = "o-" if key == "eval_accuracy" or len(xs) <= 30 else "-"  # single points stay visible
-                ax.plot(xs, ys, marker, label=Path(name).name, lw=1.2, ms=3)
+                ax.plot(xs, ys, marker, label=Path(name).name, lw=1.2, ms=3, color=color_of.get(name))
         ax.set(title=title, xlabel="step", yscale=scale)
         ax.grid(alpha=0.3)
     axes.flat[0].legend(fontsize=8)
