@@ -178,6 +178,15 @@ def _random_subsets(scored: torch.Tensor, k: torch.Tensor, generator: torch.Gene
     return rank < k[:, None]
 
 
+def _all_subsets(slots: list[int], k: int, L: int) -> torch.Tensor:
+    """(C(n, k), L) bool: every k-subset of `slots`, one per row."""
+    combos = list(itertools.combinations(slots, k))
+    m = torch.zeros((len(combos), L), dtype=torch.bool)
+    for r, combo in enumerate(combos):
+        m[r, list(combo)] = True
+    return m
+
+
 def _plan_mc(scored, K, masking, stratified, antithetic, generator) -> ViewPlan:
     B, L = scored.shape
     n = scored.sum(1)  # (B,)
@@ -222,9 +231,7 @@ def _plan_sdmc(scored, K, num_nodes, generator) -> ViewPlan:
             k = min(n, max(1, math.floor(t_j * n + 0.5)))  # round half up, whatever n's parity
             subsets = math.comb(n, k)
             if K >= subsets:  # enumerate the node exactly
-                m = torch.zeros((subsets, L), dtype=torch.bool)
-                for r, combo in enumerate(itertools.combinations(slots.tolist(), k)):
-                    m[r, list(combo)] = True
+                m = _all_subsets(slots.tolist(), k, L)
                 reps = subsets
             else:
                 m = _random_subsets(scored[b].expand(K, L), torch.full((K,), k), generator)
@@ -244,13 +251,10 @@ def _plan_exact(scored) -> ViewPlan:
         if n > MAX_EXACT_SLOTS:
             raise ValueError(f"method 'exact' enumerates 2^n masks; row {b} has n={n} > {MAX_EXACT_SLOTS} slots")
         for k in range(1, n + 1):
-            combos = list(itertools.combinations(slots, k))
-            m = torch.zeros((len(combos), L), dtype=torch.bool)
-            for r, combo in enumerate(combos):
-                m[r, list(combo)] = True
-            seqs.append(torch.full((len(combos),), b))
+            m = _all_subsets(slots, k, L)
+            seqs.append(torch.full((len(m),), b))
             masks.append(m)
-            weights.append(torch.full((len(combos),), math.factorial(k - 1) * math.factorial(n - k) / math.factorial(n),
+            weights.append(torch.full((len(m),), math.factorial(k - 1) * math.factorial(n - k) / math.factorial(n),
                                       dtype=torch.float64))
     return ViewPlan(torch.cat(seqs), torch.cat(masks), torch.cat(weights), None, B)
 
