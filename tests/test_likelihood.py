@@ -205,6 +205,15 @@ def test_micro_batches_and_backward_match_one_batch(setup):
                    max_views_per_forward=2)
     for r, p in zip(ref, params):
         assert torch.allclose(r, p.grad, atol=1e-6)
+    # Per-token gradients (token-level ratios): the same identity on est.token.
+    G = torch.randn(c_ids.shape)
+    policy.model.zero_grad()
+    (G * score_views(policy, plan, p_ids, c_ids, c_mask, prompt_mask=p_mask).token).sum().backward()
+    ref = [p.grad.clone() for p in params]
+    policy.model.zero_grad()
+    backward_views(policy, plan, p_ids, c_ids, c_mask, G, prompt_mask=p_mask, max_views_per_forward=3)
+    for r, p in zip(ref, params):
+        assert torch.allclose(r, p.grad, atol=1e-6)
     policy.model.zero_grad()
 
 
@@ -256,7 +265,7 @@ def test_loud_errors(setup):
         estimate(policy, p_ids, c_ids, c_mask, method="exhaustive", generator=gen)
 
     plan = plan_views("mc", c_mask, num_samples=2, generator=gen)
-    with pytest.raises(ValueError, match="grad_sequence"):
+    with pytest.raises(ValueError, match="grad must have shape"):
         backward_views(policy, plan, p_ids, c_ids, c_mask, torch.ones(2, 1))
     with pytest.raises(ValueError, match="reduction"):
         backward_views(policy, plan, p_ids, c_ids, c_mask, torch.ones(2), reduction="avg")

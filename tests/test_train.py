@@ -100,6 +100,26 @@ def test_a_non_finite_loss_is_skipped_and_never_reaches_the_weights(init_model, 
     assert all(torch.equal(before[k], after[k]) for k in before)
 
 
+@pytest.mark.parametrize("objective, estimator", [
+    ({"name": "stabledrl"}, {"method": "mc", "num_samples": 3}),
+    ({"name": "grpo", "ratio_level": "token", "beta": 0.04}, {"method": "mean_field", "num_samples": 1}),
+])
+def test_a_view_budget_gives_the_same_update_with_bounded_memory(init_model, tmp_path, objective, estimator):
+    # Two-pass update (no-grad ℓ, ∂loss/∂ℓ, backward 2 views at a time) vs one graph.
+    outs = []
+    for name, budget in (("whole", None), ("budget", 2)):
+        cfg = _cfg(init_model, tmp_path / name, steps=2, objective=objective,
+                   estimator={**estimator, "max_views_per_forward": budget})
+        run_train(cfg, progress=False)
+        outs.append(load_file(tmp_path / name / "final" / "model.safetensors"))
+    before = load_file(init_model / "model.safetensors")
+    assert any(not torch.equal(before[k], outs[0][k]) for k in before)  # the update is not empty
+    for k in outs[0]:
+        assert torch.allclose(outs[0][k], outs[1][k], atol=1e-5), k
+    flat = [[v for row in _losses(tmp_path / n / "metrics.jsonl") for v in row] for n in ("whole", "budget")]
+    assert flat[0] == pytest.approx(flat[1], rel=1e-4)
+
+
 def test_config_cross_checks():
     with pytest.raises(ConfigError, match="beta"):
         load_config(TrainConfig, {"objective": {"name": "stabledrl", "beta": 0.1}})

@@ -404,27 +404,31 @@ def backward_views(
     prompt_ids: torch.Tensor,
     completion_ids: torch.Tensor,
     completion_mask: torch.Tensor,
-    grad_sequence: torch.Tensor,
+    grad: torch.Tensor,
     *,
     prompt_mask: torch.Tensor | None = None,
     reduction: Literal["sum", "mean"] = "sum",
     max_views_per_forward: int | None = None,
 ) -> None:
-    """Accumulate Σ_b grad_sequence[b] · ∇_θ ℓ_b into the parameters' `.grad`, one
-    micro-batch of views at a time, so memory does not grow with the number of views.
+    """Accumulate the parameters' `.grad` of a loss through ℓ, one micro-batch of views at
+    a time, so memory does not grow with the number of views.
 
-    ℓ is linear in the view terms, so this equals `(grad_sequence * ℓ).sum().backward()`
-    on `score_views(...)` of the same plan. `grad_sequence` (B,) is ∂loss/∂ℓ, computed
-    from a no-grad estimate (ℓ's value does not depend on the chunking)."""
+    `grad` is ∂loss/∂ℓ computed from a no-grad estimate of the same plan: (B,) for the
+    sequence estimate (``reduction`` as scored) or (B, L) for the per-token terms. ℓ is
+    linear in the view terms, so this equals `(grad * ℓ).sum().backward()` on
+    `score_views(...)` of the plan."""
     scored, pm = _check_scoring(policy, plan, prompt_ids, completion_ids, completion_mask, prompt_mask, reduction)
-    if grad_sequence.shape != (completion_ids.size(0),):
-        raise ValueError(f"grad_sequence must have shape ({completion_ids.size(0)},), got {tuple(grad_sequence.shape)}")
-    g = grad_sequence.detach().to(completion_ids.device, torch.float32)  # (B,)
-    if reduction == "mean":
-        g = g / scored.sum(-1)
+    B, L = completion_ids.shape
+    if grad.shape not in ((B,), (B, L)):
+        raise ValueError(f"grad must have shape ({B},) or ({B}, {L}), got {tuple(grad.shape)}")
+    g = grad.detach().to(completion_ids.device, torch.float32)
+    if g.dim() == 1:  # the sequence estimate: every slot of row b carries ∂loss/∂ℓ_b
+        if reduction == "mean":
+            g = g / scored.sum(-1)
+        g = g[:, None].expand(B, L)
     for idx in _chunks(plan.num_views, max_views_per_forward):
-        terms, b = _view_terms(policy, plan, idx, prompt_ids, pm, completion_ids, scored)
-        (terms.sum(-1) * g[b]).sum().backward()
+        terms, b = _view_terms(policy, plan, idx, prompt_ids, pm, completion_ids, scored)  # (n, L), (n,)
+        (terms * g[b]).sum().backward()
 
 
 def estimate(

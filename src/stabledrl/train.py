@@ -48,7 +48,7 @@ from stabledrl.checkpoint import (
 from stabledrl.config import check, to_dict
 from stabledrl.data import decode_completions, encode_prompts
 from stabledrl.evaluate import evaluate
-from stabledrl.likelihood import METHODS, plan_views, score_views
+from stabledrl.likelihood import METHODS, backward_views, plan_views, score_views
 from stabledrl.models.policy import load_policy
 from stabledrl.objectives import group_advantages, grpo_loss, stabledrl_loss
 from stabledrl.sampling import SamplingConfig, generate
@@ -82,7 +82,9 @@ class EstimatorConfig:
     reduction: Literal["sum", "mean"] = "sum"
     """sum: a log-likelihood; mean: per scored token."""
     max_views_per_forward: int | None = None
-    """Micro-batch of noised views per forward (None: all at once)."""
+    """Noised views per forward. None: all at once, one graph for the update. Set: the
+    update scores ℓ without a graph, takes ∂loss/∂ℓ, and back-propagates one micro-batch
+    of views at a time (one extra no-grad forward; memory independent of the views)."""
 
     def __post_init__(self) -> None:
         check(self.method in METHODS, f"estimator.method must be one of {METHODS}")
@@ -251,6 +253,8 @@ def run_train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) 
     est_kw = dict(num_samples=cfg.estimator.num_samples, bos_token_id=policy.tokenizer.bos_token_id,
                   **cfg.estimator.options)
     need_tokens = cfg.objective.ratio_level == "token"
+    # With a view budget, the update never holds more than one micro-batch's graph.
+    two_pass = cfg.estimator.max_views_per_forward is not None
 
     bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, desc=f"train {cfg.objective.name}",
                disable=not progress)
@@ -314,24 +318,35 @@ def run_train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) 
             for it in range(cfg.mu):
                 with _timed(times, "update"):
                     pl = plan_old if cfg.masks == "shared" else plan(3, it)
-                    logp = score(policy, pl)
-                    if cfg.objective.name == "grpo":
-                        res = grpo_loss(logp, old, b_adv, group_size=G, clip_eps=cfg.objective.clip_eps,
-                                        ratio_level=cfg.objective.ratio_level, completion_mask=batch[3],
-                                        ref_logp=ref if cfg.objective.beta else None, beta=cfg.objective.beta)
-                    else:
-                        w_kw = {}
-                        if cfg.objective.separate_weight_masks:
-                            with torch.no_grad():
-                                w_kw = {"weight_logp": score(policy, plan_w), "weight_old_logp": w_old}
-                        res = stabledrl_loss(logp, old, b_adv, group_size=G, clip=cfg.objective.clip,
-                                             clip_max=cfg.objective.clip_max, clip_eps=cfg.objective.clip_eps,
-                                             ratio_level=cfg.objective.ratio_level, completion_mask=batch[3], **w_kw)
+                    w_kw = {}
+                    if cfg.objective.separate_weight_masks:
+                        with torch.no_grad():
+                            w_kw = {"weight_logp": score(policy, plan_w), "weight_old_logp": w_old}
+
+                    def objective(logp):
+                        if cfg.objective.name == "grpo":
+                            return grpo_loss(logp, old, b_adv, group_size=G, clip_eps=cfg.objective.clip_eps,
+                                             ratio_level=cfg.objective.ratio_level, completion_mask=batch[3],
+                                             ref_logp=ref if cfg.objective.beta else None, beta=cfg.objective.beta)
+                        return stabledrl_loss(logp, old, b_adv, group_size=G, clip=cfg.objective.clip,
+                                              clip_max=cfg.objective.clip_max, clip_eps=cfg.objective.clip_eps,
+                                              ratio_level=cfg.objective.ratio_level, completion_mask=batch[3], **w_kw)
+
                     opt.zero_grad(set_to_none=True)
+                    if two_pass:  # ℓ without a graph, ∂loss/∂ℓ, then the backward view batch by view batch
+                        with torch.no_grad():
+                            leaf = score(policy, pl).requires_grad_()
+                        res = objective(leaf)
+                    else:
+                        res = objective(score(policy, pl))
                     finite = bool(torch.isfinite(res.loss))
                     if finite:
                         with _timed(times, "backward"):
                             res.loss.backward()
+                            if two_pass:
+                                backward_views(policy, pl, batch[0], batch[2], batch[3], leaf.grad,
+                                               prompt_mask=batch[1], reduction=cfg.estimator.reduction,
+                                               max_views_per_forward=cfg.estimator.max_views_per_forward)
                         grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip))
                         finite = math.isfinite(grad_norm)
                     else:
