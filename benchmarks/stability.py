@@ -5,7 +5,8 @@
 Runs `configs/countdown-grpo.yaml` and `configs/countdown-stabledrl.yaml` for each seed
 with identical data, estimator, learning rate and μ (any `--set` applies to both), then
 reports per run: the reward curve, gradient spikes (norm before clipping > 5x its running
-median over the previous 10 steps), max and median gradient norm, variance of log ρ, mean
+median over the previous 10 steps), largest finite and median gradient norm, the number
+of steps whose gradient was not finite (skipped by the trainer), variance of log ρ, mean
 bypass fraction, and held-out accuracy before and after. Writes JSON and one figure to
 benchmarks/results/stability-<tag>.{json,png}.
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 from pathlib import Path
 
@@ -34,12 +36,14 @@ def spikes(norms: list[float], factor: float = 5.0, window: int = 10) -> int:
 
 def summarise(run_dir: Path, summary: dict) -> dict:
     rows = [r for r in load_metrics(run_dir) if "grad_norm" in r]
-    norms = [r["grad_norm"] for r in rows if r["grad_norm"] == r["grad_norm"]]  # drop NaN (skipped)
+    finite = [r["grad_norm"] for r in rows if math.isfinite(r["grad_norm"])]
+    norms = [r["grad_norm"] for r in rows if r["grad_norm"] == r["grad_norm"]]  # drop NaN (skipped), keep inf
     return {
         "run": str(run_dir),
         "reward_curve": [r["reward_mean"] for r in load_metrics(run_dir) if "reward_mean" in r],
         "spikes": spikes(norms) if norms else 0,
-        "grad_norm_max": max(norms) if norms else None,
+        "grad_norm_max": max(finite) if finite else None,
+        "grad_norm_nonfinite_steps": len(rows) - len(finite),
         "grad_norm_median": statistics.median(norms) if norms else None,
         "log_ratio_var_mean": statistics.mean(r["log_ratio_std"] ** 2 for r in rows) if rows else None,
         "bypass_fraction_mean": statistics.mean(r["bypass_fraction"] for r in rows) if rows else None,
