@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from stabledrl.data import encode_prompts
-from stabledrl.likelihood import backward_views, plan_views, score_views
+from stabledrl.likelihood import plan_views, score_views
 from stabledrl.models import load_policy
 from stabledrl.sampling import generate
 from stabledrl.tasks import get_task

@@ -31,7 +31,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import torch
 from tqdm.auto import tqdm
@@ -50,7 +50,7 @@ from stabledrl.data import decode_completions, encode_prompts
 from stabledrl.evaluate import evaluate
 from stabledrl.likelihood import METHODS, backward_views, plan_views, score_views
 from stabledrl.models.policy import load_policy
-from stabledrl.objectives import group_advantages, grpo_loss, stabledrl_loss
+from stabledrl.objectives import LossOutput, group_advantages, grpo_loss, stabledrl_loss
 from stabledrl.sampling import SamplingConfig, generate
 from stabledrl.sft import TaskConfig
 from stabledrl.tasks import get_task
@@ -212,6 +212,41 @@ def _timed(seconds: dict[str, float], name: str):
         seconds[name] = seconds.get(name, 0.0) + time.perf_counter() - t0
 
 
+class Rollouts(NamedTuple):
+    """The scored part of a step's rollouts (rows of the kept groups)."""
+
+    prompt_ids: torch.Tensor  # (B', P)
+    prompt_mask: torch.Tensor  # (B', P)
+    completion_ids: torch.Tensor  # (B', L)
+    completion_mask: torch.Tensor  # (B', L) scored slots
+
+
+def _plan(cfg: TrainConfig, batch: Rollouts, step: int, slot: int, bos_token_id: int | None):
+    """The mask plan of one seed slot of one step."""
+    return plan_views(cfg.estimator.method, batch.completion_mask, num_samples=cfg.estimator.num_samples,
+                      generator=_seeded(cfg.seed, step, slot), prompt_ids=batch.prompt_ids,
+                      prompt_mask=batch.prompt_mask, bos_token_id=bos_token_id, **cfg.estimator.options)
+
+
+def _score(cfg: TrainConfig, policy, plan, batch: Rollouts) -> torch.Tensor:
+    """ℓ under `policy`: (B',) sequence estimates, or (B', L) per-token terms for token ratios."""
+    est = score_views(policy, plan, batch.prompt_ids, batch.completion_ids, batch.completion_mask,
+                      prompt_mask=batch.prompt_mask, reduction=cfg.estimator.reduction,
+                      max_views_per_forward=cfg.estimator.max_views_per_forward)
+    return est.token if cfg.objective.ratio_level == "token" else est.sequence
+
+
+def _objective(cfg: TrainConfig, logp, old, advantages, batch: Rollouts, ref, weight_kw: dict) -> LossOutput:
+    o = cfg.objective
+    if o.name == "grpo":
+        return grpo_loss(logp, old, advantages, group_size=cfg.group_size, clip_eps=o.clip_eps,
+                         ratio_level=o.ratio_level, completion_mask=batch.completion_mask,
+                         ref_logp=ref if o.beta else None, beta=o.beta)
+    return stabledrl_loss(logp, old, advantages, group_size=cfg.group_size, clip=o.clip, clip_max=o.clip_max,
+                          clip_eps=o.clip_eps, ratio_level=o.ratio_level, completion_mask=batch.completion_mask,
+                          **weight_kw)
+
+
 def run_train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) -> dict[str, Any]:
     """Train; returns the final held-out evaluation (and the initial one)."""
     from torch.utils.tensorboard import SummaryWriter
@@ -250,8 +285,6 @@ def run_train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) 
     forward_clock = _ForwardClock(policy.model, reference.model)
     gen_length = cfg.rollout.gen_length or task.completion_length
     G = cfg.group_size
-    est_kw = dict(num_samples=cfg.estimator.num_samples, bos_token_id=policy.tokenizer.bos_token_id,
-                  **cfg.estimator.options)
     need_tokens = cfg.objective.ratio_level == "token"
     # With a view budget, the update never holds more than one micro-batch's graph.
     two_pass = cfg.estimator.max_views_per_forward is not None
@@ -288,64 +321,46 @@ def run_train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) 
         }
         if keep_groups.numel() > 0:
             idx = (keep_groups[:, None] * G + torch.arange(G)).flatten()  # (B',) rows of kept groups
-            batch = (p_ids[idx], p_mask[idx], roll.completion_ids[idx], roll.completion_mask[idx])
+            batch = Rollouts(p_ids[idx], p_mask[idx], roll.completion_ids[idx], roll.completion_mask[idx])
             b_adv = adv[idx]
-
-            def plan(purpose: int, inner: int = 0):
-                return plan_views(cfg.estimator.method, batch[3], generator=_seeded(cfg.seed, step, purpose + inner),
-                                  prompt_ids=batch[0], prompt_mask=batch[1], **est_kw)
-
-            def score(pol, pl):
-                est = score_views(pol, pl, batch[0], batch[2], batch[3], prompt_mask=batch[1],
-                                  reduction=cfg.estimator.reduction,
-                                  max_views_per_forward=cfg.estimator.max_views_per_forward)
-                return est.token if need_tokens else est.sequence
+            bos = policy.tokenizer.bos_token_id
 
             # 4. ℓ_old (and ℓ_ref) under no grad
             with _timed(times, "likelihood_old"), torch.no_grad():
-                plan_old = plan(1)
-                old = score(policy, plan_old)
-                ref = score(reference, plan_old)
+                plan_old = _plan(cfg, batch, step, 1, bos)
+                old = _score(cfg, policy, plan_old, batch)
+                ref = _score(cfg, reference, plan_old, batch)
                 # KL(π_old ‖ π_init) ≈ mean over π_old's own samples of ℓ_old − ℓ_init
                 gap = (old - ref).sum(-1) if need_tokens else old - ref  # (B',)
                 row["drift_kl"] = float(gap.mean())
                 if cfg.objective.separate_weight_masks:
-                    plan_w = plan(2)
-                    w_old = score(policy, plan_w)
+                    plan_w = _plan(cfg, batch, step, 2, bos)
+                    w_old = _score(cfg, policy, plan_w, batch)
             # 5. μ inner iterations
             model.train()
             inner_rows = []
             for it in range(cfg.mu):
                 with _timed(times, "update"):
-                    pl = plan_old if cfg.masks == "shared" else plan(3, it)
+                    pl = plan_old if cfg.masks == "shared" else _plan(cfg, batch, step, 3 + it, bos)
                     w_kw = {}
                     if cfg.objective.separate_weight_masks:
                         with torch.no_grad():
-                            w_kw = {"weight_logp": score(policy, plan_w), "weight_old_logp": w_old}
-
-                    def objective(logp):
-                        if cfg.objective.name == "grpo":
-                            return grpo_loss(logp, old, b_adv, group_size=G, clip_eps=cfg.objective.clip_eps,
-                                             ratio_level=cfg.objective.ratio_level, completion_mask=batch[3],
-                                             ref_logp=ref if cfg.objective.beta else None, beta=cfg.objective.beta)
-                        return stabledrl_loss(logp, old, b_adv, group_size=G, clip=cfg.objective.clip,
-                                              clip_max=cfg.objective.clip_max, clip_eps=cfg.objective.clip_eps,
-                                              ratio_level=cfg.objective.ratio_level, completion_mask=batch[3], **w_kw)
-
+                            w_kw = {"weight_logp": _score(cfg, policy, plan_w, batch), "weight_old_logp": w_old}
                     opt.zero_grad(set_to_none=True)
                     if two_pass:  # ℓ without a graph, ∂loss/∂ℓ, then the backward view batch by view batch
                         with torch.no_grad():
-                            leaf = score(policy, pl).requires_grad_()
-                        res = objective(leaf)
+                            leaf = _score(cfg, policy, pl, batch).requires_grad_()
+                        res = _objective(cfg, leaf, old, b_adv, batch, ref, w_kw)
                     else:
-                        res = objective(score(policy, pl))
+                        res = _objective(cfg, _score(cfg, policy, pl, batch), old, b_adv, batch, ref, w_kw)
                     finite = bool(torch.isfinite(res.loss))
                     if finite:
                         with _timed(times, "backward"):
                             res.loss.backward()
                             if two_pass:
-                                backward_views(policy, pl, batch[0], batch[2], batch[3], leaf.grad,
-                                               prompt_mask=batch[1], reduction=cfg.estimator.reduction,
+                                backward_views(policy, pl, batch.prompt_ids, batch.completion_ids,
+                                               batch.completion_mask, leaf.grad, prompt_mask=batch.prompt_mask,
+                                               reduction=cfg.estimator.reduction,
                                                max_views_per_forward=cfg.estimator.max_views_per_forward)
                         grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip))
                         finite = math.isfinite(grad_norm)
