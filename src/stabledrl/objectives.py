@@ -39,7 +39,6 @@ __all__ = [
     "grpo_loss",
     "stabledrl_loss",
     "kl_k3",
-    "OBJECTIVES",
 ]
 
 RatioLevel = Literal["sequence", "sequence_normalized", "token"]
@@ -198,5 +197,3 @@ def stabledrl_loss(
     metrics["ess"] = float((1.0 / (w**2).sum(1)).mean())  # effective sample size, in [1, G]
     return LossOutput(loss, metrics)
 
-
-OBJECTIVES = {"grpo": grpo_loss, "stabledrl": stabledrl_loss}

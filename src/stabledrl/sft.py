@@ -47,7 +47,7 @@ from stabledrl.evaluate import evaluate
 from stabledrl.models.policy import Policy, TinyPolicy
 from stabledrl.models.tiny import TinyDiffusionConfig, TinyDiffusionLM
 from stabledrl.sampling import SamplingConfig
-from stabledrl.tasks import get_task
+from stabledrl.tasks import Task, get_task
 from stabledrl.tokenizer import build_char_tokenizer
 
 __all__ = ["ModelConfig", "TaskConfig", "SFTConfig", "sample_mask_levels", "masked_diffusion_loss", "run_sft"]
@@ -181,9 +181,8 @@ def masked_diffusion_loss(
     return loss, metrics
 
 
-def _new_policy(cfg: SFTConfig) -> TinyPolicy:
+def _new_policy(cfg: SFTConfig, task: Task) -> TinyPolicy:
     tok = build_char_tokenizer()
-    task = get_task(cfg.task.name, **cfg.task.options)
     mc = TinyDiffusionConfig(
         vocab_size=len(tok),
         hidden_size=cfg.model.hidden_size,
@@ -210,7 +209,7 @@ def run_sft(cfg: SFTConfig, *, resume: bool = False, progress: bool = True) -> d
 
     task = get_task(cfg.task.name, **cfg.task.options)
     torch.manual_seed(cfg.seed)  # parameter initialisation only
-    policy = _new_policy(cfg)
+    policy = _new_policy(cfg, task)
     model = policy.model
     model.train()
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
