@@ -6,7 +6,8 @@ import torch
 
 from stabledrl.config import ConfigError, load_config
 from stabledrl.data import encode_completions, encode_prompts
-from stabledrl.sft import SFTConfig, masked_diffusion_loss, run_sft, sample_mask_levels
+from stabledrl.models import block_causal_attention_mask
+from stabledrl.sft import SFTConfig, block_diffusion_loss, masked_diffusion_loss, run_sft, sample_mask_levels
 from stabledrl.tasks import get_task
 from tests.conftest import make_tiny_policy
 
@@ -70,6 +71,31 @@ def test_loss_matches_a_hand_computation():
     nll = -logp.gather(-1, comp[0, :, None]).squeeze(-1)
     expected = (nll * masked[0]).sum() / t / 7
     assert torch.allclose(loss, expected.squeeze(), atol=1e-6)
+
+
+@pytest.mark.parametrize("L", [8, 7])  # S = 3: blocks 3,3,2 and 3,3,1
+def test_block_loss_equals_separate_passes_per_block(L):
+    # The one-pass staircase loss against NB separate passes over [q ; y_<j ; ỹ_j] with
+    # the block-causal mask, on the same levels and masks (same generator state).
+    policy = make_tiny_policy(seed=13, attention_kind="block", block_size=3)
+    p_ids, p_mask = encode_prompts(policy.tokenizer, ["3,5,7=22", "1=1"])  # left-padded
+    comp = encode_completions(policy.tokenizer, ["3*5+7", "1"], L)
+    gen = torch.Generator().manual_seed(6)
+    state = gen.get_state()
+    loss, _ = block_diffusion_loss(policy, p_ids, p_mask, comp, generator=gen, stratified_t=False)
+    gen.set_state(state)
+    B, P, NB = 2, p_ids.size(1), math.ceil(L / 3)
+    t = (1 - (1 - 1e-3) * torch.rand(B * NB, generator=gen)).view(B, NB)
+    masked = torch.rand((B, L), generator=gen) < t.repeat_interleave(3, 1)[:, :L]
+    total = 0.0
+    for j in range(NB):
+        lo, hi = 3 * j, min(L, 3 * j + 3)
+        x = torch.cat([p_ids, comp[:, :lo], comp[:, lo:hi].masked_fill(masked[:, lo:hi], policy.mask_token_id)], 1)
+        pos = (torch.cat([p_mask, torch.ones(B, hi, dtype=torch.long)], 1).cumsum(-1) - 1).clamp(min=0)
+        logp = policy.logits(x, block_causal_attention_mask(p_mask, hi, 3), pos).log_softmax(-1)[:, P + lo:]
+        nll = -logp.gather(-1, comp[:, lo:hi, None]).squeeze(-1)  # (B, W)
+        total = total + ((nll * masked[:, lo:hi]).sum(1) / t[:, j]).sum()
+    assert torch.allclose(loss, total / (B * L), atol=1e-5)
 
 
 def test_a_few_steps_lower_the_loss():

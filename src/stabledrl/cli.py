@@ -39,6 +39,7 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--block-length", type=int, help="semi-autoregressive block size (default: L)")
     g.add_argument("--temperature", type=float, default=0.0, help="Gumbel temperature, 0 = greedy")
     g.add_argument("--remasking", choices=["low_confidence", "random"], default="low_confidence")
+    g.add_argument("--no-kv-cache", action="store_true", help="block models: recompute the prefix every step")
 
 
 def _sampling(args: argparse.Namespace):
@@ -46,7 +47,7 @@ def _sampling(args: argparse.Namespace):
 
     return load_config(SamplingConfig, {
         "gen_length": args.gen_length, "steps": args.steps, "block_length": args.block_length,
-        "temperature": args.temperature, "remasking": args.remasking,
+        "temperature": args.temperature, "remasking": args.remasking, "kv_cache": not args.no_kv_cache,
     })
 
 
@@ -119,9 +120,8 @@ def _cmd_sample(args: argparse.Namespace) -> int:
     prompts = [p for p in args.prompt for _ in range(args.num_samples)]
     ids, mask = encode_prompts(policy.tokenizer, prompts)
     out = generate(
-        policy, ids, mask, gen_length=gen_length, steps=sampling.steps, block_length=sampling.block_length,
-        temperature=sampling.temperature, remasking=sampling.remasking,
-        generator=torch.Generator().manual_seed(args.seed),
+        policy, ids, mask, gen_length=gen_length, generator=torch.Generator().manual_seed(args.seed),
+        **sampling.generate_kwargs(),
     )
     for prompt, text in zip(prompts, decode_completions(policy.tokenizer, out.completion_ids)):
         print(f"{prompt}\t{text}")

@@ -56,8 +56,7 @@ def evaluate(
         ids, mask = encode_prompts(policy.tokenizer, [p.prompt for p in chunk])
         out = generate(
             policy, ids.to(policy.device), mask.to(policy.device),
-            gen_length=gen_length, steps=sampling.steps, block_length=sampling.block_length,
-            temperature=sampling.temperature, remasking=sampling.remasking, generator=generator,
+            gen_length=gen_length, generator=generator, **sampling.generate_kwargs(),
         )
         texts.extend(decode_completions(policy.tokenizer, out.completion_ids.cpu()))
     seconds = time.perf_counter() - t0

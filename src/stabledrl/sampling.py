@@ -32,6 +32,7 @@ import torch
 from stabledrl.config import check
 from stabledrl.data import completion_mask as _completion_mask
 from stabledrl.data import position_ids
+from stabledrl.models.attention import block_causal_attention_mask
 from stabledrl.models.policy import Policy
 
 __all__ = ["SamplingConfig", "GenerationOutput", "generate"]
@@ -51,6 +52,13 @@ class SamplingConfig:
     """Gumbel temperature; 0 = greedy."""
     remasking: Literal["low_confidence", "random"] = "low_confidence"
     """Which masked slots to commit each step."""
+    kv_cache: bool = True
+    """Block models: keep the keys/values of the prompt and finished blocks (same tokens, faster)."""
+
+    def generate_kwargs(self) -> dict:
+        """The keyword arguments of `generate` (all but gen_length and generator)."""
+        return dict(steps=self.steps, block_length=self.block_length, temperature=self.temperature,
+                    remasking=self.remasking, kv_cache=self.kv_cache)
 
     def __post_init__(self) -> None:
         for name in ("gen_length", "steps", "block_length"):
@@ -85,6 +93,70 @@ def _rows_topk(scores: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     return rank < k[:, None]
 
 
+def _pick(
+    logits: torch.Tensor, eligible: torch.Tensor, steps_left: int, temperature: float, remasking: str,
+    generator: torch.Generator | None, banned: list[int],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One denoising step over W columns: (A, W, V) logits and (A, W) eligible slots ->
+    the slots to commit (A, W) bool, their tokens x0 (A, W) and the entropy (A, W)."""
+    logits[..., banned] = -math.inf
+    if temperature > 0:
+        u = torch.rand(logits.shape, generator=generator, device=logits.device, dtype=torch.float64)
+        gumbel = -torch.log(-torch.log(u.clamp_min(1e-300)))
+        x0 = (logits.double() / temperature + gumbel).argmax(-1)  # (A, W)
+    else:
+        x0 = logits.argmax(-1)  # (A, W)
+    if remasking == "low_confidence":
+        score = logits.softmax(-1).gather(-1, x0[..., None]).squeeze(-1)  # (A, W) p(x0)
+    else:
+        score = torch.rand(x0.shape, generator=generator, device=logits.device)
+    score = score.masked_fill(~eligible, -math.inf)
+    k = (eligible.sum(-1) + steps_left - 1) // steps_left  # ceil(masked / steps left), (A,)
+    chosen = _rows_topk(score, k) & eligible  # (A, W)
+    logq = logits.log_softmax(-1)  # (A, W, V)
+    ent = -(logq.exp() * logq.nan_to_num(neginf=0.0)).sum(-1)  # (A, W)
+    return chosen, x0, ent
+
+
+class _Decoding:
+    """The completion being written and its bookkeeping, shared by both samplers."""
+
+    def __init__(self, policy: Policy, B: int, L: int, device: torch.device) -> None:
+        self.mask_id, self.eos_id, self.pad_id = policy.mask_token_id, policy.eos_token_id, policy.pad_token_id
+        self.banned = sorted({self.mask_id, self.pad_id, *policy.tokenizer.all_special_ids} - {self.eos_id})
+        self.comp = torch.full((B, L), self.mask_id, dtype=torch.long, device=device)  # (B, L)
+        self.unmask_step = torch.full((B, L), -1, dtype=torch.long, device=device)
+        self.entropy_sum = torch.zeros(B, device=device)
+        self.committed = torch.zeros(B, device=device)
+        self.passes = 0
+
+    def commit(self, rows: torch.Tensor, cols: slice, chosen, x0, ent, step: int) -> None:
+        """Write the chosen tokens of rows `rows` in columns `cols`; PAD after any EOS."""
+        self.entropy_sum[rows] += (ent * chosen).sum(-1)
+        self.committed[rows] += chosen.sum(-1)
+        comp = self.comp[rows]  # (A, L)
+        comp[:, cols] = torch.where(chosen, x0, comp[:, cols])
+        # After the first EOS only PAD, whether those slots were decoded or not.
+        after_eos = ~_completion_mask(comp, self.eos_id)  # (A, L)
+        self.comp[rows] = comp.masked_fill(after_eos, self.pad_id)
+        newly = after_eos.clone()
+        newly[:, cols] |= chosen
+        stamped = self.unmask_step[rows]  # (A, L); a slot keeps the step it was first filled at
+        self.unmask_step[rows] = torch.where(newly & (stamped < 0), step, stamped)
+
+    def output(self, prompt_ids: torch.Tensor) -> GenerationOutput:
+        if (self.comp == self.mask_id).any():  # cannot happen with the ceil schedule; guard the invariant
+            raise RuntimeError("generation left masks unfilled")
+        return GenerationOutput(
+            sequences=torch.cat([prompt_ids, self.comp], dim=1),
+            completion_ids=self.comp.clone(),
+            completion_mask=_completion_mask(self.comp, self.eos_id),
+            unmask_step=self.unmask_step,
+            forward_passes=self.passes,
+            entropy=self.entropy_sum / self.committed.clamp(min=1),
+        )
+
+
 @torch.no_grad()
 def generate(
     policy: Policy,
@@ -97,16 +169,26 @@ def generate(
     temperature: float = 0.0,
     remasking: Literal["low_confidence", "random"] = "low_confidence",
     generator: torch.Generator | None = None,
+    kv_cache: bool = True,
 ) -> GenerationOutput:
     """Generate `gen_length` tokens after each (left-padded) prompt.
 
     `steps` defaults to `gen_length` (one slot per step); `block_length` defaults to
-    `gen_length` (one block). `generator` is required when sampling is random
-    (temperature > 0 or random remasking).
+    `gen_length` (one block) for full-attention models and must be the model's block
+    size (or None) for block models. `generator` is required when sampling is random
+    (temperature > 0 or random remasking). `kv_cache` (block models with a cache only):
+    keep the keys and values of the prompt and finished blocks instead of recomputing them.
     """
     B, P = prompt_ids.shape
     L = gen_length
     steps = L if steps is None else steps
+    if policy.attention_kind == "block":
+        if block_length not in (None, policy.block_size):
+            raise ValueError(f"a block model decodes in its own blocks of {policy.block_size}; "
+                             f"block_length must be null or {policy.block_size}, got {block_length}")
+        block_length = policy.block_size
+    elif policy.attention_kind != "full":
+        raise NotImplementedError(f"no sampler for attention kind {policy.attention_kind!r}")
     block_length = L if block_length is None else block_length
     if L < 1 or steps < 1 or block_length < 1:
         raise ValueError(f"gen_length, steps and block_length must be >= 1, got {L}, {steps}, {block_length}")
@@ -119,71 +201,81 @@ def generate(
         raise ValueError(f"remasking must be 'low_confidence' or 'random', got {remasking!r}")
     if generator is None and (temperature > 0 or remasking == "random"):
         raise ValueError("random sampling needs an explicit generator=torch.Generator().manual_seed(seed)")
-    if policy.attention_kind != "full":
-        raise NotImplementedError(f"this sampler is for full-attention models, not {policy.attention_kind!r}")
-    device = prompt_ids.device
     if prompt_mask is None:
         prompt_mask = torch.ones_like(prompt_ids)
-
-    mask_id, eos_id, pad_id = policy.mask_token_id, policy.eos_token_id, policy.pad_token_id
-    banned = sorted({mask_id, pad_id, *policy.tokenizer.all_special_ids} - {eos_id})
-    x = torch.cat([prompt_ids, torch.full((B, L), mask_id, dtype=torch.long, device=device)], dim=1)  # (B, P+L)
-    attn = torch.cat([prompt_mask, torch.ones((B, L), dtype=prompt_mask.dtype, device=device)], dim=1)
-    pos = position_ids(attn)  # (B, P+L)
-    comp = x[:, P:]  # (B, L) view: writing it writes x, never the prompt
-    unmask_step = torch.full((B, L), -1, dtype=torch.long, device=device)
-    entropy_sum = torch.zeros(B, device=device)
-    committed = torch.zeros(B, device=device)
-    slot = torch.arange(L, device=device)
     # Steps per block: as even as possible, earlier blocks take the remainder.
     per_block = [steps // num_blocks + (b < steps % num_blocks) for b in range(num_blocks)]
+    dec = _Decoding(policy, B, L, prompt_ids.device)
+    pick = dict(temperature=temperature, remasking=remasking, generator=generator, banned=dec.banned)
+    if policy.attention_kind == "block":
+        _decode_blocks(policy, dec, prompt_ids, prompt_mask, block_length, per_block,
+                       kv_cache and hasattr(policy, "new_cache"), pick)
+    else:
+        _decode_full(policy, dec, prompt_ids, prompt_mask, block_length, per_block, pick)
+    return dec.output(prompt_ids)
+
+
+def _decode_full(policy, dec: _Decoding, prompt_ids, prompt_mask, block_length, per_block, pick) -> None:
+    """Full attention: every step runs the whole [q ; completion] of the rows with work left."""
+    B, P = prompt_ids.shape
+    L = dec.comp.size(1)
+    attn = torch.cat([prompt_mask, torch.ones((B, L), dtype=prompt_mask.dtype, device=prompt_mask.device)], dim=1)
+    pos = position_ids(attn)  # (B, P+L)
+    slot = torch.arange(L, device=prompt_ids.device)
     step = 0
-    passes = 0
-    for b in range(num_blocks):
+    for b, block_steps in enumerate(per_block):
         in_block = (slot >= b * block_length) & (slot < (b + 1) * block_length)  # (L,)
-        for s in range(per_block[b]):
-            eligible = (comp == mask_id) & in_block  # (B, L)
+        for s in range(block_steps):
+            eligible = (dec.comp == dec.mask_id) & in_block  # (B, L)
             active = eligible.any(dim=1).nonzero().squeeze(1)  # rows with work left in this block
             if active.numel() == 0:
-                step += per_block[b] - s
+                step += block_steps - s
                 break
-            logits = policy.logits(x[active], attn[active], pos[active])[:, P:].float()  # (A, L, V)
-            passes += 1
-            logits[..., banned] = -math.inf
-            if temperature > 0:
-                u = torch.rand(logits.shape, generator=generator, device=device, dtype=torch.float64)
-                gumbel = -torch.log(-torch.log(u.clamp_min(1e-300)))
-                x0 = (logits.double() / temperature + gumbel).argmax(-1)  # (A, L)
-            else:
-                x0 = logits.argmax(-1)  # (A, L)
-            if remasking == "low_confidence":
-                score = logits.softmax(-1).gather(-1, x0[..., None]).squeeze(-1)  # (A, L) p(x0)
-            else:
-                score = torch.rand(x0.shape, generator=generator, device=device)
-            elig = eligible[active]  # (A, L)
-            score = score.masked_fill(~elig, -math.inf)
-            left = per_block[b] - s
-            k = (elig.sum(-1) + left - 1) // left  # ceil(masked / steps left), (A,)
-            chosen = _rows_topk(score, k) & elig  # (A, L)
-            logq = logits.log_softmax(-1)  # (A, L, V)
-            ent = -(logq.exp() * logq.nan_to_num(neginf=0.0)).sum(-1)  # (A, L)
-            entropy_sum[active] += (ent * chosen).sum(-1)
-            committed[active] += chosen.sum(-1)
-            rows = comp[active]
-            rows = torch.where(chosen, x0, rows)
-            # After the first EOS only PAD, whether those slots were decoded or not.
-            after_eos = ~_completion_mask(rows, eos_id)  # (A, L)
-            comp[active] = rows.masked_fill(after_eos, pad_id)
-            stamped = unmask_step[active]  # (A, L); a slot keeps the step it was first filled at
-            unmask_step[active] = torch.where((chosen | after_eos) & (stamped < 0), step, stamped)
+            x = torch.cat([prompt_ids[active], dec.comp[active]], dim=1)  # (A, P+L)
+            logits = policy.logits(x, attn[active], pos[active])[:, P:].float()  # (A, L, V)
+            dec.passes += 1
+            chosen, x0, ent = _pick(logits, eligible[active], block_steps - s, **pick)
+            dec.commit(active, slice(None), chosen, x0, ent, step)
             step += 1
-    if (comp == mask_id).any():  # cannot happen with the ceil schedule; guard the invariant
-        raise RuntimeError("generation left masks unfilled")
-    return GenerationOutput(
-        sequences=x,
-        completion_ids=comp.clone(),
-        completion_mask=_completion_mask(comp, eos_id),
-        unmask_step=unmask_step,
-        forward_passes=passes,
-        entropy=entropy_sum / committed.clamp(min=1),
-    )
+
+
+def _decode_blocks(policy, dec: _Decoding, prompt_ids, prompt_mask, S, per_block, use_cache, pick) -> None:
+    """Block diffusion: block b is denoised attending to the prompt and the clean blocks
+    < b, then frozen. With the cache, the prompt and each finished block are run once
+    and their keys/values kept, and a step feeds only the current block; without it,
+    each step runs [q ; y_<b ; block b] under the block-causal mask. Same mathematics."""
+    B, P = prompt_ids.shape
+    L = dec.comp.size(1)
+    device = prompt_ids.device
+    keys = torch.cat([prompt_mask.bool(), torch.ones((B, L), dtype=torch.bool, device=device)], dim=1)  # (B, P+L)
+    pos = position_ids(torch.cat([prompt_mask, torch.ones_like(dec.comp)], dim=1))  # (B, P+L)
+    rows = torch.arange(B, device=device)
+    cache = None
+    if use_cache:
+        cache = policy.new_cache()
+        policy.logits(prompt_ids, keys[:, None, :P].expand(B, P, P), pos[:, :P], cache=cache, extend_cache=True)
+        dec.passes += 1
+    step = 0
+    for b, block_steps in enumerate(per_block):
+        lo, hi = b * S, min(L, (b + 1) * S)
+        cols = slice(lo, hi)
+        for s in range(block_steps):
+            eligible = dec.comp[:, cols] == dec.mask_id  # (B, W)
+            if not eligible.any():
+                step += block_steps - s
+                break
+            if use_cache:  # the block attends to every cached key and to itself
+                mask = keys[:, None, : P + hi].expand(B, hi - lo, P + hi)  # (B, W, P+hi)
+                logits = policy.logits(dec.comp[:, cols], mask, pos[:, P + lo : P + hi], cache=cache)
+            else:
+                x = torch.cat([prompt_ids, dec.comp[:, :hi]], dim=1)  # (B, P+hi)
+                mask = block_causal_attention_mask(prompt_mask, hi, S)  # (B, P+hi, P+hi)
+                logits = policy.logits(x, mask, pos[:, : P + hi])[:, P + lo :]
+            dec.passes += 1
+            chosen, x0, ent = _pick(logits.float(), eligible, block_steps - s, **pick)
+            dec.commit(rows, cols, chosen, x0, ent, step)
+            step += 1
+        if use_cache and hi < L and (dec.comp[:, hi:] == dec.mask_id).any():  # freeze the clean block
+            mask = keys[:, None, : P + hi].expand(B, hi - lo, P + hi)
+            policy.logits(dec.comp[:, cols], mask, pos[:, P + lo : P + hi], cache=cache, extend_cache=True)
+            dec.passes += 1

@@ -11,6 +11,13 @@ answer ends. Deviations, both variance reductions that keep t's marginal U(t_min
 t is stratified across the batch (t_b = 1 - (1 - t_min) frac(u + b / B)), and t_min = 1e-3
 keeps 1/t finite.
 
+Block models (``model.attention_kind: block``) train with the one-pass block-diffusion
+loss of BD3-LM (Arriola et al. 2025, Eq. 8 with the vectorised [x_t ; x] input): the
+input is [q ; y ; ỹ] under the staircase mask (`stabledrl.models.attention`), each block
+of ỹ noised at its own level t, and every block's term is read from ỹ in the same pass:
+
+    L = -(1 / (B L)) Σ_b Σ_blocks j (1 / t_bj) Σ_{i in block j, masked} log p_θ(y_i | ỹ_j, y_<j, q).
+
 The loop: fresh training problems each step (the task's train split, seeded by step),
 AdamW with warmup and cosine decay, gradient clipping, JSONL metrics, a progress bar,
 atomic checkpoints with exact resume, held-out evaluation, and the final model saved to
@@ -44,13 +51,22 @@ from stabledrl.checkpoint import (
 from stabledrl.config import check, to_dict
 from stabledrl.data import encode_completions, encode_prompts, position_ids
 from stabledrl.evaluate import evaluate
+from stabledrl.models.attention import staircase_attention_mask, staircase_position_ids
 from stabledrl.models.policy import Policy, TinyPolicy
 from stabledrl.models.tiny import TinyDiffusionConfig, TinyDiffusionLM
 from stabledrl.sampling import SamplingConfig
 from stabledrl.tasks import Task, get_task
 from stabledrl.tokenizer import build_char_tokenizer
 
-__all__ = ["ModelConfig", "TaskConfig", "SFTConfig", "sample_mask_levels", "masked_diffusion_loss", "run_sft"]
+__all__ = [
+    "ModelConfig",
+    "TaskConfig",
+    "SFTConfig",
+    "sample_mask_levels",
+    "masked_diffusion_loss",
+    "block_diffusion_loss",
+    "run_sft",
+]
 
 
 @dataclass
@@ -69,6 +85,9 @@ class ModelConfig:
     """full: bidirectional (masked diffusion). block: block-causal (block diffusion)."""
     block_size: int | None = None
     """Block size S for attention_kind 'block'."""
+    init_from: str | None = None
+    """A saved model whose weights start the training (same sizes; the attention kind may
+    differ, e.g. a block model initialised from a full-attention one). None = random."""
 
     def __post_init__(self) -> None:
         check(self.hidden_size > 0 and self.num_layers > 0 and self.num_heads > 0,
@@ -181,6 +200,39 @@ def masked_diffusion_loss(
     return loss, metrics
 
 
+def block_diffusion_loss(
+    policy: Policy,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    completion_ids: torch.Tensor,
+    *,
+    generator: torch.Generator,
+    t_min: float = 1e-3,
+    stratified_t: bool = True,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """The one-pass block-diffusion SFT loss of the module docstring; returns (loss, metrics)."""
+    B, L = completion_ids.shape
+    S = policy.block_size
+    if policy.attention_kind != "block" or not S:
+        raise ValueError("block_diffusion_loss needs a block-attention policy with a block_size")
+    NB = math.ceil(L / S)
+    device = completion_ids.device
+    t_blocks = sample_mask_levels(B * NB, generator=generator, t_min=t_min, stratified=stratified_t, device=device)
+    t = t_blocks.view(B, NB).repeat_interleave(S, dim=1)[:, :L]  # (B, L) the level of each slot's block
+    masked = torch.rand((B, L), generator=generator, device=device) < t  # (B, L)
+    noisy = completion_ids.masked_fill(masked, policy.mask_token_id)  # (B, L)
+    x = torch.cat([prompt_ids, completion_ids, noisy], dim=1)  # (B, P+2L)
+    attn = staircase_attention_mask(prompt_mask, L, S)  # (B, P+2L, P+2L)
+    logits = policy.logits(x, attn, staircase_position_ids(prompt_mask, L))[:, -L:]  # (B, L, V) read at ỹ
+    nll = F.cross_entropy(logits.float().transpose(1, 2), completion_ids, reduction="none")  # (B, L)
+    loss = (nll * masked / t).sum() / (B * L)
+    with torch.no_grad():
+        n_masked = masked.sum().clamp(min=1)
+        acc = ((logits.argmax(-1) == completion_ids) & masked).sum() / n_masked
+        metrics = {"masked_nll": float((nll * masked).sum() / n_masked), "masked_acc": float(acc)}
+    return loss, metrics
+
+
 def _new_policy(cfg: SFTConfig, task: Task) -> TinyPolicy:
     tok = build_char_tokenizer()
     mc = TinyDiffusionConfig(
@@ -197,7 +249,14 @@ def _new_policy(cfg: SFTConfig, task: Task) -> TinyPolicy:
         bos_token_id=tok.bos_token_id,
         eos_token_id=tok.eos_token_id,
     )
-    return TinyPolicy(TinyDiffusionLM(mc), tok)
+    model = TinyDiffusionLM(mc)
+    if cfg.model.init_from:
+        init = TinyDiffusionLM.from_pretrained(cfg.model.init_from)
+        try:
+            model.load_state_dict(init.state_dict())
+        except RuntimeError as e:
+            raise ValueError(f"model.init_from {cfg.model.init_from}: its weights do not fit this model.* size ({e})")
+    return TinyPolicy(model, tok)
 
 
 def run_sft(cfg: SFTConfig, *, resume: bool = False, progress: bool = True) -> dict[str, Any]:
@@ -232,6 +291,7 @@ def run_sft(cfg: SFTConfig, *, resume: bool = False, progress: bool = True) -> d
         truncate_metrics(out / "metrics.jsonl", start)
 
     eval_problems = task.generate(cfg.eval_n, split="test", seed=0)
+    loss_fn = block_diffusion_loss if cfg.model.attention_kind == "block" else masked_diffusion_loss
     metrics_file = open(out / "metrics.jsonl", "a")
     tokens = 0
     t0 = time.perf_counter()
@@ -240,7 +300,7 @@ def run_sft(cfg: SFTConfig, *, resume: bool = False, progress: bool = True) -> d
         problems = task.generate(cfg.batch_size, split="train", seed=cfg.seed * 1_000_003 + step)
         p_ids, p_mask = encode_prompts(policy.tokenizer, [p.prompt for p in problems])
         c_ids = encode_completions(policy.tokenizer, [p.answer for p in problems], task.completion_length)
-        loss, m = masked_diffusion_loss(
+        loss, m = loss_fn(
             policy, p_ids, p_mask, c_ids, generator=gen, t_min=cfg.t_min, stratified_t=cfg.stratified_t
         )
         loss_value = loss.item()

@@ -301,9 +301,8 @@ def run_train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) 
             problems = task.generate(cfg.prompts_per_step, split="train", seed=cfg.seed * 1_000_003 + step)
             group_problems = [p for p in problems for _ in range(G)]
             p_ids, p_mask = encode_prompts(policy.tokenizer, [p.prompt for p in group_problems])
-            roll = generate(policy, p_ids, p_mask, gen_length=gen_length, steps=cfg.rollout.steps,
-                            block_length=cfg.rollout.block_length, temperature=cfg.rollout.temperature,
-                            remasking=cfg.rollout.remasking, generator=_seeded(cfg.seed, step, 0))
+            roll = generate(policy, p_ids, p_mask, gen_length=gen_length, generator=_seeded(cfg.seed, step, 0),
+                            **cfg.rollout.generate_kwargs())
             texts = decode_completions(policy.tokenizer, roll.completion_ids)
         # 3. rewards and advantages
         rewards = torch.tensor(task.reward(texts, group_problems), dtype=torch.float32)

@@ -74,7 +74,33 @@ def test_load_policy_rejects_a_directory_without_a_model(tmp_path):
         load_policy(tmp_path)
 
 
-def test_block_attention_is_refused_until_it_exists():
-    cfg = TinyDiffusionConfig(attention_kind="block", block_size=4)
-    with pytest.raises(NotImplementedError, match="full"):
-        TinyDiffusionLM(cfg)
+def test_block_model_refuses_a_mask_that_cannot_say_where_blocks_are():
+    # A 2-D key-padding mask (or none) would let every token see later blocks.
+    policy = make_tiny_policy(attention_kind="block", block_size=2)
+    x = torch.randint(5, len(policy.tokenizer), (1, 6))
+    for am in (None, torch.ones_like(x)):
+        with pytest.raises(ValueError, match="block_causal_attention_mask"):
+            policy.logits(x, am)
+
+
+def test_kv_cache_gives_the_same_logits_as_the_full_pass():
+    # Prefix (left-padded) cached, then a 3-token chunk attending to it and itself: the
+    # chunk's logits equal those of one pass over prefix + chunk with the same mask.
+    policy = make_tiny_policy(seed=5)
+    B, Tp, T = 2, 6, 3
+    x = torch.randint(5, len(policy.tokenizer), (B, Tp + T))
+    keys = torch.ones(B, Tp + T, dtype=torch.bool)
+    keys[0, :2] = False  # row 0 left-padded by two
+    full_mask = keys[:, None, :].expand(B, Tp + T, Tp + T).clone()
+    full_mask[:, :Tp, Tp:] = False  # the prefix does not see the chunk (as when it was cached)
+    pos = (keys.long().cumsum(-1) - 1).clamp(min=0)
+    reference = policy.logits(x, full_mask, pos)
+    cache = policy.new_cache()
+    prefix = policy.logits(x[:, :Tp], full_mask[:, :Tp, :Tp], pos[:, :Tp], cache=cache, extend_cache=True)
+    assert len(cache) == Tp
+    chunk = policy.logits(x[:, Tp:], full_mask[:, Tp:], pos[:, Tp:], cache=cache)
+    assert len(cache) == Tp  # not extended
+    assert torch.allclose(prefix[0, 2:], reference[0, 2:Tp], atol=1e-5)
+    assert torch.allclose(chunk, reference[:, Tp:], atol=1e-5)
+    policy.logits(x[:, Tp:], full_mask[:, Tp:], pos[:, Tp:], cache=cache, extend_cache=True)
+    assert len(cache) == Tp + T

@@ -1,6 +1,25 @@
 """Models behind one policy interface (SPEC §5)."""
 
+from stabledrl.models.attention import (
+    block_causal_attention_mask,
+    block_causal_mask,
+    staircase_attention_mask,
+    staircase_mask,
+    staircase_position_ids,
+)
 from stabledrl.models.policy import Policy, TinyPolicy, load_policy
-from stabledrl.models.tiny import TinyDiffusionConfig, TinyDiffusionLM
+from stabledrl.models.tiny import KVCache, TinyDiffusionConfig, TinyDiffusionLM
 
-__all__ = ["Policy", "TinyPolicy", "load_policy", "TinyDiffusionConfig", "TinyDiffusionLM"]
+__all__ = [
+    "Policy",
+    "TinyPolicy",
+    "load_policy",
+    "TinyDiffusionConfig",
+    "TinyDiffusionLM",
+    "KVCache",
+    "block_causal_mask",
+    "staircase_mask",
+    "block_causal_attention_mask",
+    "staircase_attention_mask",
+    "staircase_position_ids",
+]

@@ -4,6 +4,10 @@ A policy gives logits for a batch of (possibly noised) token sequences, with
 ``logits[:, i]`` predicting token ``i``; knows its mask token (required, never guessed);
 and says which attention it uses: ``full`` (LLaDA, Dream, MDLM) or ``block`` with a block
 size (SDAR, BD3-LM). Adapters for real checkpoints implement the same protocol.
+
+A block policy takes a boolean (B, T, T) mask (`stabledrl.models.attention`). One that can
+cache keys and values also has ``new_cache()`` and accepts ``cache=`` and
+``extend_cache=`` in `logits`; the block sampler uses them when present.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from typing import Literal, Protocol, runtime_checkable
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
-from stabledrl.models.tiny import TinyDiffusionLM
+from stabledrl.models.tiny import KVCache, TinyDiffusionLM
 
 __all__ = ["Policy", "TinyPolicy", "load_policy"]
 
@@ -73,8 +77,19 @@ class TinyPolicy:
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
+        *,
+        cache: KVCache | None = None,
+        extend_cache: bool = False,
     ) -> torch.Tensor:
-        return self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
+        """Logits of `input_ids`; with `cache`, the new tokens also attend to the cached
+        ones (the mask's first columns), and `extend_cache` appends them to it."""
+        return self.model(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+            past_key_values=cache, extend_cache=extend_cache,
+        ).logits
+
+    def new_cache(self) -> KVCache:
+        return KVCache()
 
     def save(self, path: str | Path) -> None:
         self.model.save_pretrained(path)

@@ -1,10 +1,21 @@
 """A tiny masked-diffusion transformer: the embedded default model and the test model.
 
-Bidirectional (or, later, block-causal) transformer: token embedding, RoPE, RMSNorm,
-SwiGLU MLP, `F.scaled_dot_product_attention`. A `transformers.PreTrainedModel`, so
-`save_pretrained` / `from_pretrained`, peft and accelerate work unchanged.
+Transformer with token embedding, RoPE, RMSNorm, SwiGLU MLP and
+`F.scaled_dot_product_attention`. A `transformers.PreTrainedModel`, so `save_pretrained` /
+`from_pretrained`, peft and accelerate work unchanged.
 
-Shapes: B batch, T sequence length, D model width, H heads, Dh = D / H head width,
+Two attention kinds, set in the config:
+- ``full``: bidirectional (masked diffusion: LLaDA, MDLM). A 2-D key-padding mask is enough.
+- ``block``: block diffusion (BD3-LM, SDAR). The weights are the same; what makes it a
+  block model is the mask, and the model cannot guess where the prompt ends, so it
+  requires an explicit boolean mask (`stabledrl.models.attention`: block-causal for
+  [q ; y], staircase for [q ; y ; ỹ]) and refuses a 2-D one rather than attend to
+  future blocks.
+
+`KVCache` holds the rotated keys and values of tokens already processed (the prompt and
+finished blocks) so that the block sampler feeds only the current block.
+
+Shapes: B batch, T new tokens, Tc cached tokens, D model width, H heads, Dh = D / H,
 V vocabulary.
 """
 
@@ -18,7 +29,7 @@ from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 from transformers.modeling_outputs import MaskedLMOutput
 
-__all__ = ["TinyDiffusionConfig", "TinyDiffusionLM"]
+__all__ = ["TinyDiffusionConfig", "TinyDiffusionLM", "KVCache"]
 
 
 class TinyDiffusionConfig(PretrainedConfig):
@@ -81,6 +92,17 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
 
 
+class KVCache:
+    """Per-layer keys and values (B, H, Tc, Dh) of the tokens processed so far."""
+
+    def __init__(self) -> None:
+        self.layers: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def __len__(self) -> int:
+        """Tc, the number of cached positions."""
+        return self.layers[0][0].size(2) if self.layers else 0
+
+
 class _Block(nn.Module):
     def __init__(self, cfg: TinyDiffusionConfig) -> None:
         super().__init__()
@@ -93,16 +115,19 @@ class _Block(nn.Module):
         self.down = nn.Linear(cfg.intermediate_size, d, bias=False)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn_mask: torch.Tensor | None
-    ) -> torch.Tensor:
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn_mask: torch.Tensor | None,
+        past: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         B, T, D = x.shape
         q, k, v = self.qkv(self.attn_norm(x)).split(D, dim=-1)  # 3 x (B, T, D)
         q, k, v = (z.view(B, T, self.n_head, D // self.n_head).transpose(1, 2) for z in (q, k, v))  # (B, H, T, Dh)
         q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+        if past is not None:
+            k, v = torch.cat([past[0], k], dim=2), torch.cat([past[1], v], dim=2)  # (B, H, Tc+T, Dh)
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)  # (B, H, T, Dh)
         x = x + self.proj(y.transpose(1, 2).reshape(B, T, D))
         gate, up = self.gate_up(self.mlp_norm(x)).chunk(2, dim=-1)  # 2 x (B, T, I)
-        return x + self.down(F.silu(gate) * up)
+        return x + self.down(F.silu(gate) * up), (k, v)
 
 
 class TinyDiffusionLM(PreTrainedModel):
@@ -113,10 +138,6 @@ class TinyDiffusionLM(PreTrainedModel):
     _supports_sdpa = True
 
     def __init__(self, config: TinyDiffusionConfig) -> None:
-        if config.attention_kind != "full":
-            # The config reserves 'block'; the block-causal model is not built yet, and
-            # silently running full attention instead would leak future blocks.
-            raise NotImplementedError("TinyDiffusionLM supports attention_kind='full' only for now")
         super().__init__(config)
         self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
         self.blocks = nn.ModuleList(_Block(config) for _ in range(config.num_hidden_layers))
@@ -143,34 +164,61 @@ class TinyDiffusionLM(PreTrainedModel):
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
+        past_key_values: KVCache | None = None,
+        extend_cache: bool = False,
         **kwargs,
     ) -> MaskedLMOutput:
-        """`attention_mask`: (B, T) with 1 for real tokens (key padding), or a boolean
-        (B, T, T) / (B, 1, T, T) mask, True where query i may attend to key j.
+        """`attention_mask`: (B, T) with 1 for real tokens (key padding; full attention
+        only), or a boolean (B, T, Tc+T) / (B, 1, T, Tc+T) mask, True where query i may
+        attend to key j (the Tc cached keys first).
         `position_ids`: (B, T); by default counted over the real tokens, so left padding
-        does not shift positions. `labels` (B, T) with -100 for ignored positions gives
-        the mean cross-entropy as `loss` (no diffusion weighting: see `stabledrl.sft`)."""
+        does not shift positions; required with a cache.
+        `past_key_values`: a `KVCache` whose keys the new tokens may attend to; with
+        `extend_cache` the new tokens' keys and values are appended to it.
+        `labels` (B, T) with -100 for ignored positions gives the mean cross-entropy as
+        `loss` (no diffusion weighting: see `stabledrl.sft`)."""
         B, T = input_ids.shape
+        cached = past_key_values is not None and len(past_key_values) > 0
+        Tc = len(past_key_values) if cached else 0
+        if self.config.attention_kind == "block" and (attention_mask is None or attention_mask.dim() == 2):
+            raise ValueError(
+                "a block-attention model needs an explicit boolean (B, T, T) attention mask: build it with "
+                "stabledrl.models.attention.block_causal_attention_mask (for [q ; y]) or "
+                "staircase_attention_mask (for [q ; y ; ỹ])"
+            )
+        if cached and position_ids is None:
+            raise ValueError("position_ids are required with a KV cache")
         mask = None
         if attention_mask is not None:
             if attention_mask.dim() == 2:
-                keep = attention_mask.bool()  # (B, T)
-                mask = keep[:, None, :].expand(B, T, T)  # (B, T, T)
+                keep = attention_mask.bool()  # (B, Tc+T)
+                if keep.size(1) != Tc + T:
+                    raise ValueError(f"a 2-D attention_mask needs Tc+T = {Tc + T} columns, got {keep.size(1)}")
+                mask = keep[:, None, :].expand(B, T, Tc + T)  # (B, T, Tc+T)
                 if position_ids is None:
                     position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
             else:
-                mask = attention_mask.bool().view(B, T, T)
+                mask = attention_mask.bool().reshape(B, T, Tc + T)
             # A query with no key to attend to (a padding row) would make SDPA return
             # NaN; letting every token see itself keeps padding rows finite and unused.
-            mask = mask | torch.eye(T, dtype=torch.bool, device=input_ids.device)
-            mask = mask[:, None]  # (B, 1, T, T)
+            eye = torch.eye(T, dtype=torch.bool, device=input_ids.device)
+            mask = mask | torch.cat([eye.new_zeros(T, Tc), eye], dim=1)
+            mask = mask[:, None]  # (B, 1, T, Tc+T)
+        elif cached:
+            raise ValueError("an attention_mask is required with a KV cache")
         if position_ids is None:
             position_ids = torch.arange(T, device=input_ids.device).expand(B, T)
         angles = position_ids[:, None, :, None].float() * self.inv_freq  # (B, 1, T, Dh/2)
         cos, sin = angles.cos(), angles.sin()
         x = self.embed(input_ids)  # (B, T, D)
-        for block in self.blocks:
-            x = block(x, cos, sin, mask)
+        new_layers = []
+        for i, block in enumerate(self.blocks):
+            x, kv = block(x, cos, sin, mask, past_key_values.layers[i] if cached else None)
+            new_layers.append(kv)
+        if extend_cache:
+            if past_key_values is None:
+                raise ValueError("extend_cache needs a KVCache in past_key_values")
+            past_key_values.layers = new_layers
         logits = self.lm_head(self.norm(x))  # (B, T, V)
         loss = None
         if labels is not None:
