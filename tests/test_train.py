@@ -129,3 +129,32 @@ def test_config_cross_checks():
         load_config(TrainConfig, {"group_size": 1})
     with pytest.raises(ConfigError, match="ratio_level"):
         load_config(TrainConfig, {"objective": {"name": "stabledrl", "ratio_level": "token"}})
+
+
+@pytest.fixture(scope="module")
+def block_model(tmp_path_factory):
+    path = tmp_path_factory.mktemp("init-block") / "model"
+    make_tiny_policy(seed=42, attention_kind="block", block_size=4).save(path)
+    return path
+
+
+@pytest.mark.parametrize("objective, options", [
+    ({"name": "stabledrl"}, {"inner": "mc", "stratified": True}),
+    ({"name": "grpo", "ratio_level": "sequence_normalized"}, {"inner": "sdmc", "num_nodes": 2}),
+])
+def test_a_block_model_trains_with_the_blockwise_estimator(block_model, tmp_path, objective, options):
+    cfg = _cfg(block_model, tmp_path / "run", steps=2, objective=objective,
+               estimator={"method": "blockwise", "num_samples": 2, "options": options})
+    summary = run_train(cfg, progress=False)
+    before = load_file(block_model / "model.safetensors")
+    after = load_file(tmp_path / "run" / "final" / "model.safetensors")
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+    assert summary["skipped_steps"] == 0
+
+
+def test_estimator_and_model_kind_must_match_at_start_up(init_model, block_model, tmp_path):
+    with pytest.raises(ConfigError, match="blockwise"):
+        run_train(_cfg(block_model, tmp_path / "a"), progress=False)
+    with pytest.raises(ConfigError, match="blockwise"):
+        run_train(_cfg(init_model, tmp_path / "b", estimator={"method": "blockwise"}), progress=False)
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()  # refused before any run directory

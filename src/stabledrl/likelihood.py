@@ -1,4 +1,4 @@
-"""Likelihood estimators for diffusion LMs (SPEC §3): mc, sdmc, mean_field.
+"""Likelihood estimators for diffusion LMs (SPEC §3): mc, sdmc, mean_field, blockwise.
 
 A dLLM's log π(y|q) is intractable; RL needs an estimate ℓ(y). Every estimator here is
 model-agnostic: it decides *which noised views* of each completion to score (a
@@ -44,6 +44,19 @@ Methods (n = the number of scored slots of a sequence, K = `num_samples`):
   completion slot masked, each real prompt token (not BOS) masked i.i.d. with
   probability ``p_prompt``; one view per sequence; ℓ = Σ_i log p(y_i | q̃, all masked).
   Biased — it is the baseline.
+- ``blockwise``: for block-diffusion models (BD3-LM, Arriola et al. 2025; StableDRL's
+  block extension): ℓ(y) = Σ_j ELBO_j(y_j | y_<j, q), each block's term an ELBO of that
+  block's scored slots given the clean earlier blocks. A view noises every block at once
+  (``inner="mc"``: k_j ~ U{1..n_j} slots of block j, weight n_j/k_j, optionally
+  stratified across the K views; ``inner="sdmc"``: the Gauss–Legendre node t of the
+  view, k_j = max(1, ⌊t n_j + ½⌋), weight w n_j/k_j; ``inner="exact"``: every subset
+  of every block, the reference) and is scored in one pass over [q ; y ; ỹ] under the
+  staircase mask (`stabledrl.models.attention`): noisy block j sees only the prompt, the
+  clean blocks < j and itself, so all blocks' terms come from the same forward pass.
+  Weights are per slot (one per block) instead of per view.
+
+The full-attention methods refuse block models and ``blockwise`` refuses full-attention
+ones: a wrong pairing would score a likelihood the model does not define.
 
 Shapes: B batch, P prompt columns, L completion slots, V vocabulary, Nv views,
 K samples, N quadrature nodes.
@@ -60,6 +73,7 @@ import numpy as np
 import torch
 
 from stabledrl.data import position_ids
+from stabledrl.models.attention import staircase_attention_mask, staircase_position_ids
 from stabledrl.models.policy import Policy
 
 __all__ = [
@@ -73,8 +87,8 @@ __all__ = [
     "METHODS",
 ]
 
-Method = Literal["mc", "sdmc", "mean_field", "exact"]
-METHODS: tuple[str, ...] = ("mc", "sdmc", "mean_field", "exact")
+Method = Literal["mc", "sdmc", "mean_field", "exact", "blockwise"]
+METHODS: tuple[str, ...] = ("mc", "sdmc", "mean_field", "exact", "blockwise")
 MAX_EXACT_SLOTS = 16
 
 
@@ -88,13 +102,16 @@ class ViewPlan:
     """(Nv, L) bool: the slots whose log-probability the view counts. For ELBO views
     these are exactly the slots replaced by the mask token."""
     weight: torch.Tensor
-    """(Nv,) float64 weight of the view's masked log-probabilities."""
+    """(Nv,) float64 weight of the view's masked log-probabilities, or (Nv, L) one per
+    slot (blockwise: each block has its own weight)."""
     prompt_masked: torch.Tensor | None
     """(Nv, P) bool: prompt tokens replaced by the mask token (mean_field only)."""
     batch_size: int
     """B."""
     mask_whole_completion: bool = False
     """mean_field: every completion slot is replaced by the mask token, not only `masked`."""
+    block_size: int | None = None
+    """blockwise: views are scored in one staircase pass over [q ; y ; ỹ] with blocks of this size."""
 
     @property
     def num_views(self) -> int:
@@ -273,11 +290,80 @@ def _plan_mean_field(scored, prompt_mask, prompt_ids, bos_token_id, p_prompt, ge
                     mask_whole_completion=True)
 
 
+def _plan_blockwise(scored, K, block_size, inner, num_nodes, stratified, generator) -> ViewPlan:
+    B, L = scored.shape
+    NB = math.ceil(L / block_size)
+    blocks = [slice(j * block_size, min(L, (j + 1) * block_size)) for j in range(NB)]
+    n = torch.stack([scored[:, blk].sum(1) for blk in blocks], dim=1)  # (B, NB) scored slots per block
+    if inner == "exact":
+        return _plan_blockwise_exact(scored, blocks, n, block_size)
+    if inner == "mc":
+        reps = K
+        u = _uniforms(B * NB, K, stratified, generator).view(B, NB, K)  # (B, NB, K) one level per block and view
+        k = torch.ceil(u * n[..., None]).long().clamp(min=1).minimum(n[..., None].clamp(min=1))  # (B, NB, K)
+        k = k.permute(0, 2, 1)  # (B, K, NB)
+        view_w = torch.full((B, K, NB), 1.0 / K, dtype=torch.float64)
+    elif inner == "sdmc":
+        nodes, node_w = gauss_legendre(num_nodes)
+        reps = num_nodes * K
+        t = torch.tensor(nodes, dtype=torch.float64).repeat_interleave(K)  # (N·K,) the node of each view
+        k = torch.floor(t[None, :, None] * n[:, None, :] + 0.5).long().clamp(min=1)  # (B, N·K, NB)
+        k = k.minimum(n[:, None, :].clamp(min=1))
+        view_w = torch.tensor(node_w, dtype=torch.float64).repeat_interleave(K)[None, :, None] / K
+        view_w = view_w.expand(B, reps, NB)
+    else:
+        raise ValueError(f"blockwise inner must be 'mc', 'sdmc' or 'exact', got {inner!r}")
+    seq = torch.arange(B).repeat_interleave(reps)  # (Nv,)
+    masked = torch.zeros((B * reps, L), dtype=torch.bool)
+    weight = torch.zeros((B * reps, L), dtype=torch.float64)
+    for j, blk in enumerate(blocks):
+        kj = k[:, :, j].flatten()  # (Nv,)
+        nj = n[seq, j]  # (Nv,)
+        sub = _random_subsets(scored[seq, blk], kj, generator) & (nj > 0)[:, None]  # (Nv, W)
+        masked[:, blk] = sub
+        w = torch.where(nj > 0, nj.double() / kj.double(), 0.0) * view_w[:, :, j].flatten()
+        weight[:, blk] = w[:, None]
+    return ViewPlan(seq, masked, weight, None, B, block_size=block_size)
+
+
+def _plan_blockwise_exact(scored, blocks, n, block_size) -> ViewPlan:
+    """Every non-empty subset of every block, with the exact-ELBO weights; view r carries
+    the r-th subset of each block (blocks with fewer subsets are left clean: a noisy block
+    is invisible to the other blocks, so they can share views)."""
+    B, L = scored.shape
+    if int(n.max()) > MAX_EXACT_SLOTS:
+        raise ValueError(f"inner 'exact' enumerates 2^n masks per block; a block has n={int(n.max())} > "
+                         f"{MAX_EXACT_SLOTS} slots")
+    seqs, masks, weights = [], [], []
+    for b in range(B):
+        per_block = []
+        for blk in blocks:
+            slots = scored[b, blk].nonzero().flatten().add(blk.start).tolist()
+            m = len(slots)
+            rows = [(_all_subsets(slots, kk, L), math.factorial(kk - 1) * math.factorial(m - kk) / math.factorial(m))
+                    for kk in range(1, m + 1)]
+            per_block.append(rows)
+        nv = max(sum(len(r[0]) for r in rows) for rows in per_block)
+        mb = torch.zeros((nv, L), dtype=torch.bool)
+        wb = torch.zeros((nv, L), dtype=torch.float64)
+        for blk, rows in zip(blocks, per_block):
+            r0 = 0
+            for subsets, w in rows:
+                mb[r0 : r0 + len(subsets), blk] = subsets[:, blk]
+                wb[r0 : r0 + len(subsets), blk] = w
+                r0 += len(subsets)
+        seqs.append(torch.full((nv,), b))
+        masks.append(mb)
+        weights.append(wb)
+    return ViewPlan(torch.cat(seqs), torch.cat(masks), torch.cat(weights), None, B, block_size=block_size)
+
+
 _OPTIONS = {
     "mc": {"masking": "count", "stratified": False, "antithetic": False},
     "sdmc": {"num_nodes": 2},
     "mean_field": {"p_prompt": 0.15},
     "exact": {},
+    "blockwise": {"inner": "mc", "num_nodes": 2, "stratified": False},
 }
 
 
@@ -290,14 +376,16 @@ def plan_views(
     prompt_ids: torch.Tensor | None = None,
     prompt_mask: torch.Tensor | None = None,
     bos_token_id: int | None = None,
+    block_size: int | None = None,
     **options,
 ) -> ViewPlan:
     """Draw the noised views of `method` for completions with scored slots
     `completion_mask` (B, L). The same generator state gives the same plan.
+    `block_size` is the block model's S (blockwise only).
 
     Options by method (an option another method takes is an error, not ignored):
     mc: masking ("count" | "bernoulli"), stratified, antithetic; sdmc: num_nodes;
-    mean_field: p_prompt."""
+    mean_field: p_prompt; blockwise: inner ("mc" | "sdmc" | "exact"), num_nodes, stratified."""
     if method not in _OPTIONS:
         raise ValueError(f"unknown method {method!r}; choose one of {METHODS}")
     unknown = set(options) - set(_OPTIONS[method])
@@ -307,6 +395,10 @@ def plan_views(
     scored = completion_mask.bool().cpu()
     if num_samples < 1:
         raise ValueError(f"num_samples must be >= 1, got {num_samples}")
+    if method == "blockwise" and block_size is None:
+        raise ValueError("method 'blockwise' needs block_size (the block model's S)")
+    if method != "blockwise" and block_size is not None:
+        raise ValueError(f"block_size is for method 'blockwise', not {method!r}")
     if method == "mc":
         return _plan_mc(scored, num_samples, opts["masking"], opts["stratified"], opts["antithetic"],
                         _need_generator(generator, method))
@@ -314,6 +406,11 @@ def plan_views(
         return _plan_sdmc(scored, num_samples, opts["num_nodes"], _need_generator(generator, method))
     if method == "exact":
         return _plan_exact(scored)
+    if method == "blockwise":
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        gen = None if opts["inner"] == "exact" else _need_generator(generator, "blockwise")
+        return _plan_blockwise(scored, num_samples, block_size, opts["inner"], opts["num_nodes"], opts["stratified"], gen)
     # mean_field
     p_prompt = opts["p_prompt"]
     if prompt_ids is None:
@@ -343,18 +440,32 @@ def _view_terms(
     prm = prompt_ids[b]  # (n, P)
     if plan.prompt_masked is not None:
         prm = prm.masked_fill(plan.prompt_masked[idx].to(device), policy.mask_token_id)
-    x = torch.cat([prm, comp], dim=1)  # (n, P+L)
-    attn = torch.cat([prompt_mask[b], torch.ones_like(comp)], dim=1)
-    logits = policy.logits(x, attn, position_ids(attn))[:, prm.size(1):].float()  # (n, L, V)
+    L = comp.size(1)
+    if plan.block_size is not None:  # one staircase pass over [q ; y ; ỹ], logits read at ỹ
+        x = torch.cat([prm, completion_ids[b], comp], dim=1)  # (n, P+2L)
+        attn = staircase_attention_mask(prompt_mask[b], L, plan.block_size)  # (n, P+2L, P+2L)
+        logits = policy.logits(x, attn, staircase_position_ids(prompt_mask[b], L))[:, -L:].float()  # (n, L, V)
+    else:
+        x = torch.cat([prm, comp], dim=1)  # (n, P+L)
+        attn = torch.cat([prompt_mask[b], torch.ones_like(comp)], dim=1)
+        logits = policy.logits(x, attn, position_ids(attn))[:, prm.size(1):].float()  # (n, L, V)
     logp = torch.log_softmax(logits, dim=-1).gather(-1, completion_ids[b][..., None]).squeeze(-1)  # (n, L)
-    w = plan.weight[idx].to(device=device, dtype=logp.dtype)  # (n,)
-    terms = torch.where(counted & completion_mask[b], logp, torch.zeros_like(logp)) * w[:, None]
+    w = plan.weight[idx].to(device=device, dtype=logp.dtype)  # (n,) or (n, L)
+    w = w if w.dim() == 2 else w[:, None]
+    terms = torch.where(counted & completion_mask[b], logp, torch.zeros_like(logp)) * w
     return terms, b
 
 
 def _check_scoring(policy, plan, prompt_ids, completion_ids, completion_mask, prompt_mask, reduction):
     if reduction not in ("sum", "mean"):
         raise ValueError(f"reduction must be 'sum' or 'mean', got {reduction!r}")
+    kind = getattr(policy, "attention_kind", "full")
+    if plan.block_size is None and kind == "block":
+        raise ValueError("a block-diffusion policy needs the 'blockwise' estimator (its likelihood is a sum of "
+                         "per-block terms over the staircase); full-attention plans do not apply")
+    if plan.block_size is not None and (kind != "block" or plan.block_size != policy.block_size):
+        raise ValueError(f"a blockwise plan with block size {plan.block_size} needs a block policy with the same "
+                         f"block size (this one: {kind}, block size {getattr(policy, 'block_size', None)})")
     if plan.batch_size != completion_ids.size(0):
         raise ValueError(f"the plan is for {plan.batch_size} sequences, got {completion_ids.size(0)}")
     scored = _check_inputs(policy, prompt_ids, completion_ids, completion_mask, prompt_mask)
@@ -452,11 +563,15 @@ def estimate(
     per model — or pass generators in the same state.
     """
     _check_inputs(policy, prompt_ids, completion_ids, completion_mask, prompt_mask)
+    if method == "blockwise" and getattr(policy, "attention_kind", "full") != "block":
+        raise ValueError("method 'blockwise' needs a block policy (attention_kind 'block'); use mc, sdmc, "
+                         "mean_field or exact for full-attention models")
     plan = plan_views(
         method, completion_mask, num_samples=num_samples, generator=generator, prompt_ids=prompt_ids,
-        prompt_mask=prompt_mask, bos_token_id=getattr(policy.tokenizer, "bos_token_id", None), **options,
+        prompt_mask=prompt_mask, bos_token_id=getattr(policy.tokenizer, "bos_token_id", None),
+        block_size=policy.block_size if method == "blockwise" else None, **options,
     )
-    if method == "exact" and max_views_per_forward is None:
+    if (method == "exact" or options.get("inner") == "exact") and max_views_per_forward is None:
         max_views_per_forward = 4096  # up to 2^16 views per sequence: never all at once
     return score_views(
         policy, plan, prompt_ids, completion_ids, completion_mask, prompt_mask=prompt_mask,

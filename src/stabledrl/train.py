@@ -45,7 +45,7 @@ from stabledrl.checkpoint import (
     truncate_metrics,
     write_atomic,
 )
-from stabledrl.config import check, to_dict
+from stabledrl.config import ConfigError, check, to_dict
 from stabledrl.data import decode_completions, encode_prompts
 from stabledrl.evaluate import evaluate
 from stabledrl.likelihood import METHODS, backward_views, plan_views, score_views
@@ -73,12 +73,14 @@ def _seeded(seed: int, step: int, purpose: int) -> torch.Generator:
 class EstimatorConfig:
     """The likelihood estimator ℓ (see stabledrl.likelihood)."""
 
-    method: Literal["mc", "sdmc", "mean_field", "exact"] = "mc"
-    """mc (ELBO), sdmc (GDPO), mean_field (d1), exact (enumeration, tiny L only)."""
+    method: Literal["mc", "sdmc", "mean_field", "exact", "blockwise"] = "mc"
+    """mc (ELBO), sdmc (GDPO), mean_field (d1), exact (enumeration, tiny L only); blockwise
+    for block-diffusion models (per-block ELBO terms in one staircase pass)."""
     num_samples: int = 1
     """K: masks per sequence (per node for sdmc)."""
     options: dict[str, Any] = field(default_factory=dict)
-    """Method options: mc: masking, stratified, antithetic; sdmc: num_nodes; mean_field: p_prompt."""
+    """Method options: mc: masking, stratified, antithetic; sdmc: num_nodes; mean_field: p_prompt;
+    blockwise: inner (mc | sdmc | exact), num_nodes, stratified."""
     reduction: Literal["sum", "mean"] = "sum"
     """sum: a log-likelihood; mean: per scored token."""
     max_views_per_forward: int | None = None
@@ -221,11 +223,13 @@ class Rollouts(NamedTuple):
     completion_mask: torch.Tensor  # (B', L) scored slots
 
 
-def _plan(cfg: TrainConfig, batch: Rollouts, step: int, slot: int, bos_token_id: int | None):
+def _plan(cfg: TrainConfig, batch: Rollouts, step: int, slot: int, policy):
     """The mask plan of one seed slot of one step."""
+    block_size = policy.block_size if cfg.estimator.method == "blockwise" else None
     return plan_views(cfg.estimator.method, batch.completion_mask, num_samples=cfg.estimator.num_samples,
                       generator=_seeded(cfg.seed, step, slot), prompt_ids=batch.prompt_ids,
-                      prompt_mask=batch.prompt_mask, bos_token_id=bos_token_id, **cfg.estimator.options)
+                      prompt_mask=batch.prompt_mask, bos_token_id=policy.tokenizer.bos_token_id,
+                      block_size=block_size, **cfg.estimator.options)
 
 
 def _score(cfg: TrainConfig, policy, plan, batch: Rollouts) -> torch.Tensor:
@@ -247,12 +251,24 @@ def _objective(cfg: TrainConfig, logp, old, advantages, batch: Rollouts, ref, we
                           **weight_kw)
 
 
+def _check_estimator_fits_model(cfg: TrainConfig) -> None:
+    """At start-up, not mid-run: block models need the blockwise estimator and only they take it."""
+    config_file = Path(cfg.model) / "config.json"
+    if not config_file.is_file():
+        raise FileNotFoundError(f"model {cfg.model} is not a saved model directory (no config.json)")
+    kind = json.loads(config_file.read_text()).get("attention_kind", "full")
+    if (kind == "block") != (cfg.estimator.method == "blockwise"):
+        raise ConfigError(f"estimator.method {cfg.estimator.method!r} does not fit the {kind}-attention model "
+                          f"{cfg.model}: use 'blockwise' for block models and mc, sdmc, mean_field or exact otherwise")
+
+
 def run_train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) -> dict[str, Any]:
     """Train; returns the final held-out evaluation (and the initial one)."""
     from torch.utils.tensorboard import SummaryWriter
 
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
+    _check_estimator_fits_model(cfg)
     out = Path(cfg.output_dir)
     ckpt = open_run_dir(out, to_dict(cfg), resume=resume)
 
@@ -322,25 +338,24 @@ def run_train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) 
             idx = (keep_groups[:, None] * G + torch.arange(G)).flatten()  # (B',) rows of kept groups
             batch = Rollouts(p_ids[idx], p_mask[idx], roll.completion_ids[idx], roll.completion_mask[idx])
             b_adv = adv[idx]
-            bos = policy.tokenizer.bos_token_id
 
             # 4. ℓ_old (and ℓ_ref) under no grad
             with _timed(times, "likelihood_old"), torch.no_grad():
-                plan_old = _plan(cfg, batch, step, 1, bos)
+                plan_old = _plan(cfg, batch, step, 1, policy)
                 old = _score(cfg, policy, plan_old, batch)
                 ref = _score(cfg, reference, plan_old, batch)
                 # KL(π_old ‖ π_init) ≈ mean over π_old's own samples of ℓ_old − ℓ_init
                 gap = (old - ref).sum(-1) if need_tokens else old - ref  # (B',)
                 row["drift_kl"] = float(gap.mean())
                 if cfg.objective.separate_weight_masks:
-                    plan_w = _plan(cfg, batch, step, 2, bos)
+                    plan_w = _plan(cfg, batch, step, 2, policy)
                     w_old = _score(cfg, policy, plan_w, batch)
             # 5. μ inner iterations
             model.train()
             inner_rows = []
             for it in range(cfg.mu):
                 with _timed(times, "update"):
-                    pl = plan_old if cfg.masks == "shared" else _plan(cfg, batch, step, 3 + it, bos)
+                    pl = plan_old if cfg.masks == "shared" else _plan(cfg, batch, step, 3 + it, policy)
                     w_kw = {}
                     if cfg.objective.separate_weight_masks:
                         with torch.no_grad():

@@ -1,0 +1,27 @@
+"""Every shipped preset loads into its dataclass and points at a model that ships."""
+
+from pathlib import Path
+
+import pytest
+
+from stabledrl.config import load_config
+from stabledrl.sft import SFTConfig
+from stabledrl.train import TrainConfig
+
+CONFIGS = sorted((Path(__file__).parents[1] / "configs").glob("*.yaml"))
+
+
+def test_there_are_presets():
+    assert len(CONFIGS) >= 8
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_preset_loads_and_its_model_exists(path):
+    root = Path(__file__).parents[1]
+    if path.name.startswith("sft-"):
+        cfg = load_config(SFTConfig, path)
+        if cfg.model.init_from:
+            assert (root / cfg.model.init_from / "config.json").is_file()
+    else:
+        cfg = load_config(TrainConfig, path)
+        assert (root / cfg.model / "config.json").is_file(), f"{path.name}: {cfg.model} does not ship"
