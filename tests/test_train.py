@@ -158,3 +158,59 @@ def test_estimator_and_model_kind_must_match_at_start_up(init_model, block_model
     with pytest.raises(ConfigError, match="blockwise"):
         run_train(_cfg(init_model, tmp_path / "b", estimator={"method": "blockwise"}), progress=False)
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()  # refused before any run directory
+
+
+class _RuledTask:
+    """Countdown whose reward is decided by the prompt: an 'informative' problem's group
+    gets rewards 0, 1, 0, 1, ... (by row), any other group all zeros (zero variance)."""
+
+    def __init__(self):
+        from stabledrl.tasks import get_task
+
+        self.inner = get_task("countdown")
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    @staticmethod
+    def informative(problem) -> bool:
+        import hashlib
+
+        return int(hashlib.sha256(problem.prompt.encode()).hexdigest(), 16) % 3 == 0
+
+    def reward(self, texts, problems):
+        return [float(k % 2) if self.informative(p) else 0.0 for k, p in enumerate(problems)]
+
+
+@pytest.mark.parametrize("mode, rounds", [("keep", 0), ("skip", 0), ("resample", 3)])
+@pytest.mark.filterwarnings("ignore:Detected call of")  # a step with no group left runs no optimizer step
+def test_zero_variance_groups_are_kept_skipped_or_resampled(init_model, tmp_path, monkeypatch, mode, rounds):
+    task = _RuledTask()
+    monkeypatch.setattr(train_mod, "get_task", lambda name, **kw: task)
+    P = 6
+    cfg = _cfg(init_model, tmp_path / mode, steps=2, prompts_per_step=P, group_size=2, mu=1, save_every=5,
+               zero_variance_groups=mode, max_resample_rounds=rounds)
+    summary = run_train(cfg, progress=False)
+    rows = [json.loads(x) for x in (tmp_path / mode / "metrics.jsonl").read_text().splitlines() if '"loss"' in x
+            or '"groups_used"' in x]
+    assert len(rows) == 2
+    # The bookkeeping again, by hand: the same problems as the trainer draws.
+    zero, resampled = 0, 0
+    for step, row in enumerate(rows):
+        first = task.generate(P, split="train", seed=step)
+        good = sum(map(task.informative, first))
+        zero += P - good
+        used = P if mode == "keep" else good
+        for r in range(rounds):
+            missing = P - used
+            if missing <= 0:
+                break
+            extra = task.generate(missing, split="train", seed=train_mod._resample_seed(0, step, r))
+            e_good = sum(map(task.informative, extra))
+            zero += missing - e_good
+            resampled += missing
+            used += e_good
+        assert row["groups_used"] == used
+    assert summary["zero_variance_groups"] == zero and summary["resampled_groups"] == resampled
+    if mode == "resample":
+        assert resampled > 0 and rows[0]["groups_used"] > sum(map(task.informative, task.generate(P, seed=0)))

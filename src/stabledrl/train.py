@@ -4,8 +4,9 @@ One step, top to bottom:
 
 1. prompts: `prompts_per_step` training problems, each repeated `group_size` (G) times;
 2. rollouts: masked-diffusion sampling from the current policy (θ_old), seeded per step;
-3. rewards → group advantages; groups whose rewards are all equal carry no signal and
-   are dropped when `skip_zero_variance_groups` (counted either way);
+3. rewards → group advantages; groups whose rewards are all equal carry no signal:
+   kept, dropped, or dropped and replaced by groups of fresh prompts (`zero_variance_groups`:
+   keep | skip | resample, DAPO's dynamic sampling); counted in every mode;
 4. ℓ_old = the likelihood estimate of each rollout under θ_old, no grad, from a mask plan
    drawn from a per-step generator (and ℓ_ref under the initial policy when β > 0 or
    for the drift diagnostic, on the same plan);
@@ -143,8 +144,12 @@ class TrainConfig:
     """Sampling of the held-out evaluation (greedy by default, as `stabledrl eval`)."""
     masks: Literal["shared", "independent"] = "shared"
     """shared: ℓ_θ on ℓ_old's masks (common random numbers); independent: fresh masks."""
-    skip_zero_variance_groups: bool = True
-    """Drop groups whose rewards are all equal (zero advantage); counted either way."""
+    zero_variance_groups: Literal["keep", "skip", "resample"] = "skip"
+    """Groups whose rewards are all equal (zero advantage, no signal): keep them, skip them,
+    or skip them and roll out fresh prompts to refill the step (up to max_resample_rounds);
+    counted in every mode."""
+    max_resample_rounds: int = 2
+    """resample: extra rollout rounds per step at most (each costs a rollout of the missing groups)."""
     seed: int = 0
     """Seeds the prompts, rollouts and masks of every step (a step's draws depend only on (seed, step))."""
     steps: int = 100
@@ -177,6 +182,7 @@ class TrainConfig:
     """torch CPU threads; None = torch's default."""
 
     def __post_init__(self) -> None:
+        check(self.max_resample_rounds >= 0, f"max_resample_rounds must be >= 0, got {self.max_resample_rounds}")
         for name in ("steps", "prompts_per_step", "group_size", "mu", "eval_n", "save_every", "log_every"):
             check(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}")
         check(self.mu <= MAX_MU, f"mu must be at most {MAX_MU} (each inner iteration has its own seed slot)")
@@ -221,6 +227,60 @@ class Rollouts(NamedTuple):
     prompt_mask: torch.Tensor  # (B', P)
     completion_ids: torch.Tensor  # (B', L)
     completion_mask: torch.Tensor  # (B', L) scored slots
+
+
+class _Groups(NamedTuple):
+    """Rollouts of whole groups: G consecutive rows per problem."""
+
+    problems: list  # (n,) one per group
+    prompt_ids: torch.Tensor  # (n·G, P) left-padded
+    prompt_mask: torch.Tensor  # (n·G, P)
+    completion_ids: torch.Tensor  # (n·G, L)
+    completion_mask: torch.Tensor  # (n·G, L)
+    rewards: torch.Tensor  # (n, G)
+    entropy: torch.Tensor  # (n·G,)
+
+    def flat(self) -> torch.Tensor:
+        """(n,) True where every reward of the group is equal."""
+        return (self.rewards == self.rewards[:, :1]).all(1)
+
+    def select(self, groups: torch.Tensor) -> "_Groups":
+        G = self.rewards.size(1)
+        rows = (groups[:, None] * G + torch.arange(G)).flatten()  # (n'·G,)
+        return _Groups([self.problems[i] for i in groups.tolist()], self.prompt_ids[rows], self.prompt_mask[rows],
+                       self.completion_ids[rows], self.completion_mask[rows], self.rewards[groups], self.entropy[rows])
+
+
+def _left_pad(x: torch.Tensor, width: int, value: int) -> torch.Tensor:
+    return torch.cat([x.new_full((x.size(0), width - x.size(1)), value), x], dim=1)
+
+
+def _concat(parts: list[_Groups], pad_token_id: int) -> _Groups:
+    """Groups of several rollout rounds in one batch (prompts re-padded to the widest)."""
+    if len(parts) == 1:
+        return parts[0]
+    width = max(p.prompt_ids.size(1) for p in parts)
+    return _Groups([q for p in parts for q in p.problems],
+                   torch.cat([_left_pad(p.prompt_ids, width, pad_token_id) for p in parts]),
+                   torch.cat([_left_pad(p.prompt_mask, width, 0) for p in parts]),
+                   *(torch.cat([getattr(p, f) for p in parts]) for f in ("completion_ids", "completion_mask",
+                                                                         "rewards", "entropy")))
+
+
+def _roll_groups(cfg: TrainConfig, policy, task, problems: list, generator: torch.Generator, gen_length: int) -> _Groups:
+    """G rollouts per problem from the current policy, and their rewards."""
+    G = cfg.group_size
+    group_problems = [p for p in problems for _ in range(G)]
+    p_ids, p_mask = encode_prompts(policy.tokenizer, [p.prompt for p in group_problems])
+    roll = generate(policy, p_ids, p_mask, gen_length=gen_length, generator=generator, **cfg.rollout.generate_kwargs())
+    texts = decode_completions(policy.tokenizer, roll.completion_ids)
+    rewards = torch.tensor(task.reward(texts, group_problems), dtype=torch.float32).view(-1, G)  # (n, G)
+    return _Groups(list(problems), p_ids, p_mask, roll.completion_ids, roll.completion_mask, rewards, roll.entropy)
+
+
+def _resample_seed(seed: int, step: int, round_: int) -> int:
+    """Prompts and rollouts of resampling round r: a stream apart from the `_seeded` slots."""
+    return 2**48 + (seed * 1_000_003 + step) * 64 + round_
 
 
 def _plan(cfg: TrainConfig, batch: Rollouts, step: int, slot: int, policy):
@@ -280,13 +340,14 @@ def run_train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) 
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     sched = get_cosine_with_min_lr_schedule_with_warmup(opt, cfg.warmup_steps, cfg.steps, min_lr_rate=cfg.min_lr_ratio)
     start = 0
-    counters = {"skipped_steps": 0, "zero_variance_groups": 0}
+    counters = {"skipped_steps": 0, "zero_variance_groups": 0, "resampled_groups": 0}
     history: dict[str, Any] = {}
     if ckpt is not None:
         state = load_trainer_state(ckpt)
         opt.load_state_dict(state["optimizer"])
         sched.load_state_dict(state["scheduler"])
-        start, counters, history = state["step"], state["counters"], state["history"]
+        start, history = state["step"], state["history"]
+        counters.update(state["counters"])
         truncate_metrics(out / "metrics.jsonl", start)
 
     eval_problems = task.generate(cfg.eval_n, split="test", seed=0)
@@ -315,29 +376,39 @@ def run_train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) 
         # 1-2. prompts and rollouts from θ_old
         with _timed(times, "rollout"):
             problems = task.generate(cfg.prompts_per_step, split="train", seed=cfg.seed * 1_000_003 + step)
-            group_problems = [p for p in problems for _ in range(G)]
-            p_ids, p_mask = encode_prompts(policy.tokenizer, [p.prompt for p in group_problems])
-            roll = generate(policy, p_ids, p_mask, gen_length=gen_length, generator=_seeded(cfg.seed, step, 0),
-                            **cfg.rollout.generate_kwargs())
-            texts = decode_completions(policy.tokenizer, roll.completion_ids)
-        # 3. rewards and advantages
-        rewards = torch.tensor(task.reward(texts, group_problems), dtype=torch.float32)
-        adv = group_advantages(rewards, G, cfg.objective.advantage_scale)
-        r_groups = rewards.view(-1, G)
-        flat = (r_groups == r_groups[:, :1]).all(1)  # (P,) every reward equal
-        counters["zero_variance_groups"] += int(flat.sum())
-        keep_groups = (~flat).nonzero().flatten() if cfg.skip_zero_variance_groups else torch.arange(len(problems))
+            first = _roll_groups(cfg, policy, task, problems, _seeded(cfg.seed, step, 0), gen_length)
+            # 3. groups with zero reward variance: keep, skip, or replace by fresh ones
+            flat = first.flat()  # (P,)
+            counters["zero_variance_groups"] += int(flat.sum())
+            if cfg.zero_variance_groups == "keep":
+                groups = first
+            else:
+                parts = [first.select((~flat).nonzero().flatten())]
+            if cfg.zero_variance_groups == "resample":
+                for r in range(cfg.max_resample_rounds):
+                    missing = cfg.prompts_per_step - sum(len(p.problems) for p in parts)
+                    if missing <= 0:
+                        break
+                    seed_r = _resample_seed(cfg.seed, step, r)
+                    extra = _roll_groups(cfg, policy, task, task.generate(missing, split="train", seed=seed_r),
+                                         torch.Generator().manual_seed(seed_r), gen_length)
+                    e_flat = extra.flat()
+                    counters["zero_variance_groups"] += int(e_flat.sum())
+                    counters["resampled_groups"] += missing
+                    parts.append(extra.select((~e_flat).nonzero().flatten()))
+            if cfg.zero_variance_groups != "keep":
+                groups = _concat(parts, policy.pad_token_id)
+        rewards = first.rewards.flatten()  # (P·G,) the step's on-policy statistics come from the first round
         row: dict[str, Any] = {
             "step": step + 1, "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()),
             "accuracy_train": float((rewards == 1.0).float().mean()),
-            "completion_length": float(roll.completion_mask.sum(1).float().mean()),
-            "entropy": float(roll.entropy.mean()), "zero_variance_fraction": float(flat.float().mean()),
-            "groups_used": int(keep_groups.numel()), "lr": sched.get_last_lr()[0],
+            "completion_length": float(first.completion_mask.sum(1).float().mean()),
+            "entropy": float(first.entropy.mean()), "zero_variance_fraction": float(flat.float().mean()),
+            "groups_used": len(groups.problems), "lr": sched.get_last_lr()[0],
         }
-        if keep_groups.numel() > 0:
-            idx = (keep_groups[:, None] * G + torch.arange(G)).flatten()  # (B',) rows of kept groups
-            batch = Rollouts(p_ids[idx], p_mask[idx], roll.completion_ids[idx], roll.completion_mask[idx])
-            b_adv = adv[idx]
+        if groups.problems:
+            batch = Rollouts(groups.prompt_ids, groups.prompt_mask, groups.completion_ids, groups.completion_mask)
+            b_adv = group_advantages(groups.rewards.flatten(), G, cfg.objective.advantage_scale)  # (B',)
 
             # 4. ℓ_old (and ℓ_ref) under no grad
             with _timed(times, "likelihood_old"), torch.no_grad():
