@@ -2,7 +2,8 @@
 
     python benchmarks/stability.py --seeds 0 1 2 --steps 100 --lr 1e-4 --set estimator.num_samples=1
 
-Runs `configs/countdown-grpo.yaml` and `configs/countdown-stabledrl.yaml` for each seed
+Runs `configs/<preset>-grpo.yaml` and `configs/<preset>-stabledrl.yaml` for each seed
+(`--preset countdown`, the default, or `countdown-block` for the block-diffusion model)
 with identical data, estimator, learning rate and μ (any `--set` applies to both), then
 reports per run: the reward curve, gradient spikes (norm before clipping > 5x its running
 median over the previous 10 steps), largest finite and median gradient norm, the number
@@ -58,6 +59,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--set", action="append", default=[], help="override for both objectives")
+    ap.add_argument("--preset", default="countdown", help="configs/<preset>-{grpo,stabledrl}.yaml")
     ap.add_argument("--tag", default="default")
     ap.add_argument("--runs-dir", default="runs/stability")
     args = ap.parse_args()
@@ -66,7 +68,7 @@ def main() -> None:
     for seed in args.seeds:
         for name in ("grpo", "stabledrl"):
             out = Path(args.runs_dir) / args.tag / f"{name}-seed{seed}"
-            cfg = load_config(TrainConfig, f"configs/countdown-{name}.yaml",
+            cfg = load_config(TrainConfig, f"configs/{args.preset}-{name}.yaml",
                               [f"output_dir={out}", f"seed={seed}", f"steps={args.steps}", f"lr={args.lr}",
                                "save_every=1000000", *args.set])
             if (out / "summary.json").is_file():  # finished earlier: reuse it
