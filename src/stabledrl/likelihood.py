@@ -291,6 +291,8 @@ def _plan_mean_field(scored, prompt_mask, prompt_ids, bos_token_id, p_prompt, ge
 
 
 def _plan_blockwise(scored, K, block_size, inner, num_nodes, stratified, generator) -> ViewPlan:
+    """K views per sequence (N·K for sdmc); each view masks k_j of the n_j scored slots of
+    every block j and gives them the weight n_j / k_j (times the view's own weight)."""
     B, L = scored.shape
     NB = math.ceil(L / block_size)
     blocks = [slice(j * block_size, min(L, (j + 1) * block_size)) for j in range(NB)]
