@@ -32,8 +32,8 @@ from pathlib import Path
 
 import torch
 
-from stabledrl.likelihood import plan_views, score_views
-from stabledrl.models import TinyDiffusionConfig, TinyDiffusionLM, TinyPolicy, block_causal_attention_mask
+from stabledrl.likelihood import block_logprobs_by_separate_passes, plan_views, score_views
+from stabledrl.models import TinyDiffusionConfig, TinyDiffusionLM, TinyPolicy
 from stabledrl.sampling import generate
 from stabledrl.tokenizer import build_char_tokenizer
 
@@ -63,21 +63,9 @@ def make_data(policy: TinyPolicy, B: int, P: int, L: int, seed: int = 0):
 
 def nb_pass_score(policy, plan, p_ids, p_mask, c_ids, c_mask) -> torch.Tensor:
     """(B,) the plan's estimate from NB separate passes over [q ; y_<b ; ỹ_b] (one view per sequence)."""
-    B, L = c_ids.shape
-    P = p_ids.size(1)
-    assert plan.num_views == B and torch.equal(plan.seq_index, torch.arange(B))
-    total = torch.zeros(B)
-    for j in range(math.ceil(L / S)):
-        lo, hi = j * S, min(L, (j + 1) * S)
-        noisy = c_ids[:, lo:hi].masked_fill(plan.masked[:, lo:hi], policy.mask_token_id)
-        x = torch.cat([p_ids, c_ids[:, :lo], noisy], dim=1)  # (B, P+hi)
-        attn = block_causal_attention_mask(p_mask, hi, S)
-        pos = (torch.cat([p_mask, torch.ones((B, hi), dtype=p_mask.dtype)], 1).cumsum(-1) - 1).clamp(min=0)
-        logp = policy.logits(x, attn, pos)[:, P + lo :].float().log_softmax(-1)
-        logp = logp.gather(-1, c_ids[:, lo:hi, None]).squeeze(-1)  # (B, W)
-        w = plan.weight[:, lo:hi].float()
-        total = total + (logp * w * (plan.masked[:, lo:hi] & c_mask[:, lo:hi])).sum(1)
-    return total
+    assert plan.num_views == c_ids.size(0) and torch.equal(plan.seq_index, torch.arange(c_ids.size(0)))
+    logp = block_logprobs_by_separate_passes(policy, p_ids, p_mask, c_ids, plan.masked)  # (B, L)
+    return (logp * plan.weight.float() * (plan.masked & c_mask)).sum(1)
 
 
 def one_pass_score(policy, plan, p_ids, p_mask, c_ids, c_mask) -> torch.Tensor:

@@ -8,8 +8,7 @@ import torch
 
 from stabledrl.data import completion_mask as make_completion_mask
 from stabledrl.data import encode_completions, encode_prompts
-from stabledrl.likelihood import backward_views, estimate, plan_views, score_views
-from stabledrl.models import block_causal_attention_mask
+from stabledrl.likelihood import backward_views, block_logprobs_by_separate_passes, estimate, plan_views, score_views
 from tests.conftest import make_tiny_policy
 
 
@@ -21,18 +20,13 @@ def _setup(S, L, prompts=("3,5,7=22", "12,4,6=9", "1=1"), answers=("3*5", "12-4+
 
 
 def _block_pass(policy, p_ids, p_mask, c_ids, b, j, subset) -> dict[int, float]:
-    """{i: log p(y_i | q, y_<j, block j with `subset` masked)} for i in subset: a separate
-    pass over [q ; y_<j ; ỹ_j] with the block-causal mask."""
-    S = policy.block_size
-    lo, hi = j * S, min(c_ids.size(1), (j + 1) * S)
-    noisy = c_ids[b, lo:hi].clone()
-    noisy[[i - lo for i in subset]] = policy.mask_token_id
-    x = torch.cat([p_ids[b], c_ids[b, :lo], noisy])[None]
-    pm = p_mask[b : b + 1]
-    pos = (torch.cat([pm, torch.ones(1, hi, dtype=torch.long)], 1).cumsum(-1) - 1).clamp(min=0)
+    """{i: log p(y_i | q, y_<j, block j with `subset` masked)} for i in subset, from the
+    separate pass over [q ; y_<j ; ỹ_j] with the block-causal mask."""
+    masked = torch.zeros((1, c_ids.size(1)), dtype=torch.bool)
+    masked[0, list(subset)] = True
     with torch.no_grad():
-        logp = policy.logits(x, block_causal_attention_mask(pm, hi, S), pos)[0, p_ids.size(1):].double().log_softmax(-1)
-    return {i: float(logp[i, c_ids[b, i]]) for i in subset}
+        logp = block_logprobs_by_separate_passes(policy, p_ids[b : b + 1], p_mask[b : b + 1], c_ids[b : b + 1], masked)
+    return {i: float(logp[0, i]) for i in subset}
 
 
 def exact_blockwise(policy, p_ids, p_mask, c_ids, c_mask):
@@ -70,10 +64,10 @@ def test_one_pass_equals_separate_passes_on_random_masks():
     sep = torch.zeros_like(one)
     for v in range(plan.num_views):
         b = int(plan.seq_index[v])
-        for j in range(3):
-            sub = [i for i in range(3 * j, min(8, 3 * j + 3)) if plan.masked[v, i]]
-            for i, lp in _block_pass(policy, p_ids, p_mask, c_ids, b, j, sub).items():
-                sep[b, i] += float(plan.weight[v, i]) * lp
+        with torch.no_grad():
+            logp = block_logprobs_by_separate_passes(policy, p_ids[b : b + 1], p_mask[b : b + 1], c_ids[b : b + 1],
+                                                     plan.masked[v : v + 1])[0].double()  # (L,)
+        sep[b] += torch.where(plan.masked[v] & c_mask[b], plan.weight[v] * logp, 0.0)
     assert plan.masked.any()
     assert torch.allclose(one, sep, atol=1e-5)
 
@@ -137,3 +131,6 @@ def test_methods_and_policies_must_match():
         plan_views("blockwise", c_mask, generator=gen, block_size=2, inner="mean_field")
     with pytest.raises(ValueError, match="takes the options"):
         plan_views("blockwise", c_mask, generator=gen, block_size=2, masking="count")
+    for inner, option in [("mc", {"num_nodes": 2}), ("sdmc", {"stratified": True}), ("exact", {"num_nodes": 2})]:
+        with pytest.raises(ValueError, match=f"inner='{inner}' takes"):  # an option the inner method ignores
+            plan_views("blockwise", c_mask, generator=gen, block_size=2, inner=inner, **option)

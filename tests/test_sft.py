@@ -6,7 +6,7 @@ import torch
 
 from stabledrl.config import ConfigError, load_config
 from stabledrl.data import encode_completions, encode_prompts
-from stabledrl.models import block_causal_attention_mask
+from stabledrl.likelihood import block_logprobs_by_separate_passes
 from stabledrl.sft import SFTConfig, block_diffusion_loss, masked_diffusion_loss, run_sft, sample_mask_levels
 from stabledrl.tasks import get_task
 from tests.conftest import make_tiny_policy
@@ -22,8 +22,13 @@ class UniformPolicy:
         return torch.zeros(*input_ids.shape, self.V, requires_grad=True)
 
 
+class UniformBlockPolicy(UniformPolicy):
+    attention_kind, block_size = "block", 3  # L = 8: blocks of 3, 3, 2
+
+
+@pytest.mark.parametrize("block", [False, True])
 @pytest.mark.parametrize("stratified", [True, False])
-def test_loss_is_unbiased_for_the_completion_nll(stratified):
+def test_loss_is_unbiased_for_the_completion_nll(stratified, block):
     # With uniform logits the NLL of a length-L completion is L log V. The loss
     # (1/(B L)) Σ_b (1/t_b) Σ_{masked} log V has expectation log V exactly
     # (E[#masked / t | t] = L for any t), so its mean over many batches must sit near
@@ -34,9 +39,12 @@ def test_loss_is_unbiased_for_the_completion_nll(stratified):
     prompts = torch.full((B, 3), 7)
     comp = torch.randint(5, V, (B, L))
     gen = torch.Generator().manual_seed(0)
+    # The block loss draws one level per block (B·NB levels, stratified across all of
+    # them), and each block's term has the same expectation.
+    policy, loss_fn = (UniformBlockPolicy(V), block_diffusion_loss) if block else (policy, masked_diffusion_loss)
     values = torch.tensor([
-        float(masked_diffusion_loss(policy, prompts, torch.ones_like(prompts), comp, generator=gen,
-                                    t_min=1e-3, stratified_t=stratified)[0].detach())
+        float(loss_fn(policy, prompts, torch.ones_like(prompts), comp, generator=gen,
+                      t_min=1e-3, stratified_t=stratified)[0].detach())
         for _ in range(400)
     ])
     se = values.std() / math.sqrt(len(values))
@@ -87,14 +95,9 @@ def test_block_loss_equals_separate_passes_per_block(L):
     B, P, NB = 2, p_ids.size(1), math.ceil(L / 3)
     t = (1 - (1 - 1e-3) * torch.rand(B * NB, generator=gen)).view(B, NB)
     masked = torch.rand((B, L), generator=gen) < t.repeat_interleave(3, 1)[:, :L]
-    total = 0.0
-    for j in range(NB):
-        lo, hi = 3 * j, min(L, 3 * j + 3)
-        x = torch.cat([p_ids, comp[:, :lo], comp[:, lo:hi].masked_fill(masked[:, lo:hi], policy.mask_token_id)], 1)
-        pos = (torch.cat([p_mask, torch.ones(B, hi, dtype=torch.long)], 1).cumsum(-1) - 1).clamp(min=0)
-        logp = policy.logits(x, block_causal_attention_mask(p_mask, hi, 3), pos).log_softmax(-1)[:, P + lo:]
-        nll = -logp.gather(-1, comp[:, lo:hi, None]).squeeze(-1)  # (B, W)
-        total = total + ((nll * masked[:, lo:hi]).sum(1) / t[:, j]).sum()
+    logp = block_logprobs_by_separate_passes(policy, p_ids, p_mask, comp, masked)  # (B, L)
+    level = t.repeat_interleave(3, 1)[:, :L]  # (B, L) each slot's block level
+    total = (-logp * masked / level).sum()
     assert torch.allclose(loss, total / (B * L), atol=1e-5)
 
 

@@ -190,6 +190,10 @@ def test_zero_variance_groups_are_kept_skipped_or_resampled(init_model, tmp_path
     P = 6
     cfg = _cfg(init_model, tmp_path / mode, steps=2, prompts_per_step=P, group_size=2, mu=1, save_every=5,
                zero_variance_groups=mode, max_resample_rounds=rounds)
+    seen = []  # the reward groups that reach the advantages, step by step
+    real_advantages = train_mod.group_advantages
+    monkeypatch.setattr(train_mod, "group_advantages",
+                        lambda r, g, *a, **k: seen.append(r.view(-1, g).clone()) or real_advantages(r, g, *a, **k))
     summary = run_train(cfg, progress=False)
     rows = [json.loads(x) for x in (tmp_path / mode / "metrics.jsonl").read_text().splitlines() if '"loss"' in x
             or '"groups_used"' in x]
@@ -211,6 +215,10 @@ def test_zero_variance_groups_are_kept_skipped_or_resampled(init_model, tmp_path
             resampled += missing
             used += e_good
         assert row["groups_used"] == used
+    used_groups = torch.cat(seen)  # (groups, G) every group used, in every step
+    assert len(used_groups) == sum(r["groups_used"] for r in rows)
+    constant = (used_groups == used_groups[:, :1]).all(1)
+    assert constant.any() if mode == "keep" else not constant.any()  # rows stayed aligned with their groups
     assert summary["zero_variance_groups"] == zero and summary["resampled_groups"] == resampled
     if mode == "resample":
         assert resampled > 0 and rows[0]["groups_used"] > sum(map(task.informative, task.generate(P, seed=0)))

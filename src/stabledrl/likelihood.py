@@ -73,7 +73,12 @@ import numpy as np
 import torch
 
 from stabledrl.data import position_ids
-from stabledrl.models.attention import staircase_attention_mask, staircase_position_ids
+from stabledrl.models.attention import (
+    block_causal_attention_mask,
+    block_slices,
+    staircase_attention_mask,
+    staircase_position_ids,
+)
 from stabledrl.models.policy import Policy
 
 __all__ = [
@@ -294,8 +299,8 @@ def _plan_blockwise(scored, K, block_size, inner, num_nodes, stratified, generat
     """K views per sequence (N·K for sdmc); each view masks k_j of the n_j scored slots of
     every block j and gives them the weight n_j / k_j (times the view's own weight)."""
     B, L = scored.shape
-    NB = math.ceil(L / block_size)
-    blocks = [slice(j * block_size, min(L, (j + 1) * block_size)) for j in range(NB)]
+    blocks = block_slices(L, block_size)
+    NB = len(blocks)
     n = torch.stack([scored[:, blk].sum(1) for blk in blocks], dim=1)  # (B, NB) scored slots per block
     if inner == "exact":
         return _plan_blockwise_exact(scored, blocks, n, block_size)
@@ -411,6 +416,11 @@ def plan_views(
     if method == "blockwise":
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
+        takes = {"mc": {"stratified"}, "sdmc": {"num_nodes"}, "exact": set()}.get(opts["inner"], set())
+        foreign = set(options) - {"inner"} - takes
+        if foreign:
+            raise ValueError(f"blockwise with inner={opts['inner']!r} takes {sorted(takes) or 'no options'}, "
+                             f"not {sorted(foreign)}")
         gen = None if opts["inner"] == "exact" else _need_generator(generator, "blockwise")
         return _plan_blockwise(scored, num_samples, block_size, opts["inner"], opts["num_nodes"], opts["stratified"], gen)
     # mean_field
@@ -456,6 +466,27 @@ def _view_terms(
     w = w if w.dim() == 2 else w[:, None]
     terms = torch.where(counted & completion_mask[b], logp, torch.zeros_like(logp)) * w
     return terms, b
+
+
+def block_logprobs_by_separate_passes(
+    policy: Policy, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_ids: torch.Tensor,
+    masked: torch.Tensor,
+) -> torch.Tensor:
+    """(B, L) log p(y_i | q, y_<b, ỹ_b) for slot i of block b, ỹ_b = y_b with `masked`
+    slots replaced by MASK: NB separate passes over [q ; y_<b ; ỹ_b] under the block-causal
+    mask. The slow reference that the one staircase pass of `blockwise` equals (tests and
+    benchmarks/block.py); not used in training."""
+    P, L = prompt_ids.size(1), completion_ids.size(1)
+    out = []
+    for blk in block_slices(L, policy.block_size):
+        noisy = completion_ids[:, blk].masked_fill(masked[:, blk], policy.mask_token_id)
+        x = torch.cat([prompt_ids, completion_ids[:, : blk.start], noisy], dim=1)  # (B, P+hi)
+        ones = torch.ones((x.size(0), blk.stop), dtype=prompt_mask.dtype, device=prompt_mask.device)
+        pos = position_ids(torch.cat([prompt_mask, ones], dim=1))
+        logits = policy.logits(x, block_causal_attention_mask(prompt_mask, blk.stop, policy.block_size), pos)
+        logp = logits[:, P + blk.start :].float().log_softmax(-1)  # (B, W, V)
+        out.append(logp.gather(-1, completion_ids[:, blk, None]).squeeze(-1))
+    return torch.cat(out, dim=1)
 
 
 def _check_scoring(policy, plan, prompt_ids, completion_ids, completion_mask, prompt_mask, reduction):

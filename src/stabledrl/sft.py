@@ -14,7 +14,10 @@ keeps 1/t finite.
 Block models (``model.attention_kind: block``) train with the one-pass block-diffusion
 loss of BD3-LM (Arriola et al. 2025, Eq. 8 with the vectorised [x_t ; x] input): the
 input is [q ; y ; ỹ] under the staircase mask (`stabledrl.models.attention`), each block
-of ỹ noised at its own level t, and every block's term is read from ỹ in the same pass:
+of ỹ noised at its own level t, and every block's term is read from ỹ in the same pass.
+With stratification the B·NB levels take one stratum each, in row-major order, so the
+blocks of one sequence get neighbouring strata (each level is still U(t_min, 1], and a
+noisy block never sees another noisy block, so the loss stays unbiased):
 
     L = -(1 / (B L)) Σ_b Σ_blocks j (1 / t_bj) Σ_{i in block j, masked} log p_θ(y_i | ỹ_j, y_<j, q).
 

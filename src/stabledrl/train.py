@@ -146,8 +146,10 @@ class TrainConfig:
     """shared: ℓ_θ on ℓ_old's masks (common random numbers); independent: fresh masks."""
     zero_variance_groups: Literal["keep", "skip", "resample"] = "skip"
     """Groups whose rewards are all equal (zero advantage, no signal): keep them, skip them,
-    or skip them and roll out fresh prompts to refill the step (up to max_resample_rounds);
-    counted in every mode."""
+    or skip them and roll out fresh prompts to refill the step (up to max_resample_rounds).
+    Counters: `zero_variance_groups` counts every such group rolled out, in every round;
+    `resampled_groups` counts the groups rolled out in extra rounds (kept or not); the
+    step's `zero_variance_fraction` and reward statistics describe the first round only."""
     max_resample_rounds: int = 2
     """resample: extra rollout rounds per step at most (each costs a rollout of the missing groups)."""
     seed: int = 0
@@ -182,7 +184,8 @@ class TrainConfig:
     """torch CPU threads; None = torch's default."""
 
     def __post_init__(self) -> None:
-        check(self.max_resample_rounds >= 0, f"max_resample_rounds must be >= 0, got {self.max_resample_rounds}")
+        check(0 <= self.max_resample_rounds <= 63,  # _resample_seed keeps 64 streams per step
+              f"max_resample_rounds must be in [0, 63], got {self.max_resample_rounds}")
         for name in ("steps", "prompts_per_step", "group_size", "mu", "eval_n", "save_every", "log_every"):
             check(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}")
         check(self.mu <= MAX_MU, f"mu must be at most {MAX_MU} (each inner iteration has its own seed slot)")

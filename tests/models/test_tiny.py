@@ -81,6 +81,9 @@ def test_block_model_refuses_a_mask_that_cannot_say_where_blocks_are():
     for am in (None, torch.ones_like(x)):
         with pytest.raises(ValueError, match="block_causal_attention_mask"):
             policy.logits(x, am)
+    # A boolean mask says who sees whom, not where tokens sit (ỹ repeats y's positions).
+    with pytest.raises(ValueError, match="staircase_position_ids"):
+        policy.logits(x, torch.ones((1, 6, 6), dtype=torch.bool))
 
 
 def test_kv_cache_gives_the_same_logits_as_the_full_pass():

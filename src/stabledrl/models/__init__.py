@@ -3,6 +3,7 @@
 from stabledrl.models.attention import (
     block_causal_attention_mask,
     block_causal_mask,
+    block_slices,
     staircase_attention_mask,
     staircase_mask,
     staircase_position_ids,
@@ -17,6 +18,7 @@ __all__ = [
     "TinyDiffusionConfig",
     "TinyDiffusionLM",
     "KVCache",
+    "block_slices",
     "block_causal_mask",
     "staircase_mask",
     "block_causal_attention_mask",

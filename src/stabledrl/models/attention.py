@@ -24,9 +24,14 @@ Shapes: B batch, P prompt columns, L completion slots, S block size.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
+from stabledrl.data import position_ids
+
 __all__ = [
+    "block_slices",
     "block_causal_mask",
     "staircase_mask",
     "block_causal_attention_mask",
@@ -40,6 +45,11 @@ def _check(prompt_len: int, completion_len: int, block_size: int) -> None:
         raise ValueError(f"lengths must be >= 0, got prompt {prompt_len}, completion {completion_len}")
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
+
+
+def block_slices(completion_len: int, block_size: int) -> list[slice]:
+    """The completion's blocks as slices: [0, S), [S, 2S), ...; the last is shorter when S does not divide L."""
+    return [slice(j * block_size, min(completion_len, (j + 1) * block_size)) for j in range(math.ceil(completion_len / block_size))]
 
 
 def _blocks(prompt_len: int, completion_len: int, block_size: int, device=None) -> torch.Tensor:
@@ -93,5 +103,5 @@ def staircase_position_ids(prompt_mask: torch.Tensor, completion_len: int) -> to
     """(B, P+2L) positions of [q ; y ; ỹ]: counted over real prompt tokens, ỹ's equal y's."""
     B = prompt_mask.size(0)
     ones = torch.ones((B, completion_len), dtype=prompt_mask.dtype, device=prompt_mask.device)
-    pos = (torch.cat([prompt_mask, ones], dim=1).long().cumsum(-1) - 1).clamp(min=0)  # (B, P+L)
+    pos = position_ids(torch.cat([prompt_mask, ones], dim=1))  # (B, P+L)
     return torch.cat([pos, pos[:, prompt_mask.size(1):]], dim=1)

@@ -171,8 +171,9 @@ class TinyDiffusionLM(PreTrainedModel):
         """`attention_mask`: (B, T) with 1 for real tokens (key padding; full attention
         only), or a boolean (B, T, Tc+T) / (B, 1, T, Tc+T) mask, True where query i may
         attend to key j (the Tc cached keys first).
-        `position_ids`: (B, T); by default counted over the real tokens, so left padding
-        does not shift positions; required with a cache.
+        `position_ids`: (B, T); with a (B, T) mask they default to counts over the real
+        tokens, so left padding does not shift positions; required with a boolean mask
+        (whose layout, e.g. the staircase copy ỹ, the model cannot infer) and with a cache.
         `past_key_values`: a `KVCache` whose keys the new tokens may attend to; with
         `extend_cache` the new tokens' keys and values are appended to it.
         `labels` (B, T) with -100 for ignored positions gives the mean cross-entropy as
@@ -188,6 +189,12 @@ class TinyDiffusionLM(PreTrainedModel):
             )
         if cached and position_ids is None:
             raise ValueError("position_ids are required with a KV cache")
+        if attention_mask is not None and attention_mask.dim() > 2 and position_ids is None:
+            raise ValueError(
+                "position_ids are required with a boolean attention mask: use "
+                "stabledrl.models.attention.staircase_position_ids (for [q ; y ; ỹ]) or "
+                "stabledrl.data.position_ids (for [q ; y])"
+            )
         mask = None
         if attention_mask is not None:
             if attention_mask.dim() == 2:
