@@ -221,6 +221,8 @@ def plot(result: dict, path: Path) -> None:
     b.set(xscale="log", xlabel="completion length L", ylabel="tokens / s", xticks=Ls, xticklabels=Ls,
           title=f"block sampler (S = {S}, T = L, batch {rows[0]['B']})")
     b.legend()
+    for ax in (a, b):
+        ax.minorticks_off()  # log axes: only the measured points are labelled
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     print(f"wrote {path}")
