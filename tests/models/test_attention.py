@@ -2,6 +2,7 @@ import pytest
 import torch
 
 from stabledrl.models import (
+    block_slices,
     block_causal_attention_mask,
     block_causal_mask,
     staircase_attention_mask,
@@ -97,3 +98,11 @@ def test_block_causal_model_has_no_leak_and_is_bidirectional_within_a_block():
     out = policy.logits(y, mask, pos)
     assert torch.allclose(out[:, : P + 3], base[:, : P + 3], atol=1e-6)  # prompt and block 1 unchanged
     assert not torch.allclose(out[:, P + 5], base[:, P + 5])  # later slot of the same block sees it
+
+
+def test_block_slices_by_hand():
+    assert block_slices(11, 4) == [slice(0, 4), slice(4, 8), slice(8, 11)]  # the last block is short
+    assert block_slices(8, 4) == [slice(0, 4), slice(4, 8)]
+    assert block_slices(3, 8) == [slice(0, 3)]
+    with pytest.raises(ValueError, match="block_size"):
+        block_slices(8, 0)

@@ -49,7 +49,9 @@ def _check(prompt_len: int, completion_len: int, block_size: int) -> None:
 
 def block_slices(completion_len: int, block_size: int) -> list[slice]:
     """The completion's blocks as slices: [0, S), [S, 2S), ...; the last is shorter when S does not divide L."""
-    return [slice(j * block_size, min(completion_len, (j + 1) * block_size)) for j in range(math.ceil(completion_len / block_size))]
+    _check(0, completion_len, block_size)
+    num_blocks = math.ceil(completion_len / block_size)
+    return [slice(j * block_size, min(completion_len, (j + 1) * block_size)) for j in range(num_blocks)]
 
 
 def _blocks(prompt_len: int, completion_len: int, block_size: int, device=None) -> torch.Tensor:
