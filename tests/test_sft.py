@@ -92,11 +92,11 @@ def test_block_loss_equals_separate_passes_per_block(L):
     state = gen.get_state()
     loss, _ = block_diffusion_loss(policy, p_ids, p_mask, comp, generator=gen, stratified_t=False)
     gen.set_state(state)
-    B, P, NB = 2, p_ids.size(1), math.ceil(L / 3)
+    B, NB = 2, math.ceil(L / 3)
     t = (1 - (1 - 1e-3) * torch.rand(B * NB, generator=gen)).view(B, NB)
-    masked = torch.rand((B, L), generator=gen) < t.repeat_interleave(3, 1)[:, :L]
-    logp = block_logprobs_by_separate_passes(policy, p_ids, p_mask, comp, masked)  # (B, L)
     level = t.repeat_interleave(3, 1)[:, :L]  # (B, L) each slot's block level
+    masked = torch.rand((B, L), generator=gen) < level
+    logp = block_logprobs_by_separate_passes(policy, p_ids, p_mask, comp, masked)  # (B, L)
     total = (-logp * masked / level).sum()
     assert torch.allclose(loss, total / (B * L), atol=1e-5)
 

@@ -477,13 +477,13 @@ def block_logprobs_by_separate_passes(
     mask. The slow reference that the one staircase pass of `blockwise` equals (tests and
     benchmarks/block.py); not used in training."""
     P, L = prompt_ids.size(1), completion_ids.size(1)
+    pos = position_ids(torch.cat([prompt_mask, torch.ones_like(completion_ids)], dim=1))  # (B, P+L)
     out = []
     for blk in block_slices(L, policy.block_size):
         noisy = completion_ids[:, blk].masked_fill(masked[:, blk], policy.mask_token_id)
         x = torch.cat([prompt_ids, completion_ids[:, : blk.start], noisy], dim=1)  # (B, P+hi)
-        ones = torch.ones((x.size(0), blk.stop), dtype=prompt_mask.dtype, device=prompt_mask.device)
-        pos = position_ids(torch.cat([prompt_mask, ones], dim=1))
-        logits = policy.logits(x, block_causal_attention_mask(prompt_mask, blk.stop, policy.block_size), pos)
+        attn = block_causal_attention_mask(prompt_mask, blk.stop, policy.block_size)
+        logits = policy.logits(x, attn, pos[:, : P + blk.stop])
         logp = logits[:, P + blk.start :].float().log_softmax(-1)  # (B, W, V)
         out.append(logp.gather(-1, completion_ids[:, blk, None]).squeeze(-1))
     return torch.cat(out, dim=1)

@@ -32,7 +32,7 @@ import torch
 from stabledrl.config import check
 from stabledrl.data import completion_mask as _completion_mask
 from stabledrl.data import position_ids
-from stabledrl.models.attention import block_causal_attention_mask
+from stabledrl.models.attention import block_causal_attention_mask, block_slices
 from stabledrl.models.policy import Policy
 
 __all__ = ["SamplingConfig", "GenerationOutput", "generate"]
@@ -256,9 +256,8 @@ def _decode_blocks(policy, dec: _Decoding, prompt_ids, prompt_mask, S, per_block
         policy.logits(prompt_ids, keys[:, None, :P].expand(B, P, P), pos[:, :P], cache=cache, extend_cache=True)
         dec.passes += 1
     step = 0
-    for b, block_steps in enumerate(per_block):
-        lo, hi = b * S, min(L, (b + 1) * S)
-        cols = slice(lo, hi)
+    for cols, block_steps in zip(block_slices(L, S), per_block):
+        lo, hi = cols.start, cols.stop
         for s in range(block_steps):
             eligible = dec.comp[:, cols] == dec.mask_id  # (B, W)
             if not eligible.any():
