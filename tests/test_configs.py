@@ -24,4 +24,4 @@ def test_preset_loads_and_its_model_exists(path):
             assert (root / cfg.model.init_from / "config.json").is_file()
     else:
         cfg = load_config(TrainConfig, path)
-        assert (root / cfg.model / "config.json").is_file(), f"{path.name}: {cfg.model} does not ship"
+        assert (root / cfg.model.path / "config.json").is_file(), f"{path.name}: {cfg.model.path} does not ship"

@@ -38,7 +38,9 @@ def _losses(path):
     ({"name": "grpo", "ratio_level": "sequence_normalized"}, {"method": "sdmc", "num_samples": 1}),
 ])
 def test_a_short_run_changes_parameters_and_logs_every_diagnostic(init_model, tmp_path, objective, estimator):
-    cfg = _cfg(init_model, tmp_path / "run", steps=2, objective=objective, estimator=estimator, masks="independent")
+    # keep: a step whose groups all tie still logs its loss row
+    cfg = _cfg(init_model, tmp_path / "run", steps=2, objective=objective, estimator=estimator, masks="independent",
+               zero_variance_groups="keep")
     summary = run_train(cfg, progress=False)
     before = load_file(init_model / "model.safetensors")
     after = load_file(tmp_path / "run" / "final" / "model.safetensors")

@@ -64,7 +64,7 @@ def _cmd_sft(args: argparse.Namespace) -> int:
 def _cmd_train(args: argparse.Namespace) -> int:
     from stabledrl.train import TrainConfig, run_train
 
-    overrides = list(args.set) + ([f"model={args.model}"] if args.model else [])
+    overrides = list(args.set) + ([f"model.path={args.model}"] if args.model else [])
     cfg = load_config(TrainConfig, args.config, overrides)
     summary = run_train(cfg, resume=args.resume)
     before, after = summary["eval_initial"], summary["eval_final"]
@@ -89,7 +89,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     from stabledrl.tasks import get_task
 
     task = get_task(args.task, **_parse_options(args.task_option))
-    policy = load_policy(args.model)
+    policy = load_policy(_model_config(args))
     problems = task.generate(args.n, split=args.split, seed=args.seed)
     res = evaluate(policy, task, problems, _sampling(args), batch_size=args.batch_size, seed=args.seed)
     report = {"model": str(args.model), "task": args.task, "split": args.split, "seed": args.seed, **res.summary()}
@@ -114,7 +114,7 @@ def _cmd_sample(args: argparse.Namespace) -> int:
     from stabledrl.sampling import generate
     from stabledrl.tasks import get_task
 
-    policy = load_policy(args.model)
+    policy = load_policy(_model_config(args))
     sampling = _sampling(args)
     gen_length = sampling.gen_length or get_task(args.task).completion_length
     prompts = [p for p in args.prompt for _ in range(args.num_samples)]
@@ -126,6 +126,24 @@ def _cmd_sample(args: argparse.Namespace) -> int:
     for prompt, text in zip(prompts, decode_completions(policy.tokenizer, out.completion_ids)):
         print(f"{prompt}\t{text}")
     return 0
+
+
+def _model_config(args: argparse.Namespace):
+    from stabledrl.models import ModelConfig
+
+    return ModelConfig(path=args.model, adapter=args.adapter, mask_token_id=args.mask_token_id,
+                       block_size=args.block_size, dtype=args.dtype, device=args.device)
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="a model directory (stabledrl, a run's final/, or a transformers "
+                   "checkpoint) or a Hub name")
+    p.add_argument("--adapter", default="auto", choices=["auto", "tiny", "llada", "dream", "masked_lm", "decoder"],
+                   help="how to read the checkpoint (auto: from its config)")
+    p.add_argument("--mask-token-id", type=int, help="the mask token (default: the checkpoint's or tokenizer's)")
+    p.add_argument("--block-size", type=int, help="decoder adapter: block size S")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="cpu", help="e.g. cpu, cuda, cuda:1")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -151,7 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_report)
 
     p = sub.add_parser("eval", help="accuracy and mean reward on generated problems")
-    p.add_argument("--model", required=True, help="a saved model directory")
+    _add_model_args(p)
     p.add_argument("--task", default="countdown")
     p.add_argument("--task-option", action="append", default=[], metavar="KEY=VALUE", help="e.g. num_numbers=4")
     p.add_argument("--split", choices=["train", "test"], default="test")
@@ -163,7 +181,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_eval)
 
     p = sub.add_parser("sample", help="print completions for prompts")
-    p.add_argument("--model", required=True, help="a saved model directory")
+    _add_model_args(p)
     p.add_argument("--prompt", action="append", required=True, help="a prompt, e.g. 3,5,7=22 (repeatable)")
     p.add_argument("--task", default="countdown", help="sets the default completion length")
     p.add_argument("--num-samples", type=int, default=1, help="completions per prompt")

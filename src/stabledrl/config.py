@@ -69,11 +69,13 @@ def load_config(cls: type[C], source: str | Path | Mapping[str, Any] | None = No
         data = yaml.safe_load(path.read_text()) or {}
         if not isinstance(data, dict):
             raise ConfigError(f"{path}: the top level must be a mapping of field: value")
+    _expand_shorthands(cls, data)
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"override {item!r} must look like key.sub=value")
         key, raw = item.split("=", 1)
         _set_dotted(data, key.strip(), yaml.safe_load(raw))
+        _expand_shorthands(cls, data)
     _reject_unknown(cls, data, "")
     try:
         return dacite.from_dict(cls, data, config=dacite.Config(strict=True, type_hooks={float: _to_float}))
@@ -83,6 +85,20 @@ def load_config(cls: type[C], source: str | Path | Mapping[str, Any] | None = No
         raise ConfigError(f"config field {e.field_path!r} is required") from None
     except dacite.DaciteError as e:
         raise ConfigError(f"bad config: {e}") from None
+
+
+def _expand_shorthands(cls: Any, data: Any) -> None:
+    """In place: a bare value of a section with ``__shorthand__`` becomes {field: value}."""
+    if not (dataclasses.is_dataclass(cls) and isinstance(data, dict)):
+        return
+    hints = typing.get_type_hints(cls)
+    for key, value in data.items():
+        sub = hints.get(key)
+        if dataclasses.is_dataclass(sub):
+            short = getattr(sub, "__shorthand__", None)
+            if short is not None and not isinstance(value, Mapping):
+                data[key] = value = {short: value}
+            _expand_shorthands(sub, value)
 
 
 def _reject_unknown(cls: Any, data: Any, path: str) -> None:

@@ -64,10 +64,11 @@ K samples, N quadrature nodes.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import Callable, Literal
 
 import numpy as np
 import torch
@@ -121,6 +122,16 @@ class ViewPlan:
     @property
     def num_views(self) -> int:
         return int(self.seq_index.numel())
+
+    def rows(self, lo: int, hi: int) -> "ViewPlan":
+        """The views of sequences lo..hi-1, renumbered from 0: a process's share of a
+        plan drawn for the whole batch (so the shares together are the whole plan)."""
+        if not 0 <= lo <= hi <= self.batch_size:
+            raise ValueError(f"rows {lo}..{hi} outside a plan of {self.batch_size} sequences")
+        keep = (self.seq_index >= lo) & (self.seq_index < hi)  # (Nv,)
+        return dataclasses.replace(
+            self, seq_index=self.seq_index[keep] - lo, masked=self.masked[keep], weight=self.weight[keep],
+            prompt_masked=None if self.prompt_masked is None else self.prompt_masked[keep], batch_size=hi - lo)
 
 
 @dataclass
@@ -553,9 +564,11 @@ def backward_views(
     prompt_mask: torch.Tensor | None = None,
     reduction: Literal["sum", "mean"] = "sum",
     max_views_per_forward: int | None = None,
+    backward: Callable[[torch.Tensor], None] = torch.Tensor.backward,
 ) -> None:
     """Accumulate the parameters' `.grad` of a loss through ℓ, one micro-batch of views at
-    a time, so memory does not grow with the number of views.
+    a time, so memory does not grow with the number of views. `backward` runs each
+    micro-batch's backward (e.g. `accelerator.backward`).
 
     `grad` is ∂loss/∂ℓ computed from a no-grad estimate of the same plan: (B,) for the
     sequence estimate (``reduction`` as scored) or (B, L) for the per-token terms. ℓ is
@@ -572,7 +585,7 @@ def backward_views(
         g = g[:, None].expand(B, L)
     for idx in _chunks(plan.num_views, max_views_per_forward):
         terms, b = _view_terms(policy, plan, idx, prompt_ids, pm, completion_ids, scored)  # (n, L), (n,)
-        (terms * g[b]).sum().backward()
+        backward((terms * g[b]).sum())
 
 
 def estimate(

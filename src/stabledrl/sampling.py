@@ -15,7 +15,9 @@ Deliberate choices:
   sees the same layout in RL likelihoods. Special tokens other than EOS (MASK, PAD, BOS,
   UNK) are never sampled.
 - Temperature uses the Gumbel-max trick with noise from the explicit `generator`;
-  temperature 0 is greedy and needs no generator.
+  temperature 0 is greedy and needs no generator. With one generator per row, each
+  row's noise comes from its own generator, so a row's completion does not depend on
+  which other rows share its batch (or its process, in a multi-process run).
 - The prompt columns are never written.
 
 Shapes: B batch, P prompt columns, L completion length, V vocabulary.
@@ -25,7 +27,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Sequence
 
 import torch
 
@@ -93,15 +95,27 @@ def _rows_topk(scores: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     return rank < k[:, None]
 
 
+Generators = torch.Generator | Sequence[torch.Generator] | None
+
+
+def _rand(shape: torch.Size, generator: Generators, rows: torch.Tensor, device, dtype=torch.float32) -> torch.Tensor:
+    """Uniform noise of `shape` (A, ...) for batch rows `rows`: from the one generator, or
+    row b's part from generator[b]."""
+    if generator is None or isinstance(generator, torch.Generator):
+        return torch.rand(shape, generator=generator, device=device, dtype=dtype)
+    return torch.stack([torch.rand(shape[1:], generator=generator[b], dtype=dtype) for b in rows.tolist()]).to(device)
+
+
 def _pick(
     logits: torch.Tensor, eligible: torch.Tensor, steps_left: int, temperature: float, remasking: str,
-    generator: torch.Generator | None, banned: list[int],
+    generator: Generators, banned: list[int], rows: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One denoising step over W columns: (A, W, V) logits and (A, W) eligible slots ->
-    the slots to commit (A, W) bool, their tokens x0 (A, W) and the entropy (A, W)."""
+    """One denoising step over W columns: (A, W, V) logits and (A, W) eligible slots of
+    batch rows `rows` (A,) -> the slots to commit (A, W) bool, their tokens x0 (A, W) and
+    the entropy (A, W)."""
     logits[..., banned] = -math.inf
     if temperature > 0:
-        u = torch.rand(logits.shape, generator=generator, device=logits.device, dtype=torch.float64)
+        u = _rand(logits.shape, generator, rows, logits.device, torch.float64)
         gumbel = -torch.log(-torch.log(u.clamp_min(1e-300)))
         x0 = (logits.double() / temperature + gumbel).argmax(-1)  # (A, W)
     else:
@@ -109,7 +123,7 @@ def _pick(
     if remasking == "low_confidence":
         score = logits.softmax(-1).gather(-1, x0[..., None]).squeeze(-1)  # (A, W) p(x0)
     else:
-        score = torch.rand(x0.shape, generator=generator, device=logits.device)
+        score = _rand(x0.shape, generator, rows, logits.device)
     score = score.masked_fill(~eligible, -math.inf)
     k = (eligible.sum(-1) + steps_left - 1) // steps_left  # ceil(masked / steps left), (A,)
     chosen = _rows_topk(score, k) & eligible  # (A, W)
@@ -168,7 +182,7 @@ def generate(
     block_length: int | None = None,
     temperature: float = 0.0,
     remasking: Literal["low_confidence", "random"] = "low_confidence",
-    generator: torch.Generator | None = None,
+    generator: Generators = None,
     kv_cache: bool = True,
 ) -> GenerationOutput:
     """Generate `gen_length` tokens after each (left-padded) prompt.
@@ -176,7 +190,8 @@ def generate(
     `steps` defaults to `gen_length` (one slot per step); `block_length` defaults to
     `gen_length` (one block) for full-attention models and must be the model's block
     size (or None) for block models. `generator` is required when sampling is random
-    (temperature > 0 or random remasking). `kv_cache` (block models with a cache only):
+    (temperature > 0 or random remasking): one for the batch, or a sequence of B, one per
+    row (then a row's completion does not depend on the rest of the batch). `kv_cache` (block models with a cache only):
     keep the keys and values of the prompt and finished blocks instead of recomputing them.
     """
     B, P = prompt_ids.shape
@@ -201,6 +216,8 @@ def generate(
         raise ValueError(f"remasking must be 'low_confidence' or 'random', got {remasking!r}")
     if generator is None and (temperature > 0 or remasking == "random"):
         raise ValueError("random sampling needs an explicit generator=torch.Generator().manual_seed(seed)")
+    if generator is not None and not isinstance(generator, torch.Generator) and len(generator) != B:
+        raise ValueError(f"one generator per row: got {len(generator)} generators for {B} rows")
     if prompt_mask is None:
         prompt_mask = torch.ones_like(prompt_ids)
     # Steps per block: as even as possible, earlier blocks take the remainder.
@@ -234,7 +251,7 @@ def _decode_full(policy, dec: _Decoding, prompt_ids, prompt_mask, block_length, 
             x = torch.cat([prompt_ids[active], dec.comp[active]], dim=1)  # (A, P+L)
             logits = policy.logits(x, attn[active], pos[active])[:, P:].float()  # (A, L, V)
             dec.passes += 1
-            chosen, x0, ent = _pick(logits, eligible[active], block_steps - s, **pick)
+            chosen, x0, ent = _pick(logits, eligible[active], block_steps - s, rows=active, **pick)
             dec.commit(active, slice(None), chosen, x0, ent, step)
             step += 1
 
@@ -271,7 +288,7 @@ def _decode_blocks(policy, dec: _Decoding, prompt_ids, prompt_mask, S, per_block
                 mask = block_causal_attention_mask(prompt_mask, hi, S)  # (B, P+hi, P+hi)
                 logits = policy.logits(x, mask, pos[:, : P + hi])[:, P + lo :]
             dec.passes += 1
-            chosen, x0, ent = _pick(logits.float(), eligible, block_steps - s, **pick)
+            chosen, x0, ent = _pick(logits.float(), eligible, block_steps - s, rows=rows, **pick)
             dec.commit(rows, cols, chosen, x0, ent, step)
             step += 1
         if use_cache and hi < L and (dec.comp[:, hi:] == dec.mask_id).any():  # freeze the clean block

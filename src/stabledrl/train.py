@@ -15,6 +15,17 @@ One step, top to bottom:
    Non-finite loss or gradient: the step is skipped, counted and logged, and the
    weights are not touched.
 
+Several processes (``accelerate launch --num_processes N -m stabledrl train ...``): each
+process rolls out and rewards its share of the step's P·G rows (a group may span
+processes), the ids, rewards and entropies are gathered so that every process sees every
+group; the kept rows are split again for the likelihoods. The objective is evaluated on
+the gathered ℓ of all rows, with only this process's rows carrying a graph, so group
+advantages and StableDRL's self-normalisation are computed on whole groups exactly as in
+one process; gradients are averaged by DDP (FSDP, DeepSpeed), so the loss is scaled by
+N to make the sum. Every random draw is per row or drawn for the whole batch, so N
+processes compute the update of one process. Checkpoints, metrics and plots are written
+by the main process only.
+
 Deviations from the named algorithms, deliberate:
 - ``diffu-grpo`` (d1) recomputes the prompt mask per inner iteration; here the plan
   (prompt mask included) follows the ``masks`` switch like every other estimator.
@@ -26,6 +37,9 @@ Shapes: P prompts per step, G group size, B = P·G rollouts, L completion slots.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+import hashlib
 import json
 import math
 import time
@@ -39,6 +53,7 @@ from tqdm.auto import tqdm
 from transformers import get_cosine_with_min_lr_schedule_with_warmup
 
 from stabledrl.checkpoint import (
+    latest_checkpoint,
     open_run_dir,
     load_trainer_state,
     save_checkpoint,
@@ -50,7 +65,8 @@ from stabledrl.config import ConfigError, check, to_dict
 from stabledrl.data import decode_completions, encode_prompts
 from stabledrl.evaluate import evaluate
 from stabledrl.likelihood import METHODS, backward_views, plan_views, score_views
-from stabledrl.models.policy import load_policy
+from stabledrl.models.lora import LoraSettings, add_lora, base_policy
+from stabledrl.models.policy import ModelConfig, load_policy
 from stabledrl.objectives import LossOutput, group_advantages, grpo_loss, stabledrl_loss
 from stabledrl.sampling import SamplingConfig, generate
 from stabledrl.sft import TaskConfig
@@ -131,8 +147,10 @@ class ObjectiveConfig:
 class TrainConfig:
     """`stabledrl train`: RL from a saved policy."""
 
-    model: str = "checkpoints/countdown-tiny"
-    """Directory of the initial policy (also the KL reference and drift baseline)."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """The initial policy (also the KL reference and drift baseline); `model: dir` is short for `model: {path: dir}`."""
+    lora: LoraSettings | None = None
+    """Train LoRA adapters instead of every weight; the reference is then the base model (adapters off)."""
     output_dir: str = "runs/train"
     """Run directory: config, metrics.jsonl, TensorBoard, checkpoints, final model."""
     task: TaskConfig = field(default_factory=TaskConfig)
@@ -162,8 +180,10 @@ class TrainConfig:
     """G: completions per prompt."""
     mu: int = 1
     """Inner optimizer iterations per batch of rollouts."""
+    optimizer: Literal["adamw", "sgd"] = "adamw"
+    """adamw, or plain sgd (no momentum: the update is −lr·g, which makes updates easy to compare)."""
     lr: float = 1e-5
-    """AdamW learning rate."""
+    """Learning rate."""
     min_lr_ratio: float = 1.0
     """Final lr / lr (cosine); 1.0 = constant."""
     warmup_steps: int = 0
@@ -191,6 +211,7 @@ class TrainConfig:
         check(self.mu <= MAX_MU, f"mu must be at most {MAX_MU} (each inner iteration has its own seed slot)")
         check(self.group_size >= 2, "group_size must be >= 2: advantages compare completions of one prompt")
         check(self.lr > 0, f"lr must be positive, got {self.lr}")
+        check(self.optimizer == "adamw" or self.weight_decay == 0, "weight_decay is an adamw option; set it to 0")
         check(self.rollout.temperature > 0 or self.rollout.remasking == "random",
               "rollout.temperature is 0 with low_confidence remasking: every completion of a group would be "
               "identical; set rollout.temperature > 0")
@@ -202,7 +223,7 @@ class _ForwardClock:
     def __init__(self, *models: torch.nn.Module) -> None:
         self.seconds = 0.0
         self._t0 = 0.0
-        for m in models:
+        for m in {id(m): m for m in models}.values():  # a LoRA reference shares the policy's model
             m.register_forward_pre_hook(self._start)
             m.register_forward_hook(self._stop)
 
@@ -221,6 +242,46 @@ def _timed(seconds: dict[str, float], name: str):
         yield
     finally:
         seconds[name] = seconds.get(name, 0.0) + time.perf_counter() - t0
+
+
+class _Procs:
+    """This process's place among the training processes (one process: rank 0 of 1).
+
+    A batch of n rows is split in contiguous shares, as even as possible; `gather`
+    rebuilds the whole batch on every process from the shares."""
+
+    def __init__(self, accelerator) -> None:
+        self.accelerator = accelerator
+        self.rank, self.world = accelerator.process_index, accelerator.num_processes
+
+    def bounds(self, n: int, rank: int | None = None) -> tuple[int, int]:
+        r = self.rank if rank is None else rank
+        return r * n // self.world, (r + 1) * n // self.world
+
+    def gather(self, x: torch.Tensor, n: int) -> torch.Tensor:
+        """(share, ...) on each process -> (n, ...) on every process; no gradient."""
+        if self.world == 1:
+            return x
+        import torch.distributed as dist
+
+        sizes = [hi - lo for lo, hi in (self.bounds(n, r) for r in range(self.world))]
+        if x.size(0) != sizes[self.rank]:
+            raise RuntimeError(f"process {self.rank} holds {x.size(0)} rows, its share of {n} is {sizes[self.rank]}")
+        kind = x.dtype
+        y = x.detach().to(torch.uint8) if kind == torch.bool else x.detach()
+        padded = y.new_zeros((max(sizes), *y.shape[1:]))
+        padded[: y.size(0)] = y
+        parts = [torch.empty_like(padded) for _ in range(self.world)]
+        dist.all_gather(parts, padded.contiguous())
+        return torch.cat([p[:k] for p, k in zip(parts, sizes)]).to(kind)
+
+
+def _row_generators(tag: str, lo: int, hi: int) -> list[torch.Generator]:
+    """One generator per row lo..hi-1 of a batch named `tag` (seed, step, round): a row's
+    draws do not depend on which process or batch it is in."""
+    def seed(row: int) -> int:
+        return int.from_bytes(hashlib.sha256(f"{tag}/{row}".encode()).digest()[:8], "big") >> 1
+    return [torch.Generator().manual_seed(seed(r)) for r in range(lo, hi)]
 
 
 class Rollouts(NamedTuple):
@@ -270,19 +331,26 @@ def _concat(parts: list[_Groups], pad_token_id: int) -> _Groups:
                                                                          "rewards", "entropy")))
 
 
-def _roll_groups(cfg: TrainConfig, policy, task, problems: list, generator: torch.Generator, gen_length: int) -> _Groups:
-    """G rollouts per problem from the current policy, and their rewards."""
+def _roll_groups(cfg: TrainConfig, policy, task, problems: list, tag: str, gen_length: int, procs: _Procs) -> _Groups:
+    """G rollouts per problem from the current policy, and their rewards. Each process
+    samples and rewards its share of the n·G rows; every process returns all of them."""
     G = cfg.group_size
     group_problems = [p for p in problems for _ in range(G)]
-    p_ids, p_mask = encode_prompts(policy.tokenizer, [p.prompt for p in group_problems])
-    roll = generate(policy, p_ids, p_mask, gen_length=gen_length, generator=generator, **cfg.rollout.generate_kwargs())
-    texts = decode_completions(policy.tokenizer, roll.completion_ids)
-    rewards = torch.tensor(task.reward(texts, group_problems), dtype=torch.float32).view(-1, G)  # (n, G)
-    return _Groups(list(problems), p_ids, p_mask, roll.completion_ids, roll.completion_mask, rewards, roll.entropy)
+    n = len(group_problems)
+    p_ids, p_mask = encode_prompts(policy.tokenizer, [p.prompt for p in group_problems])  # (n·G, P) all rows
+    lo, hi = procs.bounds(n)
+    dev = policy.device
+    roll = generate(policy, p_ids[lo:hi].to(dev), p_mask[lo:hi].to(dev), gen_length=gen_length,
+                    generator=_row_generators(tag, lo, hi), **cfg.rollout.generate_kwargs())
+    texts = decode_completions(policy.tokenizer, roll.completion_ids.cpu())
+    rewards = torch.tensor(task.reward(texts, group_problems[lo:hi]), dtype=torch.float32)  # (share,)
+    full = [procs.gather(x.to(dev), n).cpu() for x in (roll.completion_ids, roll.completion_mask, rewards,
+                                                         roll.entropy)]
+    return _Groups(list(problems), p_ids, p_mask, full[0], full[1], full[2].view(-1, G), full[3])
 
 
 def _resample_seed(seed: int, step: int, round_: int) -> int:
-    """Prompts and rollouts of resampling round r: a stream apart from the `_seeded` slots."""
+    """Prompts of resampling round r: a stream apart from the training problems' seeds."""
     return 2**48 + (seed * 1_000_003 + step) * 64 + round_
 
 
@@ -314,33 +382,82 @@ def _objective(cfg: TrainConfig, logp, old, advantages, batch: Rollouts, ref, we
                           **weight_kw)
 
 
-def _check_estimator_fits_model(cfg: TrainConfig) -> None:
+def _check_estimator_fits_model(cfg: TrainConfig, policy) -> None:
     """At start-up, not mid-run: block models need the blockwise estimator and only they take it."""
-    config_file = Path(cfg.model) / "config.json"
-    if not config_file.is_file():
-        raise FileNotFoundError(f"model {cfg.model} is not a saved model directory (no config.json)")
-    kind = json.loads(config_file.read_text()).get("attention_kind", "full")
+    kind = policy.attention_kind
     if (kind == "block") != (cfg.estimator.method == "blockwise"):
         raise ConfigError(f"estimator.method {cfg.estimator.method!r} does not fit the {kind}-attention model "
-                          f"{cfg.model}: use 'blockwise' for block models and mc, sdmc, mean_field or exact otherwise")
+                          f"{cfg.model.path}: use 'blockwise' for block models and mc, sdmc, mean_field or exact "
+                          "otherwise")
+
+
+def _check_processes(cfg: TrainConfig, world: int) -> None:
+    """Every process needs at least one row of every batch (DDP needs a backward on each)."""
+    if world > 1:
+        check(cfg.group_size >= world, f"group_size ({cfg.group_size}) must be >= the number of processes "
+              f"({world}): a step may keep a single group, and every process needs a row of it")
+        check(cfg.eval_n >= world, f"eval_n ({cfg.eval_n}) must be >= the number of processes ({world})")
+
+
+def _evaluate(policy, task, problems: list, sampling: SamplingConfig, procs: _Procs) -> dict[str, float]:
+    """Held-out accuracy and mean reward; each process decodes its share of the problems."""
+    lo, hi = procs.bounds(len(problems))
+    res = evaluate(policy, task, problems[lo:hi], sampling, progress=False)
+    scores = torch.tensor([[float(s["correct"]), s["reward"]] for s in res.samples], device=policy.device)  # (share, 2)
+    full = procs.gather(scores, len(problems)).double().mean(0)
+    return {"accuracy": float(full[0]), "mean_reward": float(full[1])}
+
+
+def _optimizer(cfg: TrainConfig, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    if cfg.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=cfg.lr)
+    return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+
+
+def _unwrapped(policy, accelerator):
+    """The policy with its bare model (DDP/FSDP wrappers removed), for saving."""
+    bare = copy.copy(policy)
+    bare.model = accelerator.unwrap_model(policy.model)
+    return bare
 
 
 def run_train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) -> dict[str, Any]:
     """Train; returns the final held-out evaluation (and the initial one)."""
+    from accelerate import Accelerator
     from torch.utils.tensorboard import SummaryWriter
 
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    _check_estimator_fits_model(cfg)
-    out = Path(cfg.output_dir)
-    ckpt = open_run_dir(out, to_dict(cfg), resume=resume)
-
+    accelerator = Accelerator(cpu=cfg.model.device == "cpu")
+    procs = _Procs(accelerator)
+    main = accelerator.is_main_process
+    _check_processes(cfg, procs.world)
     task = get_task(cfg.task.name, **cfg.task.options)
-    policy = load_policy(ckpt or cfg.model)
-    reference = load_policy(cfg.model)  # the initial policy: KL reference and drift baseline
-    reference.model.requires_grad_(False)
+    device = accelerator.device
+    initial = load_policy(cfg.model, device=device)
+    _check_estimator_fits_model(cfg, initial)  # before a run directory exists
+    out = Path(cfg.output_dir)
+    if main:
+        ckpt = open_run_dir(out, to_dict(cfg), resume=resume)
+    accelerator.wait_for_everyone()
+    if not main:
+        ckpt = latest_checkpoint(out) if resume else None
+
+    if ckpt is not None:  # the checkpoint holds the weights (or the LoRA adapters) of the policy
+        policy = load_policy(dataclasses.replace(cfg.model, path=str(ckpt)), device=device, trainable=True)
+    elif cfg.lora is not None:
+        policy = add_lora(initial, cfg.lora)
+    else:
+        policy, initial = initial, load_policy(cfg.model, device=device)
+    if cfg.lora is not None:
+        reference = base_policy(policy)  # the initial policy is the base model: no second copy
+    else:
+        reference = initial  # KL reference and drift baseline
+        reference.model.requires_grad_(False)
+    params = [p for p in policy.model.parameters() if p.requires_grad]
+    opt = _optimizer(cfg, params)
+    policy.model, opt = accelerator.prepare(policy.model, opt)  # DDP / FSDP / DeepSpeed with N processes
     model = policy.model
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     sched = get_cosine_with_min_lr_schedule_with_warmup(opt, cfg.warmup_steps, cfg.steps, min_lr_rate=cfg.min_lr_ratio)
     start = 0
     counters = {"skipped_steps": 0, "zero_variance_groups": 0, "resampled_groups": 0}
@@ -351,14 +468,14 @@ def run_train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) 
         sched.load_state_dict(state["scheduler"])
         start, history = state["step"], state["history"]
         counters.update(state["counters"])
-        truncate_metrics(out / "metrics.jsonl", start)
+        if main:
+            truncate_metrics(out / "metrics.jsonl", start)
 
     eval_problems = task.generate(cfg.eval_n, split="test", seed=0)
     if "eval_initial" not in history:
-        res = evaluate(policy, task, eval_problems, cfg.eval_sampling, progress=False)
-        history["eval_initial"] = {"accuracy": res.accuracy, "mean_reward": res.mean_reward}
-    metrics_file = open(out / "metrics.jsonl", "a")
-    tb = SummaryWriter(str(out / "tensorboard"))
+        history["eval_initial"] = _evaluate(policy, task, eval_problems, cfg.eval_sampling, procs)
+    metrics_file = open(out / "metrics.jsonl", "a") if main else None
+    tb = SummaryWriter(str(out / "tensorboard")) if main else None
     if start == 0:
         _log(metrics_file, tb, {"step": 0, "eval_accuracy": history["eval_initial"]["accuracy"],
                                 "eval_reward": history["eval_initial"]["mean_reward"]})
@@ -368,9 +485,10 @@ def run_train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) 
     need_tokens = cfg.objective.ratio_level == "token"
     # With a view budget, the update never holds more than one micro-batch's graph.
     two_pass = cfg.estimator.max_views_per_forward is not None
+    world = procs.world
 
     bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, desc=f"train {cfg.objective.name}",
-               disable=not progress)
+               disable=not (progress and main))
     for step in bar:
         times: dict[str, float] = {}
         forward_clock.seconds = 0.0
@@ -379,7 +497,7 @@ def run_train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) 
         # 1-2. prompts and rollouts from θ_old
         with _timed(times, "rollout"):
             problems = task.generate(cfg.prompts_per_step, split="train", seed=cfg.seed * 1_000_003 + step)
-            first = _roll_groups(cfg, policy, task, problems, _seeded(cfg.seed, step, 0), gen_length)
+            first = _roll_groups(cfg, policy, task, problems, f"{cfg.seed}/{step}/0", gen_length, procs)
             # 3. groups with zero reward variance: keep, skip, or replace by fresh ones
             flat = first.flat()  # (P,)
             counters["zero_variance_groups"] += int(flat.sum())
@@ -394,7 +512,7 @@ def run_train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) 
                         break
                     seed_r = _resample_seed(cfg.seed, step, r)
                     extra = _roll_groups(cfg, policy, task, task.generate(missing, split="train", seed=seed_r),
-                                         torch.Generator().manual_seed(seed_r), gen_length)
+                                         f"{cfg.seed}/{step}/{r + 1}", gen_length, procs)
                     e_flat = extra.flat()
                     counters["zero_variance_groups"] += int(e_flat.sum())
                     counters["resampled_groups"] += missing
@@ -411,46 +529,66 @@ def run_train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) 
         }
         if groups.problems:
             batch = Rollouts(groups.prompt_ids, groups.prompt_mask, groups.completion_ids, groups.completion_mask)
+            n_rows = batch.completion_ids.size(0)  # B' = kept groups · G
+            lo, hi = procs.bounds(n_rows)  # this process's rows of the likelihoods
+            mine = Rollouts(*(x[lo:hi].to(device) for x in batch))
             b_adv = group_advantages(groups.rewards.flatten(), G, cfg.objective.advantage_scale)  # (B',)
+
+            def plan(slot: int):  # drawn for all B' rows (the same on every process), scored on mine
+                return _plan(cfg, batch, step, slot, policy).rows(lo, hi)
+
+            def scored(pol, pl) -> torch.Tensor:  # ℓ of every row, no graph: (B',) or (B', L)
+                return procs.gather(_score(cfg, pol, pl, mine), n_rows).cpu()
 
             # 4. ℓ_old (and ℓ_ref) under no grad
             with _timed(times, "likelihood_old"), torch.no_grad():
-                plan_old = _plan(cfg, batch, step, 1, policy)
-                old = _score(cfg, policy, plan_old, batch)
-                ref = _score(cfg, reference, plan_old, batch)
+                plan_old = plan(1)
+                old = scored(policy, plan_old)
+                ref = scored(reference, plan_old)
                 # KL(π_old ‖ π_init) ≈ mean over π_old's own samples of ℓ_old − ℓ_init
                 gap = (old - ref).sum(-1) if need_tokens else old - ref  # (B',)
                 row["drift_kl"] = float(gap.mean())
                 if cfg.objective.separate_weight_masks:
-                    plan_w = _plan(cfg, batch, step, 2, policy)
-                    w_old = _score(cfg, policy, plan_w, batch)
+                    plan_w = plan(2)
+                    w_old = scored(policy, plan_w)
             # 5. μ inner iterations
             model.train()
             inner_rows = []
             for it in range(cfg.mu):
                 with _timed(times, "update"):
-                    pl = plan_old if cfg.masks == "shared" else _plan(cfg, batch, step, 3 + it, policy)
+                    pl = plan_old if cfg.masks == "shared" else plan(3 + it)
                     w_kw = {}
                     if cfg.objective.separate_weight_masks:
                         with torch.no_grad():
-                            w_kw = {"weight_logp": _score(cfg, policy, plan_w, batch), "weight_old_logp": w_old}
+                            w_kw = {"weight_logp": scored(policy, plan_w), "weight_old_logp": w_old}
                     opt.zero_grad(set_to_none=True)
-                    if two_pass:  # ℓ without a graph, ∂loss/∂ℓ, then the backward view batch by view batch
+                    # The objective sees ℓ of all B' rows; only this process's rows carry a
+                    # graph (two_pass: none, ∂loss/∂ℓ is taken on a leaf and pushed back view
+                    # batch by view batch). Its gradient is this process's part of the sum.
+                    if two_pass:
                         with torch.no_grad():
-                            leaf = _score(cfg, policy, pl, batch).requires_grad_()
+                            leaf = scored(policy, pl).requires_grad_()
                         res = _objective(cfg, leaf, old, b_adv, batch, ref, w_kw)
                     else:
-                        res = _objective(cfg, _score(cfg, policy, pl, batch), old, b_adv, batch, ref, w_kw)
+                        mine_logp = _score(cfg, policy, pl, mine).cpu()  # (B'/N,) with a graph
+                        full = mine_logp
+                        if world > 1:  # the other processes' rows, as constants
+                            others = procs.gather(mine_logp, n_rows)
+                            full = torch.cat([others[:lo], mine_logp, others[hi:]])
+                        res = _objective(cfg, full, old, b_adv, batch, ref, w_kw)
                     finite = bool(torch.isfinite(res.loss))
                     if finite:
                         with _timed(times, "backward"):
-                            res.loss.backward()
                             if two_pass:
-                                backward_views(policy, pl, batch.prompt_ids, batch.completion_ids,
-                                               batch.completion_mask, leaf.grad, prompt_mask=batch.prompt_mask,
+                                res.loss.backward()
+                                backward_views(policy, pl, mine.prompt_ids, mine.completion_ids, mine.completion_mask,
+                                               leaf.grad[lo:hi] * world, prompt_mask=mine.prompt_mask,
                                                reduction=cfg.estimator.reduction,
-                                               max_views_per_forward=cfg.estimator.max_views_per_forward)
-                        grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip))
+                                               max_views_per_forward=cfg.estimator.max_views_per_forward,
+                                               backward=accelerator.backward)
+                            else:  # DDP averages the processes' gradients: × N makes their sum
+                                accelerator.backward(res.loss * world)
+                        grad_norm = float(accelerator.clip_grad_norm_(params, cfg.grad_clip))
                         finite = math.isfinite(grad_norm)
                     else:
                         grad_norm = float("nan")
@@ -460,9 +598,9 @@ def run_train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) 
                         inner_rows.append({**res.metrics, "loss": float(res.loss.detach()), "grad_norm": grad_norm,
                                            "update_norm": 0.0})
                         continue
-                    before = [p.detach().clone() for p in model.parameters()]
+                    before = [p.detach().clone() for p in params]
                     opt.step()
-                    update = math.sqrt(sum(float((p.detach() - b).pow(2).sum()) for p, b in zip(model.parameters(), before)))
+                    update = math.sqrt(sum(float((p.detach() - b).pow(2).sum()) for p, b in zip(params, before)))
                     inner_rows.append({**res.metrics, "loss": float(res.loss.detach()), "grad_norm": grad_norm,
                                        "update_norm": update})
             # Over the μ inner iterations: maxima of *_max metrics, means of the others.
@@ -479,8 +617,8 @@ def run_train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) 
         row["framework_share"] = 1 - (forward_clock.seconds + times.get("backward", 0.0)) / row["seconds"]
         done = step + 1
         if cfg.eval_every and done % cfg.eval_every == 0 and done != cfg.steps:
-            res_e = evaluate(policy, task, eval_problems, cfg.eval_sampling, progress=False)
-            row.update({"eval_accuracy": res_e.accuracy, "eval_reward": res_e.mean_reward})
+            res_e = _evaluate(policy, task, eval_problems, cfg.eval_sampling, procs)
+            row.update({"eval_accuracy": res_e["accuracy"], "eval_reward": res_e["mean_reward"]})
         if done % cfg.log_every == 0 or "eval_accuracy" in row:
             _log(metrics_file, tb, row)
         bar.set_postfix(reward=f"{row['reward_mean']:.3f}", gnorm=f"{row.get('grad_norm', 0):.2g}",
@@ -488,22 +626,28 @@ def run_train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) 
         if done % cfg.save_every == 0 or done == cfg.steps:
             state = {"optimizer": opt.state_dict(), "scheduler": sched.state_dict(), "step": done,
                      "counters": counters, "history": history}
-            save_checkpoint(out, done, policy, state)
+            if main:
+                save_checkpoint(out, done, _unwrapped(policy, accelerator), state)
+            accelerator.wait_for_everyone()
     bar.close()
 
-    res = evaluate(policy, task, eval_problems, cfg.eval_sampling, progress=False)
-    history["eval_final"] = {"accuracy": res.accuracy, "mean_reward": res.mean_reward}
-    _log(metrics_file, tb, {"step": cfg.steps, "eval_accuracy": res.accuracy, "eval_reward": res.mean_reward})
-    metrics_file.close()
-    tb.close()
+    history["eval_final"] = _evaluate(policy, task, eval_problems, cfg.eval_sampling, procs)
+    _log(metrics_file, tb, {"step": cfg.steps, "eval_accuracy": history["eval_final"]["accuracy"],
+                            "eval_reward": history["eval_final"]["mean_reward"]})
     policy.model.eval()
-    save_final(out, policy)
     summary = {**history, **counters}
-    write_atomic(out / "summary.json", json.dumps(summary, indent=2))
+    if main:
+        metrics_file.close()
+        tb.close()
+        save_final(out, _unwrapped(policy, accelerator))
+        write_atomic(out / "summary.json", json.dumps(summary, indent=2))
+    accelerator.wait_for_everyone()
     return summary
 
 
 def _log(f, tb, row: dict[str, Any]) -> None:
+    if f is None:  # not the main process
+        return
     f.write(json.dumps(row) + "\n")
     f.flush()
     for k, v in row.items():

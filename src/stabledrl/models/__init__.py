@@ -8,13 +8,23 @@ from stabledrl.models.attention import (
     staircase_mask,
     staircase_position_ids,
 )
-from stabledrl.models.policy import Policy, TinyPolicy, load_policy
+from stabledrl.models.adapters import ADAPTERS, HFPolicy, load_hf_policy
+from stabledrl.models.lora import LoraSettings, add_lora, base_policy
+from stabledrl.models.policy import ModelConfig, Policy, TinyPolicy, load_policy, resolve_adapter
 from stabledrl.models.tiny import KVCache, TinyDiffusionConfig, TinyDiffusionLM
 
 __all__ = [
     "Policy",
     "TinyPolicy",
     "load_policy",
+    "ModelConfig",
+    "resolve_adapter",
+    "ADAPTERS",
+    "HFPolicy",
+    "load_hf_policy",
+    "LoraSettings",
+    "add_lora",
+    "base_policy",
     "TinyDiffusionConfig",
     "TinyDiffusionLM",
     "KVCache",

@@ -12,16 +12,24 @@ cache keys and values also has ``new_cache()`` and accepts ``cache=`` and
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, Protocol, runtime_checkable
+from typing import ClassVar, Literal, Protocol, runtime_checkable
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
-from stabledrl.models.tiny import KVCache, TinyDiffusionLM
+from stabledrl.config import check
+from stabledrl.models.adapters import ADAPTER_FILE, ADAPTERS, load_hf_policy
+from stabledrl.models.tiny import KVCache, TinyDiffusionConfig, TinyDiffusionLM
 
-__all__ = ["Policy", "TinyPolicy", "load_policy"]
+__all__ = ["Policy", "TinyPolicy", "ModelConfig", "load_policy", "resolve_adapter"]
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# model_type in a checkpoint's config.json -> adapter, for `adapter: auto`.
+_MODEL_TYPES = {TinyDiffusionConfig.model_type: "tiny", "llada": "llada", "dream": "dream"}
 
 
 @runtime_checkable
@@ -96,12 +104,100 @@ class TinyPolicy:
         self.tokenizer.save_pretrained(path)
 
 
-def load_policy(path: str | Path, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> TinyPolicy:
-    """Load a policy saved by `stabledrl sft` (a tiny model and its tokenizer)."""
+@dataclass
+class ModelConfig:
+    """The policy to load: a directory (or Hub name) and the adapter that reads it.
+
+    In YAML, ``model: some/dir`` is short for ``model: {path: some/dir}``."""
+
+    __shorthand__: ClassVar[str] = "path"
+
+    path: str = "checkpoints/countdown-tiny"
+    """Model directory (a stabledrl model, a run's checkpoint, a `transformers` checkpoint or a Hub name)."""
+    adapter: Literal["auto", "tiny", "llada", "dream", "masked_lm", "decoder"] = "auto"
+    """auto: from the checkpoint (stabledrl models, LLaDA, Dream); masked_lm and decoder must be named."""
+    mask_token_id: int | None = None
+    """The mask token; None: the checkpoint's config, then the tokenizer (an error if neither has one)."""
+    block_size: int | None = None
+    """decoder only: the block size S of the block-diffusion reading."""
+    shift_logits: bool | None = None
+    """True if the model's logits[:, i] predict token i+1; None: true for dream only."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Parameter dtype."""
+    device: str = "cpu"
+    """Device of a single-process run (multi-process runs use each process's device)."""
+    trust_remote_code: bool | None = None
+    """Run the checkpoint's own modelling code; None: true for llada and dream only."""
+
+    def __post_init__(self) -> None:
+        check(bool(self.path), "model.path is empty: name a model directory")
+        check(self.mask_token_id is None or self.mask_token_id >= 0,
+              f"model.mask_token_id must be >= 0, got {self.mask_token_id}")
+        check(self.block_size is None or self.block_size >= 1, f"model.block_size must be >= 1, got {self.block_size}")
+        check(self.block_size is None or self.adapter in ("decoder", "auto"),
+              "model.block_size is for the decoder adapter (tiny block models store theirs)")
+
+
+def resolve_adapter(path: str | Path, adapter: str = "auto") -> str:
+    """The adapter for `path`: the named one, or what its config.json says."""
+    if adapter != "auto":
+        return adapter
     path = Path(path)
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"{path} is not a saved model directory (no config.json)")
-    model = TinyDiffusionLM.from_pretrained(path, dtype=dtype).to(device)
-    model.eval()
-    tokenizer = PreTrainedTokenizerFast.from_pretrained(path)
-    return TinyPolicy(model, tokenizer)
+    if (path / ADAPTER_FILE).is_file():
+        return json.loads((path / ADAPTER_FILE).read_text())["adapter"]
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise FileNotFoundError(f"{path} is not a saved model directory (no config.json); for a Hub model "
+                                f"name the adapter (model.adapter: one of {ADAPTERS})")
+    model_type = json.loads(config_file.read_text()).get("model_type")
+    if model_type not in _MODEL_TYPES:
+        raise ValueError(f"{path}: cannot tell the adapter from model_type {model_type!r}; set model.adapter "
+                         f"to one of {('tiny',) + ADAPTERS}")
+    return _MODEL_TYPES[model_type]
+
+
+def load_policy(model: str | Path | ModelConfig, *, device: str | torch.device | None = None,
+                dtype: torch.dtype | None = None, trainable: bool = False):
+    """Load a policy: a stabledrl tiny model, a real checkpoint through its adapter, or
+    either with LoRA adapters (a directory holding ``adapter_config.json``, as a LoRA run
+    saves; `trainable` keeps the adapters trainable)."""
+    cfg = model if isinstance(model, ModelConfig) else ModelConfig(path=str(model))
+    device = cfg.device if device is None else device
+    dtype = _DTYPES[cfg.dtype] if dtype is None else dtype
+    path = Path(cfg.path)
+    if (path / "adapter_config.json").is_file():  # LoRA: load the base, then the adapters
+        from peft import PeftModel
+
+        policy = load_policy(_lora_base(path, cfg), device=device, dtype=dtype)
+        policy.model = PeftModel.from_pretrained(policy.model, str(path), is_trainable=trainable).to(device)
+        return policy
+    adapter = resolve_adapter(path, cfg.adapter)
+    if adapter == "tiny":
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"{path} is not a saved model directory (no config.json)")
+        tiny = TinyDiffusionLM.from_pretrained(path, dtype=dtype).to(device)
+        tiny.eval()
+        _record_base_path(tiny, path)
+        return TinyPolicy(tiny, PreTrainedTokenizerFast.from_pretrained(path))
+    policy = load_hf_policy(path if path.exists() else cfg.path, adapter, mask_token_id=cfg.mask_token_id,
+                            block_size=cfg.block_size, shift_logits=cfg.shift_logits, dtype=dtype, device=device,
+                            trust_remote_code=cfg.trust_remote_code)
+    if path.exists():
+        _record_base_path(policy.model, path)
+    return policy
+
+
+def _record_base_path(model: PreTrainedModel, path: Path) -> None:
+    """An absolute path, so that LoRA adapters saved from this model find their base again."""
+    model.name_or_path = model.config.name_or_path = str(path.resolve())
+
+
+def _lora_base(path: Path, cfg: ModelConfig) -> ModelConfig:
+    """The base model of a saved LoRA policy, with the adapter settings it was saved with."""
+    base = json.loads((path / "adapter_config.json").read_text()).get("base_model_name_or_path")
+    if not base:
+        raise ValueError(f"{path}/adapter_config.json does not name its base model")
+    saved = json.loads((path / ADAPTER_FILE).read_text()) if (path / ADAPTER_FILE).is_file() else {}
+    pick = lambda name, default: getattr(cfg, name) if getattr(cfg, name) not in (None, default) else saved.get(name, getattr(cfg, name))  # noqa: E731
+    return dataclasses.replace(cfg, path=base, adapter=pick("adapter", "auto"), mask_token_id=pick("mask_token_id", None),
+                               block_size=pick("block_size", None), shift_logits=pick("shift_logits", None))

@@ -1,0 +1,193 @@
+"""Adapters that put real `transformers` checkpoints behind the policy interface (SPEC §5).
+
+Every adapter answers ``logits(input_ids, attention_mask, position_ids)`` with
+``logits[:, i]`` predicting token ``i``, whatever the checkpoint does natively:
+
+- ``llada`` — LLaDA (Nie et al. 2025): ``AutoModel`` with ``trust_remote_code``. A
+  bidirectional masked-diffusion model with unshifted logits. Its forward takes a
+  (B, T) padding mask and no position ids (it counts positions itself, as its own
+  sampler does), so left padding shifts its positions: a property of the checkpoint.
+  Its mask token is 126336, which the tokenizer does not declare: set ``mask_token_id``.
+- ``dream`` — Dream (Ye et al. 2025): ``AutoModel`` with ``trust_remote_code``. Initialised
+  from an autoregressive model, it keeps the AR head's shift: its ``logits[:, i]``
+  predict token ``i + 1``. The adapter undoes it, ``out[:, i] = native[:, i − 1]``; the
+  first column has no prediction and repeats ``native[:, 0]`` (it is always a prompt
+  token, never scored). It takes a 4-D boolean mask and position ids. Mask token 151666.
+- ``masked_lm`` — any ``AutoModelForMaskedLM`` (BERT, RoBERTa, ModernBERT ...) used as a
+  masked diffusion model (unshifted logits, the tokenizer's ``[MASK]``).
+- ``decoder`` — a causal decoder (Llama / Qwen family, ``AutoModelForCausalLM``) used as a
+  block-diffusion model, SDAR style: every call brings a boolean (B, T, T) block mask
+  (block-causal for sampling, the staircase for the likelihood) that is passed on as a
+  4-D additive mask, which `transformers` hands to the attention kernel as is. Its
+  logits are read unshifted by default (position i predicts token i, as in SDAR's
+  block-diffusion fine-tuning); ``shift_logits: true`` reads them as next-token logits.
+
+The mask token id is required: from `ModelConfig.mask_token_id`, else the checkpoint's
+config, else the tokenizer. Missing, or equal to the pad id, is an error at start-up.
+
+Shapes: B batch, T tokens, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+__all__ = ["ADAPTERS", "HFPolicy", "load_hf_policy", "ADAPTER_FILE"]
+
+log = logging.getLogger(__name__)
+
+ADAPTERS = ("llada", "dream", "masked_lm", "decoder")
+ADAPTER_FILE = "stabledrl_adapter.json"
+"""Written beside a saved adapter policy so that ``adapter: auto`` finds it again."""
+
+# Mask ids of the public checkpoints, only to make the start-up error actionable.
+_KNOWN_MASK_IDS = {"llada": 126336, "dream": 151666}
+
+
+@dataclass
+class HFPolicy:
+    """A `transformers` model behind the policy interface (module docstring)."""
+
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+    adapter: Literal["llada", "dream", "masked_lm", "decoder"]
+    mask_token_id: int
+    block_size: int | None = None
+    shift_logits: bool = False
+    """True when the model's logits[:, i] predict token i + 1 (Dream; a decoder read AR style)."""
+    pad_token_id: int = field(init=False)
+    eos_token_id: int = field(init=False)
+    attention_kind: Literal["full", "block"] = field(init=False)
+
+    def __post_init__(self) -> None:
+        if self.adapter not in ADAPTERS:
+            raise ValueError(f"adapter must be one of {ADAPTERS}, got {self.adapter!r}")
+        tok = self.tokenizer
+        if tok.eos_token_id is None:
+            raise ValueError("the tokenizer has no EOS token; completions could never end")
+        if tok.pad_token_id is None:
+            # The common convention for decoders without a pad token; the completion mask
+            # stops at the first EOS, so pad == eos changes nothing that is scored.
+            log.warning("the tokenizer has no PAD token; using EOS (%s) as PAD", tok.eos_token)
+            tok.pad_token = tok.eos_token
+        self.pad_token_id = int(tok.pad_token_id)
+        self.eos_token_id = int(tok.eos_token_id)
+        if self.mask_token_id == self.pad_token_id:
+            raise ValueError(f"mask_token_id {self.mask_token_id} equals pad_token_id: they must differ")
+        vocab = self.model.get_input_embeddings().num_embeddings
+        if not 0 <= self.mask_token_id < vocab:
+            raise ValueError(f"mask_token_id {self.mask_token_id} is outside the model's vocabulary of {vocab}")
+        self._dtype = self.model.get_input_embeddings().weight.dtype  # before any DDP/FSDP wrapping
+        if self.adapter == "decoder":
+            if not (self.block_size and self.block_size > 0):
+                raise ValueError("the decoder adapter is a block-diffusion model: set model.block_size (e.g. 4)")
+            self.attention_kind = "block"
+        else:
+            if self.block_size is not None:
+                raise ValueError(f"model.block_size is for the decoder adapter; {self.adapter} models use full attention")
+            self.attention_kind = "full"
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def logits(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """(B, T) ids -> (B, T, V) logits; logits[:, i] predicts token i."""
+        B, T = input_ids.shape
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        if self.attention_kind == "block" and attention_mask.dim() == 2:
+            raise ValueError("a block-diffusion policy needs a boolean (B, T, T) attention mask "
+                             "(stabledrl.models.attention builds them)")
+        if attention_mask.dim() == 3 and self.attention_kind == "full":
+            raise ValueError(f"the {self.adapter} adapter is full-attention; pass a (B, T) padding mask")
+        if position_ids is None:
+            if attention_mask.dim() != 2:
+                raise ValueError("position_ids are required with a boolean (B, T, T) mask")
+            position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+        kwargs: dict[str, Any]
+        if self.adapter == "llada":
+            kwargs = {"attention_mask": attention_mask}
+        elif self.adapter == "masked_lm":
+            kwargs = {"attention_mask": attention_mask, "position_ids": position_ids}
+        elif self.adapter == "dream":
+            keys = attention_mask.bool()[:, None, None, :].expand(B, 1, T, T)  # (B, 1, T, T) key padding
+            kwargs = {"attention_mask": keys, "position_ids": position_ids}
+        else:  # decoder: the block mask as an additive 4-D mask
+            allowed = attention_mask.bool()[:, None]  # (B, 1, T, T)
+            # Every query keeps itself, so padding rows are finite (and never read).
+            allowed = allowed | torch.eye(T, dtype=torch.bool, device=input_ids.device)
+            additive = torch.zeros(allowed.shape, dtype=self._dtype, device=input_ids.device)
+            kwargs = {"attention_mask": additive.masked_fill(~allowed, torch.finfo(self._dtype).min),
+                      "position_ids": position_ids}
+        if self.adapter != "masked_lm":
+            kwargs["use_cache"] = False  # decoders would otherwise build a KV cache per call
+        out = self.model(input_ids=input_ids, **kwargs).logits  # (B, T, V)
+        if self.shift_logits:  # native[:, i] predicts token i+1: move it to column i+1
+            out = torch.cat([out[:, :1], out[:, :-1]], dim=1)
+        return out
+
+    def save(self, path: str | Path) -> None:
+        path = Path(path)
+        self.model.save_pretrained(path)
+        self.tokenizer.save_pretrained(path)
+        (path / ADAPTER_FILE).write_text(json.dumps(
+            {"adapter": self.adapter, "mask_token_id": self.mask_token_id, "block_size": self.block_size,
+             "shift_logits": self.shift_logits}, indent=2) + "\n")
+
+
+def _resolve_mask_id(adapter: str, explicit: int | None, model: PreTrainedModel, tokenizer) -> int:
+    for source, value in (("model.mask_token_id", explicit),
+                          ("the checkpoint's config", getattr(model.config, "mask_token_id", None)),
+                          ("the tokenizer", tokenizer.mask_token_id)):
+        if value is not None:
+            log.info("mask token id %s from %s", value, source)
+            return int(value)
+    hint = f" ({adapter} checkpoints use {_KNOWN_MASK_IDS[adapter]})" if adapter in _KNOWN_MASK_IDS else ""
+    raise ValueError(f"no mask token id: neither model.mask_token_id, the checkpoint's config nor the tokenizer "
+                     f"names one; set model.mask_token_id{hint}")
+
+
+def load_hf_policy(
+    path: str | Path,
+    adapter: str,
+    *,
+    mask_token_id: int | None = None,
+    block_size: int | None = None,
+    shift_logits: bool | None = None,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    trust_remote_code: bool | None = None,
+) -> HFPolicy:
+    """Load a checkpoint (a local directory or a Hub name) with the named adapter."""
+    from transformers import AutoModel, AutoModelForCausalLM, AutoModelForMaskedLM, AutoTokenizer
+
+    if adapter not in ADAPTERS:
+        raise ValueError(f"adapter must be one of {ADAPTERS}, got {adapter!r}")
+    remote = adapter in ("llada", "dream") if trust_remote_code is None else trust_remote_code
+    auto = {"llada": AutoModel, "dream": AutoModel, "masked_lm": AutoModelForMaskedLM,
+            "decoder": AutoModelForCausalLM}[adapter]
+    saved = Path(path) / ADAPTER_FILE
+    if saved.is_file():  # a policy saved by stabledrl: its settings unless given explicitly
+        meta = json.loads(saved.read_text())
+        mask_token_id = meta["mask_token_id"] if mask_token_id is None else mask_token_id
+        block_size = meta["block_size"] if block_size is None else block_size
+        shift_logits = meta["shift_logits"] if shift_logits is None else shift_logits
+    model = auto.from_pretrained(str(path), dtype=dtype, trust_remote_code=remote).to(device)
+    model.eval()
+    tokenizer = AutoTokenizer.from_pretrained(str(path), trust_remote_code=remote)
+    mask_id = _resolve_mask_id(adapter, mask_token_id, model, tokenizer)
+    shift = (adapter == "dream") if shift_logits is None else shift_logits
+    return HFPolicy(model, tokenizer, adapter, mask_id, block_size=block_size, shift_logits=shift)

@@ -1,0 +1,73 @@
+"""LoRA through `peft` (Hu et al. 2021): low-rank adapters on a frozen policy.
+
+`add_lora(policy, LoraSettings(...))` wraps ``policy.model`` in a `peft.PeftModel`; only
+the adapter matrices train. `base_policy(policy)` is the same policy with the adapters
+switched off (``PeftModel.disable_adapter``): the initial policy, for the KL reference
+and the drift diagnostic, without a second copy of the weights in memory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from stabledrl.config import check
+
+__all__ = ["LoraSettings", "add_lora", "base_policy"]
+
+
+@dataclass
+class LoraSettings:
+    """The `lora:` section of a training config."""
+
+    r: int = 8
+    """Rank of each adapter."""
+    alpha: float = 16.0
+    """Scale numerator: the adapter's output is multiplied by alpha / r."""
+    dropout: float = 0.0
+    """Dropout on the adapter's input (0 keeps the update deterministic)."""
+    target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
+    """Module names (or suffixes) to adapt; ["all-linear"]: every linear layer but the output head."""
+
+    def __post_init__(self) -> None:
+        check(self.r >= 1, f"lora.r must be >= 1, got {self.r}")
+        check(self.alpha > 0, f"lora.alpha must be positive, got {self.alpha}")
+        check(0 <= self.dropout < 1, f"lora.dropout must be in [0, 1), got {self.dropout}")
+        check(bool(self.target_modules), "lora.target_modules is empty: name modules or use ['all-linear']")
+
+
+def add_lora(policy: Any, settings: LoraSettings) -> Any:
+    """Wrap `policy.model` with trainable LoRA adapters, in place; returns the policy."""
+    from peft import LoraConfig, get_peft_model
+
+    targets: str | list[str] = settings.target_modules
+    if targets == ["all-linear"]:
+        targets = "all-linear"
+    config = LoraConfig(r=settings.r, lora_alpha=settings.alpha, lora_dropout=settings.dropout,
+                        target_modules=targets, bias="none")
+    policy.model = get_peft_model(policy.model, config)
+    return policy
+
+
+class _AdaptersOff:
+    """`policy` with its LoRA adapters disabled in every `logits` call."""
+
+    def __init__(self, policy: Any) -> None:
+        self._policy = policy
+
+    def __getattr__(self, name: str) -> Any:  # mask ids, tokenizer, attention kind ...
+        return getattr(self._policy, name)
+
+    def logits(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        peft_model = getattr(self._policy.model, "module", self._policy.model)  # under DDP, the wrapped model
+        with peft_model.disable_adapter():
+            return self._policy.logits(*args, **kwargs)
+
+
+def base_policy(policy: Any) -> Any:
+    """The LoRA policy's base model (adapters off), sharing its weights."""
+    if not hasattr(policy.model, "disable_adapter"):
+        raise TypeError("base_policy needs a policy whose model has LoRA adapters (add_lora)")
+    return _AdaptersOff(policy)
