@@ -67,6 +67,10 @@ def _cmd_train(args: argparse.Namespace) -> int:
     overrides = list(args.set) + ([f"model.path={args.model}"] if args.model else [])
     cfg = load_config(TrainConfig, args.config, overrides)
     summary = run_train(cfg, resume=args.resume)
+    from accelerate import PartialState
+
+    if not PartialState().is_main_process:  # one report per run, not one per process
+        return 0
     before, after = summary["eval_initial"], summary["eval_final"]
     print(f"held-out accuracy {before['accuracy']:.4f} -> {after['accuracy']:.4f}, "
           f"mean reward {before['mean_reward']:.4f} -> {after['mean_reward']:.4f}")

@@ -635,7 +635,7 @@ def run_train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) 
     _log(metrics_file, tb, {"step": cfg.steps, "eval_accuracy": history["eval_final"]["accuracy"],
                             "eval_reward": history["eval_final"]["mean_reward"]})
     policy.model.eval()
-    summary = {**history, **counters}
+    summary = {**history, **counters, "processes": world}
     if main:
         metrics_file.close()
         tb.close()
