@@ -150,6 +150,7 @@ def resolve_adapter(path: str | Path, adapter: str = "auto") -> str:
         raise FileNotFoundError(f"{path} is not a saved model directory (no config.json); for a Hub model "
                                 f"name the adapter (model.adapter: one of {ADAPTERS})")
     model_type = json.loads(config_file.read_text()).get("model_type")
+    model_type = model_type.lower() if isinstance(model_type, str) else model_type  # Dream's is "Dream"
     if model_type not in _MODEL_TYPES:
         raise ValueError(f"{path}: cannot tell the adapter from model_type {model_type!r}; set model.adapter "
                          f"to one of {('tiny',) + ADAPTERS}")
