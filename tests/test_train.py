@@ -58,11 +58,12 @@ def test_a_short_run_changes_parameters_and_logs_every_diagnostic(init_model, tm
     assert (tmp_path / "run" / "tensorboard").is_dir()
 
 
-def test_resume_continues_exactly(init_model, tmp_path):
-    full = _cfg(init_model, tmp_path / "full")
+@pytest.mark.parametrize("lora", [None, {"r": 4}])
+def test_resume_continues_exactly(init_model, tmp_path, lora):
+    full = _cfg(init_model, tmp_path / "full", lora=lora)
     run_train(full, progress=False)
 
-    crash = _cfg(init_model, tmp_path / "crash")
+    crash = _cfg(init_model, tmp_path / "crash", lora=lora)
     real = train_mod.save_checkpoint
 
     class Stop(Exception):
@@ -80,8 +81,9 @@ def test_resume_continues_exactly(init_model, tmp_path):
         train_mod.save_checkpoint = real
     run_train(crash, resume=True, progress=False)
     assert _losses(tmp_path / "crash" / "metrics.jsonl") == _losses(tmp_path / "full" / "metrics.jsonl")
-    a = load_file(tmp_path / "full" / "final" / "model.safetensors")
-    b = load_file(tmp_path / "crash" / "final" / "model.safetensors")
+    weights = "adapter_model.safetensors" if lora else "model.safetensors"  # LoRA runs save the adapters
+    a = load_file(tmp_path / "full" / "final" / weights)
+    b = load_file(tmp_path / "crash" / "final" / weights)
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 

@@ -446,7 +446,7 @@ def run_train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) 
     if ckpt is not None:  # the checkpoint holds the weights (or the LoRA adapters) of the policy
         policy = load_policy(dataclasses.replace(cfg.model, path=str(ckpt)), device=device, trainable=True)
     elif cfg.lora is not None:
-        policy = add_lora(initial, cfg.lora)
+        policy = add_lora(initial, cfg.lora, seed=cfg.seed)
     else:
         policy, initial = initial, load_policy(cfg.model, device=device)
     if cfg.lora is not None:

@@ -38,8 +38,11 @@ class LoraSettings:
         check(bool(self.target_modules), "lora.target_modules is empty: name modules or use ['all-linear']")
 
 
-def add_lora(policy: Any, settings: LoraSettings) -> Any:
-    """Wrap `policy.model` with trainable LoRA adapters, in place; returns the policy."""
+def add_lora(policy: Any, settings: LoraSettings, *, seed: int = 0) -> Any:
+    """Wrap `policy.model` with trainable LoRA adapters, in place; returns the policy.
+
+    peft draws the A matrices from the global RNG; here they come from `seed` (B starts at
+    zero, so the policy is unchanged), and the global RNG state is left as it was."""
     from peft import LoraConfig, get_peft_model
 
     targets: str | list[str] = settings.target_modules
@@ -47,7 +50,9 @@ def add_lora(policy: Any, settings: LoraSettings) -> Any:
         targets = "all-linear"
     config = LoraConfig(r=settings.r, lora_alpha=settings.alpha, lora_dropout=settings.dropout,
                         target_modules=targets, bias="none")
-    policy.model = get_peft_model(policy.model, config)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        policy.model = get_peft_model(policy.model, config)
     return policy
 
 

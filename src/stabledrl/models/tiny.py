@@ -148,6 +148,15 @@ class TinyDiffusionLM(PreTrainedModel):
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.post_init()
 
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.embed
+
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
+        self.embed = value
+
+    def get_output_embeddings(self) -> nn.Linear:
+        return self.lm_head
+
     def _init_weights(self, module: nn.Module) -> None:
         std = self.config.initializer_range
         if isinstance(module, (nn.Linear, nn.Embedding)):
