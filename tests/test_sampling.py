@@ -167,3 +167,54 @@ def test_block_sampler_prompt_alone_equals_batched():
     for i, p in enumerate(PROMPTS):
         _, alone = _run(policy, prompts=[p], gen_length=7)
         assert torch.equal(alone.completion_ids[0], batched.completion_ids[i])
+
+
+def _row_gens(seed, rows):
+    return [torch.Generator().manual_seed(seed * 100 + r) for r in rows]
+
+
+@pytest.mark.parametrize("block", [None, 3])
+def test_with_one_generator_per_row_a_row_samples_the_same_in_any_batch(block):
+    # Temperature 1 and random remasking: all the noise comes from the row's own generator,
+    # so row i alone (with generator i) writes what it writes in the batch, whichever rows
+    # finish early around it (the full sampler only runs the rows with work left).
+    kw = dict(attention_kind="block", block_size=block) if block else {}
+    policy = make_tiny_policy(seed=21, **kw)
+    common = dict(gen_length=9, temperature=1.0, remasking="random")
+    _, batched = _run(policy, generator=_row_gens(7, range(3)), **common)
+    for i, p in enumerate(PROMPTS):
+        _, alone = _run(policy, prompts=[p], generator=_row_gens(7, [i]), **common)
+        assert torch.equal(alone.completion_ids[0], batched.completion_ids[i])
+    _, other = _run(policy, generator=_row_gens(8, range(3)), **common)
+    assert not torch.equal(other.completion_ids, batched.completion_ids)  # the noise does matter
+    with pytest.raises(ValueError, match="one generator per row"):
+        _run(policy, generator=_row_gens(7, range(2)), **common)
+
+
+class _EosEager:
+    """A tiny policy whose EOS logit is raised by 3, so completions end early."""
+
+    def __init__(self, policy):
+        self._policy = policy
+
+    def __getattr__(self, name):
+        return getattr(self._policy, name)
+
+    def logits(self, *args, **kwargs):
+        out = self._policy.logits(*args, **kwargs).clone()
+        out[..., self._policy.eos_token_id] += 3.0
+        return out
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(attention_kind="block", block_size=3)])
+def test_synced_sampling_makes_every_call_of_the_schedule_and_the_same_tokens(kw):
+    # Once a row writes EOS every later slot is PAD, so unsynced decoding stops early;
+    # synced decoding makes all 9 step calls (+ the cache's prompt call and 2 block
+    # freezes for block models) and writes the same tokens.
+    policy = _EosEager(make_tiny_policy(seed=22, **kw))
+    _, free = _run(policy, gen_length=9)
+    _, synced = _run(policy, gen_length=9, synced=True)
+    assert torch.equal(free.completion_ids, synced.completion_ids)
+    expected = 9 + (3 if kw else 0)
+    assert free.forward_passes < expected  # this batch does end early: the synced path is exercised
+    assert synced.forward_passes == expected

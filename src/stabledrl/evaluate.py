@@ -40,8 +40,10 @@ def evaluate(
     batch_size: int = 256,
     seed: int = 0,
     progress: bool = True,
+    synced: bool = False,
 ) -> EvalResult:
-    """Accuracy (share of fully correct completions) and mean reward on `problems`."""
+    """Accuracy (share of fully correct completions) and mean reward on `problems`.
+    `synced`: see `stabledrl.sampling.generate` (processes with sharded parameters)."""
     if not problems:
         raise ValueError("no problems to evaluate")
     sampling = sampling or SamplingConfig()
@@ -56,7 +58,7 @@ def evaluate(
         ids, mask = encode_prompts(policy.tokenizer, [p.prompt for p in chunk])
         out = generate(
             policy, ids.to(policy.device), mask.to(policy.device),
-            gen_length=gen_length, generator=generator, **sampling.generate_kwargs(),
+            gen_length=gen_length, generator=generator, synced=synced, **sampling.generate_kwargs(),
         )
         texts.extend(decode_completions(policy.tokenizer, out.completion_ids.cpu()))
     seconds = time.perf_counter() - t0

@@ -184,6 +184,7 @@ def generate(
     remasking: Literal["low_confidence", "random"] = "low_confidence",
     generator: Generators = None,
     kv_cache: bool = True,
+    synced: bool = False,
 ) -> GenerationOutput:
     """Generate `gen_length` tokens after each (left-padded) prompt.
 
@@ -193,6 +194,9 @@ def generate(
     (temperature > 0 or random remasking): one for the batch, or a sequence of B, one per
     row (then a row's completion does not depend on the rest of the batch). `kv_cache` (block models with a cache only):
     keep the keys and values of the prompt and finished blocks instead of recomputing them.
+    `synced`: make every model call of the schedule even when no row has work left (the
+    output is discarded), so that processes whose parameters are sharded (FSDP, ZeRO-3),
+    where each call is a collective, make the same number of calls; same tokens.
     """
     B, P = prompt_ids.shape
     L = gen_length
@@ -226,13 +230,13 @@ def generate(
     pick = dict(temperature=temperature, remasking=remasking, generator=generator, banned=dec.banned)
     if policy.attention_kind == "block":
         _decode_blocks(policy, dec, prompt_ids, prompt_mask, block_length, per_block,
-                       kv_cache and hasattr(policy, "new_cache"), pick)
+                       kv_cache and hasattr(policy, "new_cache"), pick, synced)
     else:
-        _decode_full(policy, dec, prompt_ids, prompt_mask, block_length, per_block, pick)
+        _decode_full(policy, dec, prompt_ids, prompt_mask, block_length, per_block, pick, synced)
     return dec.output(prompt_ids)
 
 
-def _decode_full(policy, dec: _Decoding, prompt_ids, prompt_mask, block_length, per_block, pick) -> None:
+def _decode_full(policy, dec: _Decoding, prompt_ids, prompt_mask, block_length, per_block, pick, synced) -> None:
     """Full attention: every step runs the whole [q ; completion] of the rows with work left."""
     B, P = prompt_ids.shape
     L = dec.comp.size(1)
@@ -246,6 +250,11 @@ def _decode_full(policy, dec: _Decoding, prompt_ids, prompt_mask, block_length, 
             eligible = (dec.comp == dec.mask_id) & in_block  # (B, L)
             active = eligible.any(dim=1).nonzero().squeeze(1)  # rows with work left in this block
             if active.numel() == 0:
+                if synced:  # the call the other processes are making; its output is not needed
+                    policy.logits(torch.cat([prompt_ids[:1], dec.comp[:1]], dim=1), attn[:1], pos[:1])
+                    dec.passes += 1
+                    step += 1
+                    continue
                 step += block_steps - s
                 break
             x = torch.cat([prompt_ids[active], dec.comp[active]], dim=1)  # (A, P+L)
@@ -256,7 +265,7 @@ def _decode_full(policy, dec: _Decoding, prompt_ids, prompt_mask, block_length, 
             step += 1
 
 
-def _decode_blocks(policy, dec: _Decoding, prompt_ids, prompt_mask, S, per_block, use_cache, pick) -> None:
+def _decode_blocks(policy, dec: _Decoding, prompt_ids, prompt_mask, S, per_block, use_cache, pick, synced) -> None:
     """Block diffusion: block b is denoised attending to the prompt and the clean blocks
     < b, then frozen. With the cache, the prompt and each finished block are run once
     and their keys/values kept, and a step feeds only the current block; without it,
@@ -277,7 +286,7 @@ def _decode_blocks(policy, dec: _Decoding, prompt_ids, prompt_mask, S, per_block
         lo, hi = cols.start, cols.stop
         for s in range(block_steps):
             eligible = dec.comp[:, cols] == dec.mask_id  # (B, W)
-            if not eligible.any():
+            if not eligible.any() and not synced:
                 step += block_steps - s
                 break
             if use_cache:  # the block attends to every cached key and to itself
@@ -288,10 +297,11 @@ def _decode_blocks(policy, dec: _Decoding, prompt_ids, prompt_mask, S, per_block
                 mask = block_causal_attention_mask(prompt_mask, hi, S)  # (B, P+hi, P+hi)
                 logits = policy.logits(x, mask, pos[:, : P + hi])[:, P + lo :]
             dec.passes += 1
-            chosen, x0, ent = _pick(logits.float(), eligible, block_steps - s, rows=rows, **pick)
-            dec.commit(rows, cols, chosen, x0, ent, step)
+            if eligible.any():  # (synced calls with nothing left to decode are discarded)
+                chosen, x0, ent = _pick(logits.float(), eligible, block_steps - s, rows=rows, **pick)
+                dec.commit(rows, cols, chosen, x0, ent, step)
             step += 1
-        if use_cache and hi < L and (dec.comp[:, hi:] == dec.mask_id).any():  # freeze the clean block
+        if use_cache and hi < L and (synced or (dec.comp[:, hi:] == dec.mask_id).any()):  # freeze the clean block
             mask = keys[:, None, : P + hi].expand(B, hi - lo, P + hi)
             policy.logits(dec.comp[:, cols], mask, pos[:, P + lo : P + hi], cache=cache, extend_cache=True)
             dec.passes += 1

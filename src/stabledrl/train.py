@@ -251,8 +251,12 @@ class _Procs:
     rebuilds the whole batch on every process from the shares."""
 
     def __init__(self, accelerator) -> None:
+        from accelerate.utils import DistributedType
+
         self.accelerator = accelerator
         self.rank, self.world = accelerator.process_index, accelerator.num_processes
+        # Sharded parameters make every forward a collective: sample in lockstep.
+        self.synced = accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED)
 
     def bounds(self, n: int, rank: int | None = None) -> tuple[int, int]:
         r = self.rank if rank is None else rank
@@ -341,7 +345,7 @@ def _roll_groups(cfg: TrainConfig, policy, task, problems: list, tag: str, gen_l
     lo, hi = procs.bounds(n)
     dev = policy.device
     roll = generate(policy, p_ids[lo:hi].to(dev), p_mask[lo:hi].to(dev), gen_length=gen_length,
-                    generator=_row_generators(tag, lo, hi), **cfg.rollout.generate_kwargs())
+                    generator=_row_generators(tag, lo, hi), synced=procs.synced, **cfg.rollout.generate_kwargs())
     texts = decode_completions(policy.tokenizer, roll.completion_ids.cpu())
     rewards = torch.tensor(task.reward(texts, group_problems[lo:hi]), dtype=torch.float32)  # (share,)
     full = [procs.gather(x.to(dev), n).cpu() for x in (roll.completion_ids, roll.completion_mask, rewards,
@@ -402,7 +406,7 @@ def _check_processes(cfg: TrainConfig, world: int) -> None:
 def _evaluate(policy, task, problems: list, sampling: SamplingConfig, procs: _Procs) -> dict[str, float]:
     """Held-out accuracy and mean reward; each process decodes its share of the problems."""
     lo, hi = procs.bounds(len(problems))
-    res = evaluate(policy, task, problems[lo:hi], sampling, progress=False)
+    res = evaluate(policy, task, problems[lo:hi], sampling, progress=False, synced=procs.synced)
     scores = torch.tensor([[float(s["correct"]), s["reward"]] for s in res.samples], device=policy.device)  # (share, 2)
     full = procs.gather(scores, len(problems)).double().mean(0)
     return {"accuracy": float(full[0]), "mean_reward": float(full[1])}
