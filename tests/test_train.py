@@ -226,3 +226,19 @@ def test_zero_variance_groups_are_kept_skipped_or_resampled(init_model, tmp_path
     assert summary["zero_variance_groups"] == zero and summary["resampled_groups"] == resampled
     if mode == "resample":
         assert resampled > 0 and rows[0]["groups_used"] > sum(map(task.informative, task.generate(P, seed=0)))
+
+
+def test_without_the_drift_diagnostic_no_reference_copy_is_loaded(init_model, tmp_path, monkeypatch):
+    loads = []
+    real = train_mod.load_policy
+    monkeypatch.setattr(train_mod, "load_policy", lambda *a, **k: loads.append(a) or real(*a, **k))
+    run_train(_cfg(init_model, tmp_path / "a", steps=1, drift_kl=False, zero_variance_groups="keep"), progress=False)
+    assert len(loads) == 1  # the policy only
+    rows = [json.loads(x) for x in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
+    assert "loss" in rows[1] and "drift_kl" not in rows[1]
+    # A KL term needs the reference whatever the diagnostic says.
+    run_train(_cfg(init_model, tmp_path / "b", steps=1, drift_kl=False, objective={"name": "grpo", "beta": 0.1},
+                   zero_variance_groups="keep"), progress=False)
+    assert len(loads) == 3
+    rows = [json.loads(x) for x in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
+    assert "kl_ref" in rows[1]

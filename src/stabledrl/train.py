@@ -202,6 +202,10 @@ class TrainConfig:
     """Steps between metric lines (JSONL and TensorBoard)."""
     threads: int | None = None
     """torch CPU threads; None = torch's default."""
+    drift_kl: bool = True
+    """Score the rollouts under the initial policy each step for the `drift_kl` diagnostic. Costs
+    a forward and, without LoRA, a second copy of the model: turn it off for large models
+    when beta is 0 (a KL term needs the reference anyway)."""
 
     def __post_init__(self) -> None:
         check(0 <= self.max_resample_rounds <= 63,  # _resample_seed keeps 64 streams per step
@@ -412,6 +416,10 @@ def _evaluate(policy, task, problems: list, sampling: SamplingConfig, procs: _Pr
     return {"accuracy": float(full[0]), "mean_reward": float(full[1])}
 
 
+def _needs_reference(cfg: TrainConfig) -> bool:
+    return cfg.drift_kl or cfg.objective.beta > 0
+
+
 def _optimizer(cfg: TrainConfig, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
     if cfg.optimizer == "sgd":
         return torch.optim.SGD(params, lr=cfg.lr)
@@ -451,13 +459,14 @@ def run_train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) 
         policy = load_policy(dataclasses.replace(cfg.model, path=str(ckpt)), device=device, trainable=True)
     elif cfg.lora is not None:
         policy = add_lora(initial, cfg.lora, seed=cfg.seed)
-    else:
-        policy, initial = initial, load_policy(cfg.model, device=device)
+    else:  # the reference is a second copy, loaded only if something reads it
+        policy, initial = initial, (load_policy(cfg.model, device=device) if _needs_reference(cfg) else None)
     if cfg.lora is not None:
         reference = base_policy(policy)  # the initial policy is the base model: no second copy
     else:
-        reference = initial  # KL reference and drift baseline
-        reference.model.requires_grad_(False)
+        reference = initial  # KL reference and drift baseline, or None
+        if reference is not None:
+            reference.model.requires_grad_(False)
     params = [p for p in policy.model.parameters() if p.requires_grad]
     opt = _optimizer(cfg, params)
     policy.model, opt = accelerator.prepare(policy.model, opt)  # DDP / FSDP / DeepSpeed with N processes
@@ -483,7 +492,7 @@ def run_train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) 
     if start == 0:
         _log(metrics_file, tb, {"step": 0, "eval_accuracy": history["eval_initial"]["accuracy"],
                                 "eval_reward": history["eval_initial"]["mean_reward"]})
-    forward_clock = _ForwardClock(policy.model, reference.model)
+    forward_clock = _ForwardClock(policy.model, *([reference.model] if reference is not None else []))
     gen_length = cfg.rollout.gen_length or task.completion_length
     G = cfg.group_size
     need_tokens = cfg.objective.ratio_level == "token"
@@ -548,10 +557,12 @@ def run_train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) 
             with _timed(times, "likelihood_old"), torch.no_grad():
                 plan_old = plan(1)
                 old = scored(policy, plan_old)
-                ref = scored(reference, plan_old)
-                # KL(π_old ‖ π_init) ≈ mean over π_old's own samples of ℓ_old − ℓ_init
-                gap = (old - ref).sum(-1) if need_tokens else old - ref  # (B',)
-                row["drift_kl"] = float(gap.mean())
+                ref = None
+                if reference is not None:
+                    ref = scored(reference, plan_old)
+                    # KL(π_old ‖ π_init) ≈ mean over π_old's own samples of ℓ_old − ℓ_init
+                    gap = (old - ref).sum(-1) if need_tokens else old - ref  # (B',)
+                    row["drift_kl"] = float(gap.mean())
                 if cfg.objective.separate_weight_masks:
                     plan_w = plan(2)
                     w_old = scored(policy, plan_w)
@@ -592,8 +603,10 @@ def run_train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) 
                                                backward=accelerator.backward)
                             else:  # DDP averages the processes' gradients: × N makes their sum
                                 accelerator.backward(res.loss * world)
-                        grad_norm = float(accelerator.clip_grad_norm_(params, cfg.grad_clip))
-                        finite = math.isfinite(grad_norm)
+                        norm = accelerator.clip_grad_norm_(params, cfg.grad_clip)
+                        # DeepSpeed clips inside its engine and may not report a norm
+                        grad_norm = float("nan") if norm is None else float(norm)
+                        finite = norm is None or math.isfinite(grad_norm)
                     else:
                         grad_norm = float("nan")
                     if not finite:  # never let a non-finite update reach the weights
