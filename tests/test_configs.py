@@ -25,3 +25,11 @@ def test_preset_loads_and_its_model_exists(path):
     else:
         cfg = load_config(TrainConfig, path)
         assert (root / cfg.model.path / "config.json").is_file(), f"{path.name}: {cfg.model.path} does not ship"
+
+
+@pytest.mark.parametrize("name", ["ddp", "fsdp", "deepspeed-zero3"])
+def test_accelerate_example_configs_load(name):
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    cfg = load_config_from_file(str(Path(__file__).resolve().parent.parent / "configs" / "accelerate" / f"{name}.yaml"))
+    assert cfg.distributed_type.value == {"ddp": "MULTI_GPU", "fsdp": "FSDP", "deepspeed-zero3": "DEEPSPEED"}[name]
