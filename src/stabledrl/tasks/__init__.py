@@ -1,4 +1,6 @@
-"""Offline, procedurally generated tasks with verifiers and rewards (SPEC §7).
+"""Tasks with verifiers and rewards (SPEC §7): offline, procedurally generated ones
+(countdown, sudoku) and dataset-backed ones read from local files or the Hub (gsm8k,
+math, code; see their modules for the `path` option).
 
     >>> from stabledrl.tasks import get_task
     >>> task = get_task("countdown")
@@ -10,5 +12,9 @@
 from stabledrl.tasks.base import Problem, Split, Task, available_tasks, get_task, register_task
 from stabledrl.tasks.countdown import Countdown
 from stabledrl.tasks.sudoku import Sudoku
+from stabledrl.tasks.gsm8k import GSM8K
+from stabledrl.tasks.math import MathTask
+from stabledrl.tasks.code import CodeTask
 
-__all__ = ["Problem", "Split", "Task", "available_tasks", "get_task", "register_task", "Countdown", "Sudoku"]
+__all__ = ["Problem", "Split", "Task", "available_tasks", "get_task", "register_task", "Countdown", "Sudoku",
+           "GSM8K", "MathTask", "CodeTask"]

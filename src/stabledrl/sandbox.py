@@ -1,0 +1,669 @@
+"""Run untrusted Python (model-written programs) in a sandboxed subprocess.
+
+    >>> from stabledrl.sandbox import run_python
+    >>> r = run_python("print(6 * 7)", timeout_s=2)
+    >>> r.ok, r.reason, r.stdout
+    (True, 'ok', '42\\n')
+
+`run_python` never raises because of what the program does: every failure comes back as
+`SandboxResult(ok=False, reason=...)`. It kills every process the program started and
+removes its directory before returning.
+
+Each program runs under layers of protection. The OS layers are the boundary; the audit
+hook is a second layer that turns the common attempts into clear reasons:
+
+1. A new session and process group with a wall-time limit; on expiry the whole sandbox
+   is killed.
+2. Namespaces (``unshare``): a new network namespace (no interfaces but a loopback that
+   is down, so nothing connects anywhere, not even to 127.0.0.1), a new PID namespace
+   (its init is a small reaper whose exit, when the program exits or the time is up,
+   makes the kernel kill every process the program started, double-forked daemons
+   included), new IPC and mount namespaces.
+3. A read-only view of every mount (``MS_REMOUNT | MS_BIND | MS_RDONLY``, also nosuid)
+   inside the mount namespace: /tmp, /var/tmp, /dev/shm are unwritable. The program's
+   directory is a fresh size-limited tmpfs mounted over a private temporary directory:
+   cwd, HOME and TMPDIR point there, and it vanishes with the namespace.
+4. When running as root: a drop to an unprivileged uid/gid with no supplementary groups
+   (a per-run uid from `UID_RANGE`, owned by no account, so the process limit below is
+   not shared between concurrent programs), and ``PR_SET_NO_NEW_PRIVS`` so setuid
+   binaries cannot give privileges back. Root is exempt from RLIMIT_NPROC; this uid is not.
+   When not root, the namespaces come from an unprivileged user namespace (where the
+   kernel allows it) and the capabilities it grants are dropped before the program runs;
+   the program keeps our uid, and without a user namespace RLIMIT_NPROC is not set (it
+   would count all our processes).
+5. Resource limits: RLIMIT_AS (memory), RLIMIT_CPU, RLIMIT_FSIZE (largest file written),
+   RLIMIT_NPROC (processes and threads), RLIMIT_NOFILE, RLIMIT_CORE = 0.
+6. ``python -I`` (isolated: no PYTHON* variables, no user site, no script directory on
+   sys.path), ``-S`` unless `site_packages`, ``-B``; an environment of PATH, HOME,
+   TMPDIR and LANG only; stdin is /dev/null; at most `max_output_bytes` of stdout and
+   stderr are read (more kills the program).
+7. A Python audit hook (PEP 578) that refuses, with a recognisable message, sockets of any
+   family but AF_UNIX, name lookups, and opens for writing / file-system changes outside
+   the program's directory. It only sees Python code in the program's own interpreter (not
+   ctypes calls or child processes): the OS layers above are what hold.
+
+A layer the kernel or our privileges do not allow is skipped and left out of
+`SandboxResult.layers`; check it if you rely on one (the code task logs a warning once).
+The reason string is a diagnosis read from exit status and stderr, not a security
+decision: a program can print anything to stderr.
+
+Where a directory on the interpreter's path (e.g. pyenv under /root, mode 0700) is not
+traversable by the unprivileged uid, the mount namespace puts a read-only tmpfs over the
+blocking directory with only the needed entries bound back in, so the program sees the
+same interpreter and standard library and nothing else there.
+
+Not covered: the program can read whatever the host lets any user read (world-readable
+files), and shares the kernel (no seccomp filter, no VM): this contains buggy and
+reward-hacking programs, not a determined attacker with a kernel exploit. Linux only.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import math
+import os
+import selectors
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+
+__all__ = ["SandboxResult", "run_python", "UID_RANGE"]
+
+logger = logging.getLogger(__name__)
+
+UID_RANGE = range(2_000_000, 2_004_096)
+"""Unprivileged uids/gids the sandbox runs programs as when started by root."""
+
+_ALL_LAYERS = ("process-group", "net-ns", "pid-ns", "ipc-ns", "mount-ns", "readonly-fs", "private-tmpfs",
+               "uid", "no-caps", "no-new-privs", "rlimits", "audit-hook")
+
+
+@dataclass(frozen=True)
+class SandboxResult:
+    """What happened to one program."""
+
+    ok: bool
+    """The program exited with status 0 within every limit."""
+    returncode: int | None
+    """Exit status; -N when killed by signal N (as `subprocess`); None if it never ran."""
+    reason: str
+    """"ok", or why not: "timeout", "memory", "cpu time", "output cap", "process limit",
+    "file size", "network refused", "write refused", "syntax error", "assertion failed",
+    "nonzero exit", "killed by signal N", "sandbox error"."""
+    stdout: str
+    stderr: str
+    seconds: float
+    """Wall time of the whole sandboxed run, set-up and clean-up included."""
+    layers: tuple[str, ...] = ()
+    """The protection layers that were in force (see the module docstring)."""
+
+
+# --- the bootstrap ------------------------------------------------------------------
+# The program that runs in the sandbox's fresh interpreter, as root if we are root. It
+# sets up the namespaces and mounts, then forks the namespace's init (PID 1 of the new
+# PID namespace), which limits and de-privileges itself and forks the program; the program
+# installs the audit hook and runs main.py. init reaps orphans and reports the program's
+# status; the bootstrap reaps init. It is a string run with `python -c` rather than this
+# module run as a script, because importing this module's dependencies (subprocess,
+# dataclasses, logging ...) would cost ~25 ms per program.
+# Protocol: argv carries the settings; the info pipe receives "pid N" (init's pid),
+# "layers a,b", "program-status S" and "status S" (init's) lines; EOF on the control
+# pipe means "kill everything now".
+_BOOT = r'''
+import ctypes, os, resource, select, sys, types
+
+(home, uid, gid, info, ctl, memory_mb, cpu_s, file_mb, nproc, nofile, disk_mb, audit) = sys.argv[1:]
+uid, gid, info, ctl, nproc, nofile, audit = map(int, (uid, gid, info, ctl, nproc, nofile, audit))
+memory_mb, cpu_s, file_mb, disk_mb = map(float, (memory_mb, cpu_s, file_mb, disk_mb))
+
+NEWNS, NEWIPC, NEWUSER, NEWPID, NEWNET = 0x20000, 0x8000000, 0x10000000, 0x20000000, 0x40000000
+RDONLY, NOSUID, NODEV, NOEXEC, REMOUNT, NOATIME, NODIRATIME, BIND, REC, PRIVATE, RELATIME, STRICTATIME = (
+    1, 2, 4, 8, 32, 1024, 2048, 4096, 16384, 1 << 18, 1 << 21, 1 << 24)
+KEEP = {"nosuid": NOSUID, "nodev": NODEV, "noexec": NOEXEC, "noatime": NOATIME, "nodiratime": NODIRATIME,
+        "relatime": RELATIME, "strictatime": STRICTATIME}
+PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS, SIGKILL = 1, 4, 36, 38, 9
+
+libc = ctypes.CDLL(None, use_errno=True)
+libc.mount.argtypes = (ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p)
+root = os.geteuid() == 0
+layers = []
+
+
+def say(line):
+    os.write(info, (line + "\n").encode())
+
+
+def check(ret, what):
+    if ret != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"{what}: {os.strerror(err)}")
+
+
+def mount(source, target, fstype, flags, data=None):
+    enc = lambda s: None if s is None else os.fsencode(s)
+    check(libc.mount(enc(source), enc(target), enc(fstype), flags, enc(data)), f"mount {target}")
+
+
+def blocked_dirs(paths):
+    """{directory the sandbox uid cannot traverse: names below it that `paths` need}."""
+    out = {}
+    for p in paths:
+        cur = "/"
+        for name in os.path.abspath(p).split("/")[1:]:
+            try:
+                mode = os.stat(cur).st_mode
+            except OSError:
+                break
+            if not mode & 0o001:
+                out.setdefault(cur, set()).add(name)
+                break
+            cur = os.path.join(cur, name)
+    return out
+
+
+def open_blocked_dirs(paths):
+    """Cover each blocking directory with a tmpfs holding only the needed entries."""
+    for _ in range(16):  # a bound-back entry may itself hold a blocking directory
+        blocked = blocked_dirs(paths)
+        if not blocked:
+            return
+        for d, names in blocked.items():
+            fds = {}
+            for n in names:
+                try:
+                    fds[n] = os.open(os.path.join(d, n), os.O_PATH | os.O_NOFOLLOW)
+                except OSError:
+                    pass
+            mount("tmpfs", d, "tmpfs", NOSUID | NODEV, "size=64k,nr_inodes=64,mode=0711")
+            for n, fd in fds.items():
+                target = os.path.join(d, n)
+                if os.path.isdir(f"/proc/self/fd/{fd}"):
+                    os.mkdir(target)
+                else:
+                    os.close(os.open(target, os.O_CREAT | os.O_WRONLY, 0o644))
+                mount(f"/proc/self/fd/{fd}", target, None, BIND | REC)
+                os.close(fd)
+    raise OSError("could not open the interpreter's directories to the sandbox uid")
+
+
+def remount_all_readonly():
+    failed = 0
+    with open("/proc/self/mountinfo") as f:
+        lines = f.read().splitlines()
+    for line in lines:
+        fields = line.split()
+        point = fields[4]
+        for esc, ch in (("\\040", " "), ("\\011", "\t"), ("\\012", "\n"), ("\\134", "\\")):
+            point = point.replace(esc, ch)
+        flags = REMOUNT | BIND | RDONLY | NOSUID
+        for opt in fields[5].split(","):
+            flags |= KEEP.get(opt, 0)
+        try:
+            mount(None, point, None, flags)
+        except OSError:
+            failed += 1
+    return failed
+
+
+def drop_capabilities():
+    class Header(ctypes.Structure):
+        _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+    class Data(ctypes.Structure):
+        _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32),
+                    ("inheritable", ctypes.c_uint32)]
+
+    check(libc.capset(ctypes.byref(Header(0x20080522, 0)), (Data * 2)()), "capset")
+
+
+def set_limits():
+    mib = 1 << 20
+    cpu = max(1, int(cpu_s))
+    for res, soft, hard in ((resource.RLIMIT_AS, int(memory_mb * mib), int(memory_mb * mib)),
+                            (resource.RLIMIT_CPU, cpu, cpu + 1),
+                            (resource.RLIMIT_FSIZE, int(file_mb * mib), int(file_mb * mib)),
+                            (resource.RLIMIT_NOFILE, nofile, nofile),
+                            (resource.RLIMIT_CORE, 0, 0)):
+        resource.setrlimit(res, (soft, hard))
+    # The count is per real uid: ours alone in the namespace (or as the sandbox uid);
+    # otherwise it includes all our other processes, so allow for those.
+    limit = nproc + 1 + (0 if root or spaces else tasks_of(uid))  # + init
+    resource.setrlimit(resource.RLIMIT_NPROC, (limit, limit))
+
+
+def tasks_of(owner):
+    """Processes and threads whose real uid is `owner`."""
+    n = 0
+    for pid in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                text = f.read()
+        except OSError:
+            continue
+        if f"\nUid:\t{owner}\t" in text:
+            n += int(text.split("\nThreads:\t", 1)[1].split("\n", 1)[0])
+    return n
+
+
+def children():
+    """Our child processes (scanning /proc: the kernel's children list needs a config option)."""
+    me, out = os.getpid(), []
+    for pid in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if int(f.read().rsplit(")", 1)[1].split()[1]) == me:
+                    out.append(int(pid))
+        except (OSError, ValueError, IndexError):
+            continue
+    return out
+
+
+def audit_hook(home):
+    """Refuse network use and writes outside `home`: raise before the operation happens."""
+    import _thread
+    home = os.path.realpath(home)
+    write_flags = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
+    # event -> ((index of a path argument, index of its dir_fd argument or None), ...)
+    path_events = {
+        "os.remove": ((0, 1),), "os.rmdir": ((0, 1),), "os.mkdir": ((0, 2),), "os.rename": ((0, 2), (1, 3)),
+        "os.link": ((0, 2), (1, 3)), "os.symlink": ((1, 2),), "os.truncate": ((0, None),),
+        "os.chmod": ((0, 2),), "os.chown": ((0, 3),), "os.utime": ((0, 3),), "os.mkfifo": ((0, 2),),
+        "os.mknod": ((0, 3),), "os.setxattr": ((0, None),), "os.removexattr": ((0, None),),
+        "shutil.rmtree": ((0, 1),),
+    }
+    net_events = {"socket.getaddrinfo", "socket.gethostbyname", "socket.gethostbyname_ex",
+                  "socket.gethostbyaddr", "socket.getnameinfo", "socket.sethostname"}
+    sock_events = {"socket.connect", "socket.bind", "socket.sendto", "socket.sendmsg"}
+    busy = set()
+
+    def inside(path, dir_fd=None):
+        if isinstance(path, int):
+            return True  # an already open descriptor
+        path = os.fsdecode(path)
+        base = os.getcwd()
+        if isinstance(dir_fd, int) and dir_fd >= 0 and not os.path.isabs(path):  # -1/AT_FDCWD: the cwd
+            base = os.readlink(f"/proc/self/fd/{dir_fd}")
+        full = os.path.realpath(os.path.join(base, path))
+        return full == home or full.startswith(home + "/") or full == "/dev/null"
+
+    def refuse(what, detail):
+        raise PermissionError(f"stabledrl sandbox: {what} refused ({detail})")
+
+    def hook(event, args):
+        me = _thread.get_ident()
+        if me in busy:
+            return
+        busy.add(me)
+        try:
+            if event == "open":
+                path, mode, flags = args
+                writing = (isinstance(mode, str) and any(c in mode for c in "wax+")) or (
+                    isinstance(flags, int) and flags & write_flags)
+                if writing and not inside(path):
+                    refuse("write", repr(path))
+            elif event in path_events:
+                for i, j in path_events[event]:
+                    if not inside(args[i], None if j is None or j >= len(args) else args[j]):
+                        refuse("write", f"{event} {args[i]!r}")
+            elif event == "socket.__new__":
+                if args[1] != 1:  # AF_UNIX
+                    refuse("network", f"socket family {args[1]}")
+            elif event in sock_events:
+                if getattr(args[0], "family", None) != 1:
+                    refuse("network", event)
+            elif event in net_events:
+                refuse("network", event)
+        except PermissionError:
+            raise
+        except Exception as e:  # cannot tell where it writes: refuse
+            refuse("write", f"{event}: {type(e).__name__}")
+        finally:
+            busy.discard(me)
+
+    sys.addaudithook(hook)
+
+
+main_py = os.path.join(home, "main.py")
+with open(main_py, "rb") as f:
+    source = f.read()
+
+try:
+    check(libc.unshare(NEWNS | NEWNET | NEWPID | NEWIPC | (0 if root else NEWUSER)), "unshare")
+    spaces = True
+except OSError:
+    spaces = False
+if spaces and not root:  # map our own ids to themselves; deny setgroups as the kernel requires
+    for name, text in (("setgroups", "deny"), ("uid_map", f"{uid} {uid} 1"), ("gid_map", f"{gid} {gid} 1")):
+        with open(f"/proc/self/{name}", "w") as f:
+            f.write(text)
+tmpfs = False
+if spaces:
+    layers += ["net-ns", "pid-ns", "ipc-ns", "mount-ns"]
+    try:
+        mount(None, "/", None, REC | PRIVATE)  # nothing we mount here reaches the host
+        if root:
+            open_blocked_dirs([p for p in sys.path if p] + [
+                home, sys.prefix, sys.base_prefix, os.path.dirname(sys.executable),
+                os.path.dirname(os.path.realpath(sys.executable))])
+        if remount_all_readonly() == 0:
+            layers.append("readonly-fs")
+        size = f"size={max(1, int(disk_mb))}m,nr_inodes=4096,mode=0700"
+        mount("tmpfs", home, "tmpfs", NOSUID | NODEV, size + (f",uid={uid},gid={gid}" if root else ""))
+        tmpfs = True
+        layers.append("private-tmpfs")
+        os.chdir(home)  # the old cwd is the directory under the new mount
+        fd = os.open(main_py, os.O_CREAT | os.O_WRONLY, 0o444)
+        os.write(fd, source)
+        os.close(fd)
+    except OSError as e:  # carry on with the layers we have; the result lists them
+        sys.stderr.write(f"stabledrl sandbox: mount set-up incomplete: {e}\n")
+if root and not tmpfs:
+    os.chown(home, uid, gid)
+    if blocked_dirs([p for p in sys.path if p]):
+        sys.stderr.write("stabledrl sandbox: without a mount namespace the sandbox uid cannot read this "
+                         f"interpreter's files under {sorted(blocked_dirs(sys.path))}\n")
+
+# Without a PID namespace, orphans of the program would go to the host's init (which may
+# never reap them); as a subreaper we get them, and kill them once init is gone.
+check(libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0), "prctl")
+child = os.fork()
+if child:
+    say(f"pid {child}")
+    ready, _, _ = select.select([os.pidfd_open(child), ctl], [], [])
+    if ctl in ready:  # EOF: the parent asks (or died)
+        os.kill(child, SIGKILL)  # not reaped yet (we are its only reaper), so the pid is still ours
+    _, status = os.waitpid(child, 0)
+    while not spaces:  # whatever escaped the process group: kill, reap, repeat until none is left
+        for pid in children():
+            try:
+                os.kill(pid, SIGKILL)
+            except ProcessLookupError:
+                pass
+        try:
+            os.waitpid(-1, 0)
+        except ChildProcessError:
+            break
+    say(f"status {status}")
+    os._exit(0)
+
+# --- the namespace's init: PID 1 of the new PID namespace, unprivileged from here on ---
+# It reaps orphans and reports the program's status. The program is not PID 1 itself,
+# because the kernel shields PID 1 from its own namespace's signals: os.kill(os.getpid(),
+# SIGTERM) would be ignored.
+if spaces:
+    try:
+        mount("proc", "/proc", "proc", NOSUID | NODEV | NOEXEC)  # shows only the sandbox's processes
+    except OSError:
+        pass
+set_limits()
+layers.append("rlimits")
+if root:
+    os.setgroups([])
+    os.setresgid(gid, gid, gid)
+    os.setresuid(uid, uid, uid)  # from root to a non-root uid: every capability is dropped
+    layers.append("uid")
+elif spaces:
+    drop_capabilities()
+    layers.append("no-caps")
+check(libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "prctl")
+layers.append("no-new-privs")
+check(libc.prctl(PR_SET_PDEATHSIG, SIGKILL, 0, 0, 0), "prctl")  # after setuid, which clears it
+if audit:
+    layers.append("audit-hook")
+say("layers " + ",".join(layers))
+os.close(ctl)
+program = os.fork()
+if program:
+    status = None
+    while status is None:
+        try:
+            pid, st = os.waitpid(-1, 0)
+        except ChildProcessError:
+            break
+        if pid == program:
+            status = st
+    if status is not None:
+        say(f"program-status {status}")
+    os._exit(0)  # in a PID namespace, the kernel now kills whatever the program left running
+
+# --- the program ---
+check(libc.prctl(PR_SET_PDEATHSIG, SIGKILL, 0, 0, 0), "prctl")  # fork cleared it
+check(libc.prctl(PR_SET_DUMPABLE, 1, 0, 0, 0), "prctl")  # setuid cleared it; lets it read /proc/self
+os.close(info)
+os.chdir(home)
+if audit:
+    audit_hook(home)
+sys.argv = [main_py]
+module = types.ModuleType("__main__")
+module.__file__ = main_py
+sys.modules["__main__"] = module
+exec(compile(source, main_py, "exec"), module.__dict__)
+'''
+
+
+class _UidPool:
+    """Hands out distinct uids of `UID_RANGE` to concurrent runs of this process."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._busy: set[int] = set()
+        self._next = (os.getpid() * 64) % len(UID_RANGE)  # other processes start elsewhere
+
+    def take(self) -> int:
+        with self._lock:
+            for _ in range(len(UID_RANGE)):
+                uid = UID_RANGE[self._next]
+                self._next = (self._next + 1) % len(UID_RANGE)
+                if uid not in self._busy:
+                    self._busy.add(uid)
+                    return uid
+        raise RuntimeError(f"more than {len(UID_RANGE)} concurrent sandboxes")
+
+    def give(self, uid: int) -> None:
+        with self._lock:
+            self._busy.discard(uid)
+
+
+_UIDS = _UidPool()
+
+# (text, reason, also anywhere in stderr): the final error line is matched first; the
+# whole of stderr only for the limits and refusals, whose tracebacks may come from any of
+# several processes and end up interleaved.
+_STDERR_REASONS = (
+    ("stabledrl sandbox: network refused", "network refused", True),
+    ("stabledrl sandbox: write refused", "write refused", True),
+    ("SyntaxError", "syntax error", False),
+    ("IndentationError", "syntax error", False),
+    ("TabError", "syntax error", False),
+    ("MemoryError", "memory", True),
+    ("[Errno 12]", "memory", False),  # ENOMEM
+    ("BlockingIOError: [Errno 11]", "process limit", True),  # EAGAIN from fork
+    ("can't start new thread", "process limit", True),
+    ("[Errno 101]", "network refused", False),  # ENETUNREACH: nothing is routable in the namespace
+    ("[Errno 99]", "network refused", False),  # EADDRNOTAVAIL
+    ("[Errno 30]", "write refused", False),  # EROFS
+    ("[Errno 27]", "file size", False),  # EFBIG
+    ("AssertionError", "assertion failed", False),
+)
+_SIGNAL_REASONS = {24: "cpu time", 25: "file size"}  # SIGXCPU, SIGXFSZ
+
+
+def _reason(returncode: int | None, stderr: str) -> str:
+    if returncode == 0:
+        return "ok"
+    if returncode is not None and returncode < 0:
+        return _SIGNAL_REASONS.get(-returncode, f"killed by signal {-returncode}")
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    last = lines[-1] if lines else ""
+    for needle, reason, _ in _STDERR_REASONS:
+        if needle in last:
+            return reason
+    for needle, reason, anywhere in _STDERR_REASONS:
+        if anywhere and needle in stderr:
+            return reason
+    return "nonzero exit"
+
+
+def run_python(
+    code: str,
+    *,
+    timeout_s: float = 5.0,
+    memory_mb: float = 512,
+    cpu_s: float | None = None,
+    max_output_bytes: int = 1 << 20,
+    max_processes: int = 16,
+    max_file_mb: float = 16,
+    disk_mb: float = 64,
+    max_open_files: int = 256,
+    site_packages: bool = False,
+    audit_hook: bool = True,
+) -> SandboxResult:
+    """Run `code` as the main module of a sandboxed Python and report what happened.
+
+    timeout_s: wall time for the whole run, after which every process is killed.
+    memory_mb: address-space limit of each process (RLIMIT_AS).
+    cpu_s: CPU-time limit of each process; default ceil(timeout_s) + 1.
+    max_output_bytes: stdout and stderr together; the program is killed beyond it.
+    max_processes: processes and threads of the program together (RLIMIT_NPROC).
+    max_file_mb: largest file the program may write; disk_mb: size of its directory.
+    site_packages: let the program import installed packages (drops ``-S``).
+    audit_hook: install the audit-hook layer (off only to test the OS layers alone).
+    """
+    if not isinstance(code, str):
+        raise TypeError(f"code must be a str, got {type(code).__name__}")
+    if timeout_s <= 0 or memory_mb <= 0 or max_output_bytes <= 0 or max_processes < 1:
+        raise ValueError("timeout_s, memory_mb, max_output_bytes and max_processes must be positive")
+    cpu_s = math.ceil(timeout_s) + 1 if cpu_s is None else cpu_s
+    t0 = time.perf_counter()
+    root = os.geteuid() == 0
+    uid = _UIDS.take() if root else os.geteuid()
+    gid = uid if root else os.getegid()
+    home = tempfile.mkdtemp(prefix="stabledrl-sandbox-")
+    # Pipes as unbuffered file objects: closing one twice is harmless, unlike os.close.
+    info_r, info_w = (os.fdopen(fd, mode, buffering=0) for fd, mode in zip(os.pipe(), ("rb", "wb")))
+    ctl_r, ctl_w = (os.fdopen(fd, mode, buffering=0) for fd, mode in zip(os.pipe(), ("rb", "wb")))
+    proc = None
+    try:
+        with open(os.path.join(home, "main.py"), "wb") as f:
+            f.write(code.encode("utf-8", errors="replace"))  # lone surrogates cannot be encoded
+        args = [home, uid, gid, info_w.fileno(), ctl_r.fileno(), memory_mb, cpu_s, max_file_mb, max_processes,
+                max_open_files, disk_mb, int(audit_hook)]
+        flags = ["-I", "-B"] + ([] if site_packages else ["-S"])
+        env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": home, "TMPDIR": home, "LANG": "C.UTF-8"}
+        proc = subprocess.Popen(
+            [sys.executable, *flags, "-c", _BOOT, *map(str, args)], stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=home, env=env, start_new_session=True,
+            pass_fds=(info_w.fileno(), ctl_r.fileno()))
+        info_w.close()
+        ctl_r.close()
+        out, err, info, killed_for = _collect(proc, info_r, ctl_w, t0 + timeout_s, max_output_bytes)
+    except OSError as e:  # could not start the sandbox at all
+        logger.error("sandbox failed to start: %s", e)
+        return SandboxResult(False, None, "sandbox error", "", str(e), time.perf_counter() - t0)
+    finally:
+        for f in (info_r, info_w, ctl_r, ctl_w):
+            f.close()
+        if proc is not None:
+            _reap(proc)
+        shutil.rmtree(home, ignore_errors=True)
+        if root:
+            _UIDS.give(uid)
+
+    said = dict(line.split(" ", 1) for line in info if " " in line)  # {"pid": ..., "layers": ..., ...}
+    status = int(said["program-status"]) if "program-status" in said else int(said.get("status", "-1"))
+    status = None if status < 0 else status
+    layers = ["process-group"] + said.get("layers", "").split(",")
+    returncode = None if status is None else os.waitstatus_to_exitcode(status)
+    stdout, stderr = out.decode("utf-8", "replace"), err.decode("utf-8", "replace")
+    if killed_for:
+        reason = killed_for
+    elif status is None:
+        reason = "sandbox error"
+        logger.error("the sandbox bootstrap failed: %s", stderr[-2000:])
+    else:
+        reason = _reason(returncode, stderr)
+    return SandboxResult(reason == "ok", returncode, reason, stdout, stderr, time.perf_counter() - t0,
+                         tuple(layer for layer in _ALL_LAYERS if layer in layers))
+
+
+def _collect(proc: subprocess.Popen, info: io.RawIOBase, ctl: io.RawIOBase, deadline: float,
+             cap: int) -> tuple[bytes, bytes, list[str], str | None]:
+    """Read stdout, stderr and the info pipe until the bootstrap exits, the deadline
+    passes or the output exceeds `cap`; close `ctl` (kill) in every case."""
+    assert proc.stdout is not None and proc.stderr is not None
+    out, err, inf = proc.stdout.fileno(), proc.stderr.fileno(), info.fileno()
+    bufs = {out: bytearray(), err: bytearray(), inf: bytearray()}
+    sel = selectors.DefaultSelector()
+    for fd in bufs:
+        os.set_blocking(fd, False)
+        sel.register(fd, selectors.EVENT_READ)
+    killed_for = None
+    grace_until = None  # after the bootstrap exits, stray writers get a moment, not the deadline
+    try:
+        while sel.get_map():
+            now = time.perf_counter()
+            if now >= deadline:
+                killed_for = "timeout"
+                break
+            if grace_until is not None and now >= grace_until:
+                break
+            for key, _ in sel.select(timeout=min(deadline, grace_until or deadline) - now):
+                try:
+                    chunk = os.read(key.fd, 65536)
+                except BlockingIOError:
+                    continue
+                if not chunk:
+                    sel.unregister(key.fd)
+                    if key.fd == inf:
+                        grace_until = time.perf_counter() + 0.2
+                bufs[key.fd] += chunk
+            if len(bufs[out]) + len(bufs[err]) > cap:
+                killed_for = "output cap"
+                break
+    finally:
+        sel.close()
+        ctl.close()  # EOF: the bootstrap kills everything (a no-op if it has exited)
+    if killed_for:  # read the bootstrap's last words: the status after the kill
+        _wait_exited(proc, 2.0)
+        try:
+            while chunk := os.read(inf, 65536):
+                bufs[inf] += chunk
+        except BlockingIOError:
+            pass
+    stdout = bytes(bufs[out][:cap])
+    stderr = bytes(bufs[err][: cap - len(stdout)])
+    return stdout, stderr, bytes(bufs[inf]).decode(errors="replace").splitlines(), killed_for
+
+
+def _wait_exited(proc: subprocess.Popen, timeout: float) -> bool:
+    """Wait up to `timeout` for the bootstrap to exit, without reaping it (WNOWAIT): while
+    it is an unreaped zombie its pid, and so its process-group id, cannot be reused."""
+    end = time.perf_counter() + timeout
+    while True:
+        try:
+            if os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOWAIT | os.WNOHANG) is not None:
+                return True
+        except ChildProcessError:
+            return True
+        if time.perf_counter() >= end:
+            return False
+        time.sleep(0.002)
+
+
+def _reap(proc: subprocess.Popen) -> None:
+    """Kill whatever is left of the bootstrap's process group (nothing, with a PID
+    namespace; the bootstrap too if it lingers), then reap the bootstrap."""
+    _wait_exited(proc, 2.0)
+    try:
+        os.killpg(proc.pid, 9)  # SIGKILL
+    except (ProcessLookupError, PermissionError):
+        pass
+    proc.wait()
+    for f in (proc.stdout, proc.stderr):
+        if f is not None:
+            f.close()

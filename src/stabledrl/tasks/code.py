@@ -1,0 +1,215 @@
+"""Code: write a Python function that passes hidden tests (HumanEval and MBPP).
+
+HumanEval rows (Chen et al., 2021)  ``{task_id, prompt, canonical_solution, test, entry_point}``:
+the prompt is a signature and docstring; the program is prompt + completion + test +
+``check(entry_point)``. A completion that redefines ``def entry_point(`` at the left
+margin is taken as the whole function (it follows the prompt, replacing its stub);
+otherwise it continues the prompt (the function body).
+MBPP rows (Austin et al., 2021)  ``{task_id, text, code, test_list, test_setup_code?}``
+(the sanitized variant's "prompt" and "test_imports" work too): the program is the setup
+code + completion + the asserts of test_list. `schema="auto"` tells them apart by columns.
+The completion's code is its first fenced block (```python ... ```) if it has one, else
+the whole text. Local files and Hub names work as for gsm8k (`path` with "{split}").
+
+Reward: 1.0 if the program runs to its end in `stabledrl.sandbox.run_python` (exit status
+0 and a random token printed after the last test), else 0.0. The token defeats the cheap
+hack of exiting with status 0 from inside the function (``sys.exit(0)``, ``os._exit(0)``:
+reason "early exit"); a program that reads its own source to find the token could still
+fake a pass (it runs in the same process as the tests).
+
+The reason ("ok", "timeout", "memory", "assertion failed", "syntax error", "network
+refused", "write refused", "process limit", "early exit", ...) is logged on the
+``stabledrl.tasks.code`` logger (limits, refusals and early exits at WARNING, the rest at
+INFO) and kept in `last_reasons` for the last `reward` batch; `score_with_reason` returns
+it for one completion. Programs of a batch run `workers` at a time. Never raises, and
+leaves no processes or files behind (the sandbox's guarantee).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import secrets
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Literal, Sequence
+
+from stabledrl.sandbox import SandboxResult, run_python
+from stabledrl.tasks.base import Problem, Split, register_task
+from stabledrl.tasks.datasets import DatasetSplits, format_prompt, require_path
+
+__all__ = ["CodeTask", "build_program", "extract_code"]
+
+logger = logging.getLogger(__name__)
+
+_FENCE = re.compile(r"```[ \t]*[\w+-]*[ \t]*\n(.*?)(?:```|\Z)", re.S)
+_ALARMING = {"early exit", "timeout", "memory", "cpu time", "output cap", "process limit", "file size",
+             "network refused", "write refused", "sandbox error"}
+_DEFAULT_TEMPLATES = {
+    "humaneval": "{prompt}",
+    "mbpp": "{text}\nYour code should pass these tests:\n{tests}\n",
+}
+
+
+def extract_code(completion: str) -> str:
+    """The first fenced code block of `completion`, or the whole text without fences."""
+    m = _FENCE.search(completion)
+    return m.group(1) if m else completion
+
+
+def build_program(code: str, meta: dict[str, Any]) -> str:
+    """The program that runs `code` (a completion's code) against the problem's tests."""
+    if meta["schema"] == "humaneval":
+        entry = meta["entry_point"]
+        if re.search(rf"^(?:async\s+)?def\s+{re.escape(entry)}\s*\(", code, re.M):
+            body = meta["prompt_code"] + "\n" + code  # a whole function: it replaces the prompt's stub
+        else:
+            body = meta["prompt_code"] + code  # the body that continues the prompt
+        return f"{body}\n\n{meta['test']}\n\ncheck({entry})\n"
+    return f"{meta['setup']}\n{code}\n\n" + "\n".join(meta["tests"]) + "\n"
+
+
+def _schema_of(row: dict[str, Any]) -> Literal["humaneval", "mbpp"]:
+    if {"prompt", "test", "entry_point"} <= row.keys():
+        return "humaneval"
+    if "test_list" in row:
+        return "mbpp"
+    raise ValueError(f"cannot tell the schema of a row with columns {sorted(row)}: expected HumanEval "
+                     f"(prompt, test, entry_point) or MBPP (text, code, test_list); or set schema=")
+
+
+@dataclass
+class CodeTask:
+    """HumanEval- or MBPP-style code generation graded by running tests in the sandbox."""
+
+    path: str | None = None
+    """Required: a local file ("data/mbpp/{split}.jsonl") or a Hub dataset name."""
+    schema: Literal["auto", "humaneval", "mbpp"] = "auto"
+    """Row layout; "auto" decides by each row's columns."""
+    hub_config: str | None = None
+    """Hub configuration (e.g. "full" or "sanitized" for mbpp); unused for local files."""
+    train_split: str = "train"
+    """Split name for split="train" (the "{split}" of a local path)."""
+    test_split: str = "test"
+    """Split name for split="test"."""
+    cache_dir: str | None = None
+    """Where `datasets` caches what it loads; None = its default."""
+    completion_length: int = 512
+    """Completion slots the sampler fills."""
+    prompt_template: str | None = None
+    """A `str.format` template over the row's columns (MBPP rows also get {tests}: the
+    asserts, one a line); None = "{prompt}" for HumanEval, the text and tests for MBPP."""
+    timeout_s: float = 5.0
+    """Wall time per program."""
+    memory_mb: float = 512
+    """Address-space limit of each process of the program."""
+    max_processes: int = 16
+    """Processes and threads a program may run at once."""
+    max_output_bytes: int = 1 << 16
+    """stdout and stderr a program may write together before it is killed."""
+    workers: int = 2
+    """Programs of a batch run this many at a time."""
+    name: str = "code"
+    """The registry name."""
+    last_reasons: list[str] = field(default_factory=list, init=False)
+    """Why each program of the last `reward` call scored what it did ("ok" when it passed)."""
+
+    def __post_init__(self) -> None:
+        self.data = DatasetSplits(require_path(self.path, self.name), self.hub_config, self.train_split,
+                                  self.test_split, self.cache_dir)
+        if self.schema not in ("auto", "humaneval", "mbpp"):
+            raise ValueError(f"schema must be 'auto', 'humaneval' or 'mbpp', got {self.schema!r}")
+        if self.workers < 1 or self.timeout_s <= 0:
+            raise ValueError(f"workers must be >= 1 and timeout_s > 0, got {self.workers} and {self.timeout_s}")
+        self._warned_layers = False
+        self._recent: dict[tuple[str, str, str], tuple[float, str]] = {}  # the last batch, for is_correct
+
+    def _prompt(self, row: dict[str, Any], schema: str) -> str:
+        template = self.prompt_template or _DEFAULT_TEMPLATES[schema]
+        fields = dict(row)
+        if schema == "mbpp":
+            fields.setdefault("text", row.get("prompt", ""))
+            fields["tests"] = "\n".join(row["test_list"])
+        return format_prompt(template, fields)
+
+    @property
+    def prompt_length(self) -> int:
+        """Longest prompt of both splits in characters (loads them: a Hub dataset downloads)."""
+        rows = self.data.loaded_rows()
+        return max((len(self._prompt(r, self.schema if self.schema != "auto" else _schema_of(r))) for r in rows),
+                   default=0)
+
+    def generate(self, n: int, *, split: Split = "train", seed: int = 0) -> list[Problem]:
+        """`n` distinct rows of `split` (without replacement), reproducible from `seed`."""
+        problems = []
+        for i, row in self.data.sample(n, split, seed, self.name):
+            schema = self.schema if self.schema != "auto" else _schema_of(row)
+            meta: dict[str, Any] = {"schema": schema, "task_id": row.get("task_id", i), "index": i}
+            if schema == "humaneval":
+                meta.update(prompt_code=row["prompt"], test=row["test"], entry_point=row["entry_point"])
+                answer = row.get("canonical_solution", "")
+            else:
+                setup = [row.get("test_setup_code") or "", *(row.get("test_imports") or [])]
+                meta.update(setup="\n".join(s for s in setup if s), tests=list(row["test_list"]))
+                answer = row.get("code", "")
+            problems.append(Problem(self._prompt(row, schema), answer, meta))
+        return problems
+
+    def _run(self, completion: object, problem: Problem) -> tuple[float, str]:
+        if not isinstance(completion, str):
+            return 0.0, "not a string"
+        try:
+            code = extract_code(completion)
+            if not code.strip():
+                return 0.0, "empty program"
+            token = f"stabledrl-tests-passed-{secrets.token_hex(8)}"
+            result: SandboxResult = run_python(
+                build_program(code, problem.meta) + f"\nprint({token!r})\n", timeout_s=self.timeout_s,
+                memory_mb=self.memory_mb, max_processes=self.max_processes, max_output_bytes=self.max_output_bytes)
+        except Exception:  # a reward never raises on model output
+            logger.exception("code: could not run a program; reward 0")
+            return 0.0, "sandbox error"
+        if not self._warned_layers:
+            missing = {"net-ns", "pid-ns", "readonly-fs", "rlimits"} - set(result.layers)
+            if missing:
+                logger.warning("the sandbox runs without %s on this machine (layers: %s)",
+                               sorted(missing), ",".join(result.layers))
+            self._warned_layers = True
+        if result.ok and token not in result.stdout:
+            return 0.0, "early exit"
+        return (1.0 if result.ok else 0.0), result.reason
+
+    def score_with_reason(self, completion: str, problem: Problem) -> tuple[float, str]:
+        """(reward, reason) for one completion; the reason is "ok" when the tests passed."""
+        score, reason = self._run(completion, problem)
+        self._log(problem, reason)
+        return score, reason
+
+    def _log(self, problem: Problem, reason: str) -> None:
+        if reason != "ok":
+            level = logging.WARNING if reason in _ALARMING else logging.INFO
+            logger.log(level, "code %s: reward 0 (%s)", problem.meta.get("task_id"), reason)
+
+    def reward(self, completions: Sequence[str], problems: Sequence[Problem]) -> list[float]:
+        if len(completions) != len(problems):
+            raise ValueError(f"{len(completions)} completions for {len(problems)} problems")
+        with ThreadPoolExecutor(max_workers=self.workers) as pool:
+            results = list(pool.map(self._run, completions, problems))
+        for p, (_, reason) in zip(problems, results):
+            self._log(p, reason)
+        self.last_reasons = [reason for _, reason in results]
+        self._recent = {(c, p.prompt, p.answer): r for c, p, r in zip(completions, problems, results)
+                        if isinstance(c, str)}
+        return [score for score, _ in results]
+
+    def is_correct(self, completion: str, problem: Problem) -> bool:
+        """Whether the tests pass; reuses the last `reward` call's verdict for the same
+        completion and problem (evaluation asks both) instead of running it again."""
+        key = (completion, problem.prompt, problem.answer) if isinstance(completion, str) else None
+        hit = self._recent.get(key) if key is not None else None
+        return (hit if hit is not None else self._run(completion, problem))[0] == 1.0
+
+
+@register_task("code")
+def _code(**options: object) -> CodeTask:
+    return CodeTask(**options)  # type: ignore[arg-type]

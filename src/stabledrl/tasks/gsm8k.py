@@ -1,0 +1,134 @@
+"""GSM8K: grade-school word problems whose answer is one number (Cobbe et al., 2021).
+
+Rows  ``{"question": str, "answer": "...reasoning...\\n#### 72"}`` (the Hub's
+``openai/gsm8k``, config ``main``, or local files in that schema).
+Prompt  the question in `prompt_template`; Answer  the reference solution text.
+
+Reward: 1.0 when the completion's final number equals the reference number after
+"####", else 0.0. The completion's final number is taken from the last explicit answer
+marker ("#### N", "\\boxed{N}", "answer is N" / "answer: N"; the one written last wins),
+or, without any marker, from the last number in the text. A marker with no number after it
+scores 0.0 (the model committed to an unreadable answer). Numbers are ASCII digits with an
+optional sign, thousands commas ("1,000") and decimals; "$", "%" and LaTeX spacing are
+ignored, and values compare exactly as decimals (72 == 72.0 == 72.00). Never raises.
+
+Data files: see `stabledrl.tasks.datasets` (the `path` option).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass
+from decimal import Decimal, InvalidOperation
+from typing import Sequence
+
+from stabledrl.tasks.base import Problem, Split, register_task
+from stabledrl.tasks.datasets import DatasetSplits, _last_boxed_span, format_prompt, require_path
+
+__all__ = ["GSM8K", "extract_number", "parse_number", "reference_number"]
+
+logger = logging.getLogger(__name__)
+
+_NUMBER = re.compile(r"(?:(?<![\w)])-)?(?:[0-9]{1,3}(?:,[0-9]{3})+|[0-9]+)(?:\.[0-9]+)?")
+_MARKERS = re.compile(r"####(?P<hash>(?:(?!####)[^\n])*)|(?i:\banswer\s*(?:is|:))(?P<said>[^\n]*)")
+_LATEX_NOISE = (("{,}", ","), ("\\,", ""), ("\\!", ""), ("\\$", "$"), ("\\%", "%"), ("\u2212", "-"))
+
+
+def parse_number(text: str) -> Decimal | None:
+    """The first number in `text` (see the module docstring), or None."""
+    for old, new in _LATEX_NOISE:
+        text = text.replace(old, new)
+    m = _NUMBER.search(text.replace("$", ""))
+    if m is None:
+        return None
+    try:
+        return Decimal(m.group(0).replace(",", ""))
+    except InvalidOperation:
+        return None
+
+
+def extract_number(completion: str) -> Decimal | None:
+    """The completion's final answer as a number, or None (see the module docstring)."""
+    spans: list[tuple[int, str]] = []  # (position, text holding the answer)
+    for m in _MARKERS.finditer(completion):
+        spans.append((m.start(), m.group("hash") if m.group("hash") is not None else m.group("said")))
+    box = _last_boxed_span(completion)
+    if box is not None:
+        spans.append(box)
+    if spans:
+        return parse_number(max(spans, key=lambda s: s[0])[1])
+    numbers = list(_NUMBER.finditer(completion.replace("$", "")))
+    return parse_number(numbers[-1].group(0)) if numbers else None
+
+
+def reference_number(answer: str) -> Decimal | None:
+    """The number after the last "####" of a GSM8K reference solution."""
+    return parse_number(answer.rsplit("####", 1)[1]) if "####" in answer else None
+
+
+@dataclass
+class GSM8K:
+    """GSM8K from local files or the Hub; see the module docstring for `path`."""
+
+    path: str | None = None
+    """Required: a local file ("data/gsm8k/{split}.jsonl") or a Hub name ("openai/gsm8k")."""
+    hub_config: str | None = None
+    """Hub configuration; "main" for openai/gsm8k."""
+    train_split: str = "train"
+    """Split name for split="train" (the "{split}" of a local path)."""
+    test_split: str = "test"
+    """Split name for split="test"."""
+    cache_dir: str | None = None
+    """Where `datasets` caches what it loads; None = its default."""
+    completion_length: int = 256
+    """Completion slots the sampler fills (reasoning plus the final answer)."""
+    prompt_template: str = "{question}\nSolve it step by step; end with the final number as: #### <number>"
+    """A `str.format` template over the row's columns."""
+    name: str = "gsm8k"
+    """The registry name."""
+
+    def __post_init__(self) -> None:
+        self.data = DatasetSplits(require_path(self.path, self.name), self.hub_config, self.train_split,
+                                  self.test_split, self.cache_dir)
+        if self.completion_length < 1:
+            raise ValueError(f"completion_length must be positive, got {self.completion_length}")
+
+    @property
+    def prompt_length(self) -> int:
+        """Longest prompt of both splits in characters (loads them: a Hub dataset downloads)."""
+        return max((len(format_prompt(self.prompt_template, r)) for r in self.data.loaded_rows()), default=0)
+
+    def generate(self, n: int, *, split: Split = "train", seed: int = 0) -> list[Problem]:
+        """`n` distinct rows of `split` (without replacement), reproducible from `seed`."""
+        problems = []
+        for i, row in self.data.sample(n, split, seed, self.name):
+            target = reference_number(str(row.get("answer", "")))
+            if target is None:
+                raise ValueError(f"row {i} of the {split} split has no number after '####' in its answer")
+            problems.append(Problem(format_prompt(self.prompt_template, row), row["answer"],
+                                    {"target": str(target), "index": i}))
+        return problems
+
+    def score(self, completion: str, problem: Problem) -> float:
+        if not isinstance(completion, str):
+            return 0.0
+        try:
+            value = extract_number(completion)
+            return 1.0 if value is not None and value == Decimal(problem.meta["target"]) else 0.0
+        except Exception:  # a reward never raises on model output
+            logger.exception("gsm8k: could not score a completion; reward 0")
+            return 0.0
+
+    def reward(self, completions: Sequence[str], problems: Sequence[Problem]) -> list[float]:
+        if len(completions) != len(problems):
+            raise ValueError(f"{len(completions)} completions for {len(problems)} problems")
+        return [self.score(c, p) for c, p in zip(completions, problems)]
+
+    def is_correct(self, completion: str, problem: Problem) -> bool:
+        return self.score(completion, problem) == 1.0
+
+
+@register_task("gsm8k")
+def _gsm8k(**options: object) -> GSM8K:
+    return GSM8K(**options)  # type: ignore[arg-type]

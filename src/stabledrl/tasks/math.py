@@ -1,0 +1,264 @@
+"""MATH: competition problems with LaTeX answers (Hendrycks et al., 2021), and MATH-500.
+
+Rows  ``{"problem", "solution" (ending in \\boxed{...}), "level", "type"}``; an "answer"
+column (MATH-500's) is the gold answer when present, else the solution's last box is.
+Prompt  the problem in `prompt_template`; Answer  the reference solution.
+Local files and Hub names work as for gsm8k (`path` with "{split}"; see that module).
+
+Reward: 1.0 when the completion's final answer is mathematically equivalent to the gold
+answer according to math-verify (`math_verify.parse` + `math_verify.verify`), else 0.0.
+The final answer is the last top-level \\boxed{...}; without one, the last $...$; without
+that, the last non-empty line. Answers longer than `max_answer_chars` score 0.0 unread.
+
+Guarding math-verify. Its own timeouts use SIGALRM, which works only in the main thread
+and cannot interrupt one long C-level step (a huge power in sympy holds the GIL). So it
+runs in a worker process, in that process's main thread with math-verify's timeouts on
+(`verify_timeout_s`), under an address-space limit, and we wait at most `timeout_s` per
+answer: past that the worker is killed (and restarted on the next call) and the answer
+scores 0.0. The reward never raises and works from any thread; calls are serialised.
+Deviation: the worker costs ~1 s to start (sympy import), once per task instance.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import selectors
+import subprocess
+import sys
+import threading
+import time
+import weakref
+from dataclasses import dataclass
+from typing import Sequence
+
+from stabledrl.tasks.base import Problem, Split, register_task
+from stabledrl.tasks.datasets import DatasetSplits, format_prompt, last_boxed, require_path
+
+__all__ = ["MathTask", "MathVerifier", "extract_answer"]
+
+logger = logging.getLogger(__name__)
+
+_DOLLARS = re.compile(r"\$+([^$]+)\$+")
+
+
+def extract_answer(completion: str) -> str | None:
+    """The completion's final answer as LaTeX text, or None (see the module docstring)."""
+    boxed = last_boxed(completion)
+    if boxed is not None:
+        return boxed.strip()
+    inline = None
+    for inline in _DOLLARS.finditer(completion):
+        pass
+    if inline is not None:
+        return inline.group(1).strip()
+    lines = [line.strip() for line in completion.splitlines() if line.strip()]
+    return lines[-1] if lines else None
+
+
+# The worker: reads {"gold", "pred"} JSON lines on stdin, answers "1" or "0" per line.
+_WORKER = r'''
+import json, logging, resource, sys
+memory_mb, inner_timeout = float(sys.argv[1]), int(sys.argv[2])
+if memory_mb > 0:
+    resource.setrlimit(resource.RLIMIT_AS, (int(memory_mb * 2**20),) * 2)
+logging.disable(logging.WARNING)  # math-verify logs every timeout
+from math_verify import parse, verify
+sys.stdout.write("ready\n")
+sys.stdout.flush()
+for line in sys.stdin:
+    try:
+        req = json.loads(line)
+        gold = parse("\\boxed{" + req["gold"] + "}", parsing_timeout=inner_timeout)
+        pred = parse("\\boxed{" + req["pred"] + "}", parsing_timeout=inner_timeout)
+        ok = bool(gold) and bool(pred) and verify(gold, pred, timeout_seconds=inner_timeout)
+    except BaseException:  # MemoryError, RecursionError, math-verify's TimeoutException ...
+        ok = False
+    sys.stdout.write("1\n" if ok else "0\n")
+    sys.stdout.flush()
+'''
+
+
+class MathVerifier:
+    """math-verify equivalence in a killable worker process (see the module docstring)."""
+
+    def __init__(self, *, timeout_s: float = 5.0, verify_timeout_s: int = 2, memory_mb: float = 4096,
+                 start_timeout_s: float = 60.0) -> None:
+        self.timeout_s, self.verify_timeout_s = timeout_s, verify_timeout_s
+        self.memory_mb, self.start_timeout_s = memory_mb, start_timeout_s
+        self._lock = threading.Lock()
+        self._proc: subprocess.Popen | None = None
+        self._finalizer: weakref.finalize | None = None
+        self._buf = bytearray()
+        self.restarts = 0
+        """Workers killed for running past `timeout_s` (or dying) so far."""
+
+    def _start(self) -> subprocess.Popen:
+        proc = subprocess.Popen(
+            [sys.executable, "-I", "-c", _WORKER, str(self.memory_mb), str(self.verify_timeout_s)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+            start_new_session=True)  # a Ctrl-C at the terminal is for us, not the worker
+        self._finalizer = weakref.finalize(self, _stop, proc)  # also at interpreter exit
+        assert proc.stdout is not None
+        os.set_blocking(proc.stdout.fileno(), False)
+        self._proc, self._buf = proc, bytearray()
+        if self._read_line(self.start_timeout_s) != "ready":
+            self._kill()
+            raise RuntimeError("the math-verify worker did not start (is math-verify installed?)")
+        return proc
+
+    def _read_line(self, timeout: float) -> str | None:
+        assert self._proc is not None and self._proc.stdout is not None
+        fd = self._proc.stdout.fileno()
+        end = time.monotonic() + timeout
+        with selectors.DefaultSelector() as sel:
+            sel.register(fd, selectors.EVENT_READ)
+            while b"\n" not in self._buf:
+                left = end - time.monotonic()
+                if left <= 0 or not sel.select(left):
+                    return None
+                chunk = os.read(fd, 4096)
+                if not chunk:
+                    return None  # the worker died
+                self._buf += chunk
+        line, _, rest = bytes(self._buf).partition(b"\n")
+        self._buf = bytearray(rest)
+        return line.decode()
+
+    def _kill(self) -> None:
+        if self._proc is not None:
+            self._stop()
+            self.restarts += 1
+
+    def _stop(self) -> None:
+        if self._finalizer is not None:
+            self._finalizer()  # runs _stop(proc) once
+        self._proc = self._finalizer = None
+
+    def equivalent(self, gold: str, pred: str) -> bool:
+        """Whether `pred` is equivalent to `gold` (LaTeX without the box); False when the
+        worker cannot tell within `timeout_s`."""
+        with self._lock:
+            proc = self._proc if self._proc is not None and self._proc.poll() is None else self._start()
+            assert proc.stdin is not None
+            try:
+                proc.stdin.write(json.dumps({"gold": gold, "pred": pred}).encode() + b"\n")
+                proc.stdin.flush()
+            except OSError:
+                self._kill()
+                return False
+            answer = self._read_line(self.timeout_s)
+            if answer is None:
+                logger.warning("math-verify gave no verdict within %.1f s; restarting its worker", self.timeout_s)
+                self._kill()
+                return False
+            return answer == "1"
+
+    def close(self) -> None:
+        with self._lock:
+            self._stop()
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait()
+    for f in (proc.stdin, proc.stdout):
+        if f is not None:
+            try:
+                f.close()
+            except OSError:
+                pass
+
+
+@dataclass
+class MathTask:
+    """MATH / MATH-500 from local files or the Hub; see the module docstring."""
+
+    path: str | None = None
+    """Required: a local file ("data/math/{split}.jsonl") or a Hub dataset name."""
+    hub_config: str | None = None
+    """Hub configuration; unused for local files."""
+    train_split: str = "train"
+    """Split name for split="train" (the "{split}" of a local path)."""
+    test_split: str = "test"
+    """Split name for split="test"."""
+    cache_dir: str | None = None
+    """Where `datasets` caches what it loads; None = its default."""
+    completion_length: int = 512
+    """Completion slots the sampler fills."""
+    prompt_template: str = "{problem}\nReason step by step and put the final answer in \\boxed{{}}."
+    """A `str.format` template over the row's columns (double the braces of LaTeX)."""
+    max_answer_chars: int = 1000
+    """Longer final answers score 0 without being parsed."""
+    timeout_s: float = 5.0
+    """Wall time per answer before the verifier's worker is killed."""
+    verify_timeout_s: int = 2
+    """math-verify's own (SIGALRM) timeout for each parse and comparison, whole seconds."""
+    memory_mb: float = 4096
+    """Address-space limit of the verifier's worker."""
+    name: str = "math"
+    """The registry name."""
+
+    def __post_init__(self) -> None:
+        self.data = DatasetSplits(require_path(self.path, self.name), self.hub_config, self.train_split,
+                                  self.test_split, self.cache_dir)
+        if self.timeout_s <= 0 or self.verify_timeout_s < 1:
+            raise ValueError("timeout_s must be positive and verify_timeout_s at least 1 (whole seconds)")
+        self.verifier = MathVerifier(timeout_s=self.timeout_s, verify_timeout_s=self.verify_timeout_s,
+                                     memory_mb=self.memory_mb)
+        self._recent: dict[tuple[str, str], float] = {}  # the last batch, for is_correct
+
+    @property
+    def prompt_length(self) -> int:
+        """Longest prompt of both splits in characters (loads them: a Hub dataset downloads)."""
+        return max((len(format_prompt(self.prompt_template, r)) for r in self.data.loaded_rows()), default=0)
+
+    def generate(self, n: int, *, split: Split = "train", seed: int = 0) -> list[Problem]:
+        """`n` distinct rows of `split` (without replacement), reproducible from `seed`."""
+        problems = []
+        for i, row in self.data.sample(n, split, seed, self.name):
+            gold = row.get("answer") or last_boxed(str(row.get("solution", "")))
+            if not gold:
+                raise ValueError(f"row {i} of the {split} split has neither an answer nor a \\boxed{{}} solution")
+            meta = {"gold": str(gold).strip(), "index": i, "level": row.get("level"),
+                    "type": row.get("type", row.get("subject"))}
+            problems.append(Problem(format_prompt(self.prompt_template, row), str(row.get("solution", gold)), meta))
+        return problems
+
+    def score(self, completion: str, problem: Problem) -> float:
+        if not isinstance(completion, str):
+            return 0.0
+        try:
+            answer = extract_answer(completion)
+            if not answer or len(answer) > self.max_answer_chars:
+                return 0.0
+            return 1.0 if self.verifier.equivalent(problem.meta["gold"], answer) else 0.0
+        except Exception:  # a reward never raises on model output
+            logger.exception("math: could not score a completion; reward 0")
+            return 0.0
+
+    def reward(self, completions: Sequence[str], problems: Sequence[Problem]) -> list[float]:
+        if len(completions) != len(problems):
+            raise ValueError(f"{len(completions)} completions for {len(problems)} problems")
+        scores = [self.score(c, p) for c, p in zip(completions, problems)]
+        self._recent = {(c, p.meta["gold"]): r for c, p, r in zip(completions, problems, scores) if isinstance(c, str)}
+        return scores
+
+    def is_correct(self, completion: str, problem: Problem) -> bool:
+        """Whether the answer is equivalent; reuses the last `reward` call's verdict for the
+        same completion and gold answer (evaluation asks both) instead of verifying again."""
+        key = (completion, problem.meta["gold"]) if isinstance(completion, str) else None
+        hit = self._recent.get(key) if key is not None else None
+        return (hit if hit is not None else self.score(completion, problem)) == 1.0
+
+    def close(self) -> None:
+        """Stop the verifier's worker process (it also stops when the task is collected)."""
+        self.verifier.close()
+
+
+@register_task("math")
+def _math(**options: object) -> MathTask:
+    return MathTask(**options)  # type: ignore[arg-type]

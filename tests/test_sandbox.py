@@ -1,0 +1,243 @@
+"""The sandbox: hostile programs end with the expected reason, and leave nothing behind.
+
+The namespace, read-only and uid layers need root (or unprivileged user namespaces);
+tests that check a specific OS layer are skipped where it is not in force.
+"""
+
+import os
+import socket
+import textwrap
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+
+import psutil
+import pytest
+
+from stabledrl.sandbox import UID_RANGE, run_python
+
+FAST = dict(timeout_s=1.5, memory_mb=256, max_processes=16)
+LAYERS = run_python("pass", timeout_s=10).layers
+needs = lambda *layers: pytest.mark.skipif(not set(layers) <= set(LAYERS), reason=f"needs {layers}")
+
+
+def sandbox_processes() -> list[psutil.Process]:
+    """Processes of a sandbox: running as a sandbox uid, or forked from a bootstrap (whose
+    command line holds its private directory's name), zombies included."""
+    found = []
+    for p in psutil.process_iter(["uids", "cmdline"]):
+        uids, cmdline = p.info["uids"], p.info["cmdline"] or []
+        if (uids and uids.real in UID_RANGE) or any("stabledrl-sandbox-" in a for a in cmdline):
+            found.append(p)
+    return found
+
+
+@pytest.fixture
+def no_leftovers():
+    yield
+    assert sandbox_processes() == []
+
+
+def test_correct_program_passes():
+    r = run_python("import fractions\nprint(fractions.Fraction(6, 4) * 28)", **FAST)
+    assert (r.ok, r.returncode, r.reason, r.stdout, r.stderr) == (True, 0, "ok", "42\n", "")
+    assert r.seconds < 1.5
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the full set of layers needs root")
+def test_every_layer_is_in_force_as_root():
+    # Fails on purpose where root lacks CAP_SYS_ADMIN (e.g. an unprivileged container):
+    # the sandbox then runs with fewer layers, which you should know about.
+    assert LAYERS == ("process-group", "net-ns", "pid-ns", "ipc-ns", "mount-ns", "readonly-fs", "private-tmpfs",
+                      "uid", "no-new-privs", "rlimits", "audit-hook")
+
+
+def test_infinite_loop_is_killed_at_the_wall_time_limit(no_leftovers):
+    r = run_python("while True:\n    pass", **FAST)
+    assert (r.ok, r.reason, r.returncode) == (False, "timeout", -9)
+    assert 1.5 <= r.seconds < 4.0
+
+
+def test_sleeping_program_is_killed_too(no_leftovers):
+    # Not CPU-bound, so only the wall-time limit (not RLIMIT_CPU) can stop it.
+    r = run_python("import time\ntime.sleep(60)", **FAST)
+    assert r.reason == "timeout" and r.seconds < 4.0
+
+
+@pytest.mark.parametrize("code", [
+    "x = bytearray(8 * 2**30)",                                  # one 8 GiB allocation
+    "chunks = []\nwhile True:\n    chunks.append(bytearray(2**20))",  # 1 MiB at a time up to the limit
+])
+def test_memory_bomb_hits_the_address_space_limit(code, no_leftovers):
+    r = run_python(code, **FAST)
+    assert (r.ok, r.reason) == (False, "memory")
+    assert "MemoryError" in r.stderr
+
+
+@needs("uid", "pid-ns")
+def test_fork_bomb_hits_the_process_limit_and_leaves_no_process(no_leftovers):
+    r = run_python("import os\nwhile True:\n    os.fork()", **FAST)
+    assert (r.ok, r.reason) == (False, "process limit")
+
+
+@needs("uid", "pid-ns")
+def test_fork_bomb_that_ignores_errors_is_killed_with_every_child(no_leftovers):
+    code = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass"
+    r = run_python(code, **FAST)
+    assert (r.ok, r.reason) == (False, "timeout")
+
+
+@needs("pid-ns")
+def test_a_daemon_that_escapes_the_process_group_dies_with_the_program(no_leftovers):
+    # Double fork + setsid: the grandchild leaves the process group that a plain
+    # killpg() would target; the PID namespace still takes it down with the program.
+    code = textwrap.dedent("""
+        import os, time
+        if os.fork() == 0:
+            os.setsid()
+            if os.fork() == 0:
+                time.sleep(60)
+            os._exit(0)
+        print("parent done")
+    """)
+    r = run_python(code, **FAST)
+    assert (r.ok, r.stdout) == (True, "parent done\n")
+
+
+@pytest.mark.parametrize("audit_hook", [True, False])
+def test_write_outside_its_directory_is_refused(audit_hook):
+    target = f"/tmp/stabledrl-escape-{uuid.uuid4().hex}"
+    if not audit_hook and "readonly-fs" not in LAYERS:
+        pytest.skip("needs the read-only mount layer")
+    r = run_python(f"open({target!r}, 'w').write('x')", audit_hook=audit_hook, **FAST)
+    assert (r.ok, r.reason) == (False, "write refused")
+    # The hook refuses before the OS is asked; without it the read-only mount does (EROFS).
+    assert ("stabledrl sandbox: write refused" in r.stderr) == audit_hook
+    assert ("Read-only file system" in r.stderr) == (not audit_hook)
+    assert not os.path.exists(target)
+
+
+@needs("readonly-fs")
+def test_a_shell_cannot_write_outside_either():
+    # A child process has no audit hook: the mount layer alone stops it.
+    target = f"/dev/shm/stabledrl-escape-{uuid.uuid4().hex}"
+    code = f"import subprocess\nr = subprocess.run(['sh', '-c', 'echo x > {target}'])\nassert r.returncode != 0"
+    r = run_python(code, **FAST)
+    assert r.ok, r.stderr
+    assert not os.path.exists(target)
+
+
+@pytest.fixture
+def local_server():
+    """A TCP server on 127.0.0.1 that records whether anyone connected."""
+    srv = socket.create_server(("127.0.0.1", 0))
+    srv.settimeout(0.3)
+    yield srv
+    srv.close()
+
+
+def assert_nobody_connected(srv: socket.socket) -> None:
+    with pytest.raises(socket.timeout):
+        srv.accept()[0].close()
+
+
+@pytest.mark.parametrize("audit_hook", [True, False])
+def test_network_is_unreachable(local_server, audit_hook):
+    if not audit_hook and "net-ns" not in LAYERS:
+        pytest.skip("needs the network namespace")
+    port = local_server.getsockname()[1]
+    code = f"import socket\ns = socket.socket()\ns.settimeout(1)\ns.connect(('127.0.0.1', {port}))\nprint('connected')"
+    r = run_python(code, audit_hook=audit_hook, **FAST)
+    assert (r.ok, r.reason, r.stdout) == (False, "network refused", "")
+    assert ("stabledrl sandbox: network refused" in r.stderr) == audit_hook
+    assert ("Network is unreachable" in r.stderr) == (not audit_hook)
+    assert_nobody_connected(local_server)
+
+
+def test_the_control_run_reaches_the_server(local_server):
+    # The same connection from an unsandboxed socket succeeds: the test above can fail.
+    with socket.create_connection(local_server.getsockname(), timeout=1):
+        conn, _ = local_server.accept()
+        conn.close()
+
+
+def test_private_directory_is_cwd_and_home_writable_and_removed_afterwards():
+    code = textwrap.dedent("""
+        import os
+        open("notes.txt", "w").write("hello")
+        os.mkdir("sub")
+        assert open(os.path.join(os.environ["HOME"], "notes.txt")).read() == "hello"
+        print(os.getcwd())
+    """)
+    r = run_python(code, **FAST)
+    assert r.ok, r.stderr
+    home = r.stdout.strip()
+    assert home.startswith(("/tmp/", os.environ.get("TMPDIR", "/tmp")))
+    assert not os.path.exists(home)
+
+
+def test_directory_is_removed_after_a_timeout_too():
+    r = run_python("import os, time\nprint(os.getcwd(), flush=True)\ntime.sleep(60)", **FAST)
+    assert r.reason == "timeout"
+    assert r.stdout.strip() and not os.path.exists(r.stdout.strip())
+
+
+def test_environment_is_minimal_and_the_program_is_not_root():
+    code = "import os, sys\nprint(sorted(os.environ))\nprint(os.getuid(), sys.flags.isolated, sys.flags.no_site)"
+    r = run_python(code, **FAST)
+    env, ids = r.stdout.splitlines()
+    assert set(eval(env)) <= {"PATH", "HOME", "TMPDIR", "LANG", "LC_CTYPE"}  # our own output, not a model's
+    uid, isolated, no_site = map(int, ids.split())
+    assert (isolated, no_site) == (1, 1)
+    if "uid" in LAYERS:
+        assert uid in UID_RANGE
+
+
+def test_output_is_capped():
+    r = run_python("while True:\n    print('x' * 1000)", max_output_bytes=10_000, **FAST)
+    assert (r.ok, r.reason) == (False, "output cap")
+    assert len(r.stdout) + len(r.stderr) <= 10_000
+    assert r.seconds < 1.5  # killed as soon as the cap was passed, not at the deadline
+
+
+def test_large_files_are_refused():
+    r = run_python("open('big', 'wb').write(b'x' * 3 * 2**20)", max_file_mb=1, **FAST)
+    assert (r.ok, r.reason) == (False, "file size")
+
+
+@pytest.mark.parametrize("code, reason", [
+    ("def f(:\n    pass", "syntax error"),
+    ("  x = 1", "syntax error"),
+    ("assert 1 + 1 == 3", "assertion failed"),
+    ("raise SystemExit(3)", "nonzero exit"),
+    ("raise ValueError('no')", "nonzero exit"),
+    ("import os\nos.kill(os.getpid(), 11)", "killed by signal 11"),
+    ("", "ok"),
+    ("print('\\u00e9\\u4e2d\\U0001f600')", "ok"),
+    ("x = '\ud800'", "ok"),  # a lone surrogate in the source is replaced, not a crash of ours
+])
+def test_reasons(code, reason):
+    r = run_python(code, **FAST)
+    assert r.reason == reason, r.stderr
+    assert r.ok == (reason == "ok")
+
+
+def test_unicode_output_round_trips():
+    r = run_python("print('\\u00e9\\u4e2d\\U0001f600')", **FAST)
+    assert r.stdout == "\u00e9\u4e2d\U0001f600\n"
+
+
+def test_concurrent_runs_do_not_interfere(no_leftovers):
+    # A fork bomb next to ordinary programs: with a uid per run, its process count is its own.
+    codes = ["import os\nwhile True:\n    os.fork()"] + [f"import os\nos.fork() or print({i})" for i in range(5)]
+    with ThreadPoolExecutor(3) as pool:
+        results = list(pool.map(lambda c: run_python(c, **FAST), codes))
+    assert results[0].reason == "process limit" or "uid" not in LAYERS
+    assert [r.stdout for r in results[1:]] == [f"{i}\n" for i in range(5)]
+    assert all(r.ok for r in results[1:])
+
+
+def test_bad_arguments_raise():
+    with pytest.raises(TypeError):
+        run_python(None)
+    with pytest.raises(ValueError):
+        run_python("pass", timeout_s=0)
