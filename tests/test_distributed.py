@@ -5,7 +5,8 @@ one process on the same data and seeds. The optimiser is plain SGD with lr 1 and
 clipping, so the update is −g itself and the comparison checks the gradient to 1e-6
 (AdamW's first step is lr·sign(g) and would hide almost any error). 3 prompts × G = 4 is
 12 rows, 6 per process: group 1 (rows 4-7) spans both processes, so the advantages and
-StableDRL's self-normalised weights are only right if computed on the gathered group.
+StableDRL's self-normalised weights are only right if computed on the gathered group;
+with G = 3 the 9 rows split 4/5, so the processes' shares (and micro-batch counts) differ.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _launch(overrides: list[str], processes: int, tmp_path) -> None:
+def _launch(overrides: list[str], processes: int, tmp_path, timeout: float = 300) -> None:
     empty = tmp_path / "empty.yaml"  # every field comes from --set
     empty.write_text("{}\n")
     # --multi_gpu selects accelerate's torchrun launcher; the trainer's Accelerator(cpu=True)
@@ -57,7 +58,7 @@ def _launch(overrides: list[str], processes: int, tmp_path) -> None:
     for o in overrides:
         cmd += ["--set", o]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)  # a hang fails, not blocks
     assert res.returncode == 0, res.stderr[-4000:]
 
 
@@ -71,17 +72,19 @@ def _max_diff(a: dict, b: dict) -> float:
     return max(float((a[k] - b[k]).abs().max()) for k in a)
 
 
-@pytest.mark.parametrize("objective, extra", [
-    ("grpo", {}),
-    ("stabledrl", {}),
-    # gradient accumulation: 2 views per forward/backward on each process
-    ("stabledrl", {"estimator.max_views_per_forward": 2}),
+@pytest.mark.parametrize("objective, common, extra", [
+    # G = 3: 9 rows, 4 on one process and 5 on the other
+    ("grpo", {"group_size": 3}, {}),
+    ("stabledrl", {}, {}),
+    # gradient accumulation, 2 views per forward/backward, with uneven shares: the
+    # processes make different numbers of micro-batches and synchronise once
+    ("stabledrl", {"group_size": 3}, {"estimator.max_views_per_forward": 2}),
 ])
-def test_two_processes_make_the_update_of_one(init_model, tmp_path, objective, extra):
+def test_two_processes_make_the_update_of_one(init_model, tmp_path, objective, common, extra):
     one = tmp_path / "one"
-    run_train(load_config(TrainConfig, None, _overrides(init_model, one, objective)), progress=False)
+    run_train(load_config(TrainConfig, None, _overrides(init_model, one, objective, **common)), progress=False)
     two = tmp_path / "two"
-    _launch(_overrides(init_model, two, objective, **extra), processes=2, tmp_path=tmp_path)
+    _launch(_overrides(init_model, two, objective, **common, **extra), processes=2, tmp_path=tmp_path)
     d1, d2 = _update(init_model, one), _update(init_model, two)
     assert max(float(v.abs().max()) for v in d1.values()) > 1e-2  # a real update, not a no-op
     assert _max_diff(d1, d2) < 1e-6

@@ -147,7 +147,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mask-token-id", type=int, help="the mask token (default: the checkpoint's or tokenizer's)")
     p.add_argument("--block-size", type=int, help="decoder adapter: block size S")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--device", default="cpu", help="e.g. cpu, cuda, cuda:1")
+    p.add_argument("--device", default="auto", help="auto (a GPU if there is one), cpu, cuda, cuda:1 ...")
 
 
 def build_parser() -> argparse.ArgumentParser:

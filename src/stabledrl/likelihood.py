@@ -64,11 +64,12 @@ K samples, N quadrature nodes.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import math
 from dataclasses import dataclass
-from typing import Callable, Literal
+from typing import Callable, ContextManager, Literal
 
 import numpy as np
 import torch
@@ -565,10 +566,14 @@ def backward_views(
     reduction: Literal["sum", "mean"] = "sum",
     max_views_per_forward: int | None = None,
     backward: Callable[[torch.Tensor], None] = torch.Tensor.backward,
+    no_sync: Callable[[], ContextManager] | None = None,
 ) -> None:
     """Accumulate the parameters' `.grad` of a loss through ℓ, one micro-batch of views at
     a time, so memory does not grow with the number of views. `backward` runs each
-    micro-batch's backward (e.g. `accelerator.backward`).
+    micro-batch's backward (e.g. `accelerator.backward`). `no_sync` (e.g.
+    ``lambda: accelerator.no_sync(model)``) wraps every micro-batch but the last, so that a
+    multi-process run synchronises gradients once, whatever each process's number of
+    micro-batches.
 
     `grad` is ∂loss/∂ℓ computed from a no-grad estimate of the same plan: (B,) for the
     sequence estimate (``reduction`` as scored) or (B, L) for the per-token terms. ℓ is
@@ -583,9 +588,11 @@ def backward_views(
         if reduction == "mean":
             g = g / scored.sum(-1)
         g = g[:, None].expand(B, L)
-    for idx in _chunks(plan.num_views, max_views_per_forward):
-        terms, b = _view_terms(policy, plan, idx, prompt_ids, pm, completion_ids, scored)  # (n, L), (n,)
-        backward((terms * g[b]).sum())
+    chunks = list(_chunks(plan.num_views, max_views_per_forward))
+    for c, idx in enumerate(chunks):
+        with no_sync() if no_sync is not None and c < len(chunks) - 1 else contextlib.nullcontext():
+            terms, b = _view_terms(policy, plan, idx, prompt_ids, pm, completion_ids, scored)  # (n, L), (n,)
+            backward((terms * g[b]).sum())
 
 
 def estimate(

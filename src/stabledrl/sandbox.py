@@ -76,7 +76,10 @@ __all__ = ["SandboxResult", "run_python", "UID_RANGE"]
 
 logger = logging.getLogger(__name__)
 
-UID_RANGE = range(2_000_000, 2_004_096)
+UID_RANGE = range(2_000_000, 2_000_000 + 64 * 2**22)
+"""Uids the sandbox runs programs as: each process owns the 64 at 2,000,000 + 64·(pid mod 2²²)
+(pids are at most 2²² on Linux), so concurrent programs of different processes never share one."""
+_UIDS_PER_PROCESS = 64
 """Unprivileged uids/gids the sandbox runs programs as when started by root."""
 
 _ALL_LAYERS = ("process-group", "net-ns", "pid-ns", "ipc-ns", "mount-ns", "readonly-fs", "private-tmpfs",
@@ -447,22 +450,26 @@ exec(compile(source, main_py, "exec"), module.__dict__)
 
 
 class _UidPool:
-    """Hands out distinct uids of `UID_RANGE` to concurrent runs of this process."""
+    """Hands out distinct uids of this process's slice of `UID_RANGE` to its concurrent runs."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._busy: set[int] = set()
-        self._next = (os.getpid() * 64) % len(UID_RANGE)  # other processes start elsewhere
+        self._pid = -1
+        self._next = 0
 
     def take(self) -> int:
         with self._lock:
-            for _ in range(len(UID_RANGE)):
-                uid = UID_RANGE[self._next]
-                self._next = (self._next + 1) % len(UID_RANGE)
+            if self._pid != os.getpid():  # first use, or a forked child: its own slice
+                self._pid, self._next, self._busy = os.getpid(), 0, set()
+            first = UID_RANGE.start + _UIDS_PER_PROCESS * (self._pid % 2**22)
+            for _ in range(_UIDS_PER_PROCESS):
+                uid = first + self._next
+                self._next = (self._next + 1) % _UIDS_PER_PROCESS
                 if uid not in self._busy:
                     self._busy.add(uid)
                     return uid
-        raise RuntimeError(f"more than {len(UID_RANGE)} concurrent sandboxes")
+        raise RuntimeError(f"more than {_UIDS_PER_PROCESS} concurrent sandboxes in one process")
 
     def give(self, uid: int) -> None:
         with self._lock:

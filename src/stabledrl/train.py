@@ -27,6 +27,8 @@ processes compute the update of one process. Checkpoints, metrics and plots are 
 by the main process only.
 
 Deviations from the named algorithms, deliberate:
+- The model stays in eval mode for the update too: no dropout, so ρ = 1 at θ = θ_old
+  and several processes compute the same function.
 - ``diffu-grpo`` (d1) recomputes the prompt mask per inner iteration; here the plan
   (prompt mask included) follows the ``masks`` switch like every other estimator.
 - Every random draw comes from a generator seeded by (seed, step, purpose), so a run
@@ -440,12 +442,24 @@ def run_train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) 
 
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    accelerator = Accelerator(cpu=cfg.model.device == "cpu")
+    from accelerate.utils import DistributedDataParallelKwargs
+
+    # No buffer broadcast in forward: the models' buffers are constants, and a collective in
+    # every forward would tie the processes' (data-dependent) numbers of model calls together.
+    on_cpu = cfg.model.device == "cpu" or (cfg.model.device == "auto" and not torch.cuda.is_available())
+    accelerator = Accelerator(cpu=on_cpu,
+                              kwargs_handlers=[DistributedDataParallelKwargs(broadcast_buffers=False)])
     procs = _Procs(accelerator)
+    if accelerator.distributed_type.value == "DEEPSPEED":
+        # accelerate's DeepSpeed backward also steps (and clips, with the DeepSpeed config's
+        # gradient_clipping): one backward per optimizer step only.
+        check(cfg.estimator.max_views_per_forward is None and cfg.mu >= 1,
+              "under DeepSpeed leave estimator.max_views_per_forward unset (its backward steps the optimizer)")
     main = accelerator.is_main_process
     _check_processes(cfg, procs.world)
     task = get_task(cfg.task.name, **cfg.task.options)
-    device = accelerator.device
+    # One process may name its device; with several, each process uses the one accelerate gives it.
+    device = accelerator.device if cfg.model.device == "auto" or accelerator.num_processes > 1 else cfg.model.device
     initial = load_policy(cfg.model, device=device)
     _check_estimator_fits_model(cfg, initial)  # before a run directory exists
     out = Path(cfg.output_dir)
@@ -470,6 +484,7 @@ def run_train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) 
     params = [p for p in policy.model.parameters() if p.requires_grad]
     opt = _optimizer(cfg, params)
     policy.model, opt = accelerator.prepare(policy.model, opt)  # DDP / FSDP / DeepSpeed with N processes
+    params = [p for p in policy.model.parameters() if p.requires_grad]  # FSDP replaces the parameters
     model = policy.model
     sched = get_cosine_with_min_lr_schedule_with_warmup(opt, cfg.warmup_steps, cfg.steps, min_lr_rate=cfg.min_lr_ratio)
     start = 0
@@ -567,7 +582,8 @@ def run_train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) 
                     plan_w = plan(2)
                     w_old = scored(policy, plan_w)
             # 5. μ inner iterations
-            model.train()
+            # The update runs in eval mode too: no dropout, so ρ = 1 at θ = θ_old and every
+            # process computes the same function (dropout would draw from each one's RNG).
             inner_rows = []
             for it in range(cfg.mu):
                 with _timed(times, "update"):
@@ -585,11 +601,12 @@ def run_train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) 
                             leaf = scored(policy, pl).requires_grad_()
                         res = _objective(cfg, leaf, old, b_adv, batch, ref, w_kw)
                     else:
-                        mine_logp = _score(cfg, policy, pl, mine).cpu()  # (B'/N,) with a graph
+                        mine_logp = _score(cfg, policy, pl, mine)  # (B'/N,) with a graph, on the device
                         full = mine_logp
-                        if world > 1:  # the other processes' rows, as constants
+                        if world > 1:  # the other processes' rows, as constants (gathered on the device)
                             others = procs.gather(mine_logp, n_rows)
                             full = torch.cat([others[:lo], mine_logp, others[hi:]])
+                        full = full.cpu()
                         res = _objective(cfg, full, old, b_adv, batch, ref, w_kw)
                     finite = bool(torch.isfinite(res.loss))
                     if finite:
@@ -600,7 +617,8 @@ def run_train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) 
                                                leaf.grad[lo:hi] * world, prompt_mask=mine.prompt_mask,
                                                reduction=cfg.estimator.reduction,
                                                max_views_per_forward=cfg.estimator.max_views_per_forward,
-                                               backward=accelerator.backward)
+                                               backward=accelerator.backward,
+                                               no_sync=lambda: accelerator.no_sync(model))
                             else:  # DDP averages the processes' gradients: × N makes their sum
                                 accelerator.backward(res.loss * world)
                         norm = accelerator.clip_grad_norm_(params, cfg.grad_clip)

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import BertConfig, BertForMaskedLM, LlamaConfig, LlamaForCausalLM
+from transformers import (BertConfig, BertForMaskedLM, LlamaConfig, LlamaForCausalLM, RobertaConfig,
+                          RobertaForMaskedLM)
 
 from stabledrl.config import load_config
 from stabledrl.data import completion_mask, encode_completions, encode_prompts, position_ids
@@ -120,6 +121,25 @@ def test_left_padding_changes_nothing_for_adapters_with_positions(dirs, adapter)
             alone = policy.logits(one_ids, one_mask, position_ids(one_mask))[0]
             # From the second real token on: the first (BOS) has no prediction in Dream's shifted head.
             assert torch.allclose(batch[b, -alone.size(0) + 1:], alone[1:], atol=1e-5)
+
+
+def test_roberta_positions_start_after_its_padding_index(tmp_path):
+    # RoBERTa numbers positions from padding_idx + 1 (here pad 0 -> 1, 2, ...) and derives
+    # them itself from the pad tokens: on a left-padded batch the adapter's logits equal the
+    # native forward without position ids.
+    tok = build_char_tokenizer()
+    torch.manual_seed(0)
+    RobertaForMaskedLM(RobertaConfig(vocab_size=len(tok), hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                     intermediate_size=64, max_position_embeddings=64,
+                                     pad_token_id=tok.pad_token_id)).save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    policy = load_policy(ModelConfig(path=str(tmp_path), adapter="masked_lm"))
+    ids, mask = encode_prompts(policy.tokenizer, PROMPTS)
+    with torch.no_grad():
+        out = policy.logits(ids, mask, position_ids(mask))
+        native = policy.model(input_ids=ids, attention_mask=mask).logits
+    real = mask.bool()
+    assert torch.allclose(out[real], native[real], atol=1e-5)
 
 
 def test_decoder_with_a_causal_mask_reads_the_native_causal_logits(dirs):

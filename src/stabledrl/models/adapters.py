@@ -85,6 +85,10 @@ class HFPolicy:
         if not 0 <= self.mask_token_id < vocab:
             raise ValueError(f"mask_token_id {self.mask_token_id} is outside the model's vocabulary of {vocab}")
         self._dtype = self.model.get_input_embeddings().weight.dtype  # before any DDP/FSDP wrapping
+        # RoBERTa-style embeddings count positions from padding_idx + 1, BERT's from 0.
+        embeddings = getattr(getattr(self.model, "base_model", None), "embeddings", None)
+        pad_idx = getattr(embeddings, "padding_idx", None)
+        self._position_offset = pad_idx + 1 if isinstance(pad_idx, int) else 0
         if self.adapter == "decoder":
             if not (self.block_size and self.block_size > 0):
                 raise ValueError("the decoder adapter is a block-diffusion model: set model.block_size (e.g. 4)")
@@ -121,7 +125,7 @@ class HFPolicy:
         if self.adapter == "llada":
             kwargs = {"attention_mask": attention_mask}
         elif self.adapter == "masked_lm":
-            kwargs = {"attention_mask": attention_mask, "position_ids": position_ids}
+            kwargs = {"attention_mask": attention_mask, "position_ids": position_ids + self._position_offset}
         elif self.adapter == "dream":
             keys = attention_mask.bool()[:, None, None, :].expand(B, 1, T, T)  # (B, 1, T, T) key padding
             kwargs = {"attention_mask": keys, "position_ids": position_ids}

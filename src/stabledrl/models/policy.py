@@ -124,8 +124,9 @@ class ModelConfig:
     """True if the model's logits[:, i] predict token i+1; None: true for dream only."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Parameter dtype."""
-    device: str = "cpu"
-    """Device of a single-process run (multi-process runs use each process's device)."""
+    device: str = "auto"
+    """auto (a GPU if there is one, else the CPU), cpu, cuda, cuda:1 ...; in a multi-process run each
+    process uses the device accelerate assigns it, on CPUs when this is cpu."""
     trust_remote_code: bool | None = None
     """Run the checkpoint's own modelling code; None: true for llada and dream only."""
 
@@ -164,6 +165,8 @@ def load_policy(model: str | Path | ModelConfig, *, device: str | torch.device |
     saves; `trainable` keeps the adapters trainable)."""
     cfg = model if isinstance(model, ModelConfig) else ModelConfig(path=str(model))
     device = cfg.device if device is None else device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = _DTYPES[cfg.dtype] if dtype is None else dtype
     path = Path(cfg.path)
     if (path / "adapter_config.json").is_file():  # LoRA: load the base, then the adapters
