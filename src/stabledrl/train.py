@@ -77,7 +77,7 @@ from stabledrl.tasks import get_task
 __all__ = ["EstimatorConfig", "ObjectiveConfig", "TrainConfig", "run_train"]
 
 
-_SEED_SLOTS = 16  # per step: 0 rollouts, 1 ℓ_old masks, 2 weight masks, 3.. inner-iteration masks
+_SEED_SLOTS = 16  # per step: 0 unused (rollouts draw per row, `_row_generators`), 1 ℓ_old masks, 2 weight masks, 3.. inner-iteration masks
 MAX_MU = _SEED_SLOTS - 3
 
 
@@ -453,7 +453,7 @@ def run_train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) 
     if accelerator.distributed_type.value == "DEEPSPEED":
         # accelerate's DeepSpeed backward also steps (and clips, with the DeepSpeed config's
         # gradient_clipping): one backward per optimizer step only.
-        check(cfg.estimator.max_views_per_forward is None and cfg.mu >= 1,
+        check(cfg.estimator.max_views_per_forward is None,
               "under DeepSpeed leave estimator.max_views_per_forward unset (its backward steps the optimizer)")
     main = accelerator.is_main_process
     _check_processes(cfg, procs.world)
