@@ -242,3 +242,23 @@ def test_without_the_drift_diagnostic_no_reference_copy_is_loaded(init_model, tm
     assert len(loads) == 3
     rows = [json.loads(x) for x in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
     assert "kl_ref" in rows[1]
+
+
+def test_a_run_on_the_code_task_carries_on_through_sandboxed_failures(init_model, tmp_path):
+    # The tiny model writes digits and operators, never a valid function body: every program
+    # fails in the sandbox (a syntax error or a failed assert), scores 0 with a reason, and
+    # the run still completes its steps and saves its model.
+    from tests.tasks.test_code import HUMANEVAL, write_jsonl
+
+    write_jsonl(tmp_path / "he-test.jsonl", HUMANEVAL)
+    write_jsonl(tmp_path / "he-train.jsonl", HUMANEVAL[:2])
+    task = {"name": "code", "options": {"path": str(tmp_path / "he-{split}.jsonl"), "cache_dir": str(tmp_path / "hf"),
+                                        "timeout_s": 2.0, "workers": 2}}
+    cfg = _cfg(init_model, tmp_path / "run", steps=2, task=task, prompts_per_step=2, group_size=2, eval_n=2,
+               rollout={"temperature": 1.0, "gen_length": 8}, eval_sampling={"gen_length": 8})
+    summary = run_train(cfg, progress=False)
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "reward_mean" in r] == [1, 2]
+    assert all(r["reward_mean"] == 0.0 for r in rows if "reward_mean" in r)
+    assert summary["zero_variance_groups"] == 4 and summary["eval_final"]["accuracy"] == 0.0
+    assert (tmp_path / "run" / "final" / "model.safetensors").is_file()
