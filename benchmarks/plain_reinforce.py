@@ -10,12 +10,20 @@ rate with everything of `stabledrl.train` stripped away (μ = 1, no importance r
 clipping, no skipped groups). Held-out accuracy (greedy, 500 test problems) before and after.
 If the block model loses accuracy here too, the cause lies in the block model or the
 blockwise estimator, not in the objectives or the trainer.
+
+`--likelihood path` replaces ℓ by the log-probability of each rollout's own sampling path
+(`benchmarks/likelihood_fit.py`: the committed tokens along the sampler's order), i.e.
+REINFORCE on the sampler's likelihood given its order, no ELBO at all; `--models` picks
+the models. Results go to plain_reinforce_path.json then.
+
+    python benchmarks/plain_reinforce.py --likelihood path --models block
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 import torch
@@ -27,11 +35,15 @@ from stabledrl.models import load_policy
 from stabledrl.sampling import generate
 from stabledrl.tasks import get_task
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from likelihood_fit import path_logprob  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = {"full": ("checkpoints/countdown-tiny", "mc"), "block": ("checkpoints/countdown-tiny-block", "blockwise")}
 
 
-def run(model: str, method: str, *, iterations: int, prompts: int, group: int, lr: float, seed: int) -> dict:
+def run(model: str, method: str, *, iterations: int, prompts: int, group: int, lr: float, seed: int,
+        likelihood: str = "elbo") -> dict:
     policy = load_policy(ROOT / model)
     task = get_task("countdown")
     held_out = task.generate(500, split="test", seed=0)
@@ -50,8 +62,11 @@ def run(model: str, method: str, *, iterations: int, prompts: int, group: int, l
         r = torch.tensor(task.reward(texts, [p for p in problems for _ in range(group)]))  # (prompts·G,)
         adv = (r.view(-1, group) - r.view(-1, group).mean(1, keepdim=True)).flatten()
         policy.model.train()
-        ell = estimate(policy, ids, out.completion_ids, out.completion_mask, prompt_mask=mask, method=method,
-                       num_samples=2, generator=gen).sequence  # (prompts·G,)
+        if likelihood == "path":
+            ell = path_logprob(policy, ids, mask, out)  # (prompts·G,)
+        else:
+            ell = estimate(policy, ids, out.completion_ids, out.completion_mask, prompt_mask=mask, method=method,
+                           num_samples=2, generator=gen).sequence  # (prompts·G,)
         loss = -(adv * ell).sum() / (adv != 0).sum().clamp(min=1)
         opt.zero_grad()
         loss.backward()
@@ -60,7 +75,7 @@ def run(model: str, method: str, *, iterations: int, prompts: int, group: int, l
         rewards.append(float(r.mean()))
         print(f"{model} iteration {it + 1}/{iterations}: reward {rewards[-1]:.3f}", flush=True)
     after = evaluate(policy, task, held_out, progress=False)
-    return {"model": model, "estimator": method, "accuracy_before": before.accuracy, "accuracy_after": after.accuracy,
+    return {"model": model, "estimator": method if likelihood == "elbo" else "sampler path", "accuracy_before": before.accuracy, "accuracy_after": after.accuracy,
             "reward_before": before.mean_reward, "reward_after": after.mean_reward, "reward_curve": rewards}
 
 
@@ -72,11 +87,16 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=3e-5)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "plain_reinforce.json")
+    ap.add_argument("--likelihood", choices=["elbo", "path"], default="elbo")
+    ap.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
+    ap.add_argument("--out", type=Path)
     args = ap.parse_args()
+    if args.out is None:
+        name = "plain_reinforce.json" if args.likelihood == "elbo" else "plain_reinforce_path.json"
+        args.out = ROOT / "benchmarks" / "results" / name
     torch.set_num_threads(args.threads)
-    rows = [run(model, method, iterations=args.iterations, prompts=args.prompts, group=args.group, lr=args.lr,
-                seed=args.seed) for model, method in MODELS.values()]
+    rows = [run(*MODELS[m], iterations=args.iterations, prompts=args.prompts, group=args.group, lr=args.lr,
+                seed=args.seed, likelihood=args.likelihood) for m in args.models]
     for row in rows:
         print(f"{row['model']}: held-out accuracy {row['accuracy_before']:.4f} -> {row['accuracy_after']:.4f}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
