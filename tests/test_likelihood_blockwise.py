@@ -29,6 +29,19 @@ def _block_pass(policy, p_ids, p_mask, c_ids, b, j, subset) -> dict[int, float]:
     return {i: float(logp[0, i]) for i in subset}
 
 
+def terms_by_separate_passes(policy, plan, p_ids, p_mask, c_ids, c_mask) -> torch.Tensor:
+    """(B, L) the plan's weighted per-slot terms, each view's block terms from its own
+    separate pass over [q ; y_<b ; ỹ_b]: what one staircase pass must reproduce."""
+    sep = torch.zeros(c_ids.shape, dtype=torch.float64)
+    for v in range(plan.num_views):
+        b = int(plan.seq_index[v])
+        with torch.no_grad():
+            logp = block_logprobs_by_separate_passes(policy, p_ids[b : b + 1], p_mask[b : b + 1], c_ids[b : b + 1],
+                                                     plan.masked[v : v + 1])[0].double()  # (L,)
+        sep[b] += torch.where(plan.masked[v] & c_mask[b], plan.weight[v] * logp, 0.0)
+    return sep
+
+
 def exact_blockwise(policy, p_ids, p_mask, c_ids, c_mask):
     """Σ_j ELBO_j, each by enumerating the block's subsets, one separate pass per subset."""
     S, L = policy.block_size, c_ids.size(1)
@@ -61,13 +74,7 @@ def test_one_pass_equals_separate_passes_on_random_masks():
     plan = plan_views("blockwise", c_mask, num_samples=3, block_size=3, generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         one = score_views(policy, plan, p_ids, c_ids, c_mask, prompt_mask=p_mask).token.double()  # (B, L)
-    sep = torch.zeros_like(one)
-    for v in range(plan.num_views):
-        b = int(plan.seq_index[v])
-        with torch.no_grad():
-            logp = block_logprobs_by_separate_passes(policy, p_ids[b : b + 1], p_mask[b : b + 1], c_ids[b : b + 1],
-                                                     plan.masked[v : v + 1])[0].double()  # (L,)
-        sep[b] += torch.where(plan.masked[v] & c_mask[b], plan.weight[v] * logp, 0.0)
+    sep = terms_by_separate_passes(policy, plan, p_ids, p_mask, c_ids, c_mask)
     assert plan.masked.any()
     assert torch.allclose(one, sep, atol=1e-5)
 

@@ -19,12 +19,13 @@ from transformers import (BertConfig, BertForMaskedLM, LlamaConfig, LlamaForCaus
 
 from stabledrl.config import load_config
 from stabledrl.data import completion_mask, encode_completions, encode_prompts, position_ids
-from stabledrl.likelihood import block_logprobs_by_separate_passes, plan_views, score_views
+from stabledrl.likelihood import plan_views, score_views
 from stabledrl.models import HFPolicy, ModelConfig, load_policy
 from stabledrl.models.attention import block_causal_attention_mask
 from stabledrl.tokenizer import build_char_tokenizer
 from stabledrl.train import TrainConfig, run_train
 from tests.models import fake_dllm
+from tests.test_likelihood_blockwise import terms_by_separate_passes
 
 PROMPTS = ["3,5,7=22", "12,4,6=9", "1=1"]  # unequal lengths: left padding
 
@@ -165,13 +166,7 @@ def test_decoder_staircase_likelihood_equals_separate_passes(dirs, L):
     plan = plan_views("blockwise", c_mask, num_samples=3, block_size=4, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         one = score_views(policy, plan, p_ids, c_ids, c_mask, prompt_mask=p_mask).token.double()  # (B, L)
-    sep = torch.zeros_like(one)
-    for v in range(plan.num_views):
-        b = int(plan.seq_index[v])
-        with torch.no_grad():
-            logp = block_logprobs_by_separate_passes(policy, p_ids[b:b + 1], p_mask[b:b + 1], c_ids[b:b + 1],
-                                                     plan.masked[v:v + 1])[0].double()
-        sep[b] += torch.where(plan.masked[v] & c_mask[b], plan.weight[v] * logp, 0.0)
+    sep = terms_by_separate_passes(policy, plan, p_ids, p_mask, c_ids, c_mask)
     assert plan.masked.any() and one.abs().sum() > 0
     assert torch.allclose(one, sep, atol=1e-5)
 

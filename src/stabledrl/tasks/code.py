@@ -36,7 +36,7 @@ from typing import Any, Literal, Sequence
 
 from stabledrl.sandbox import SandboxResult, run_python
 from stabledrl.tasks.base import Problem, Split, register_task
-from stabledrl.tasks.datasets import DatasetSplits, format_prompt, require_path
+from stabledrl.tasks.datasets import DatasetTask, format_prompt
 
 __all__ = ["CodeTask", "build_program", "extract_code"]
 
@@ -79,21 +79,11 @@ def _schema_of(row: dict[str, Any]) -> Literal["humaneval", "mbpp"]:
 
 
 @dataclass
-class CodeTask:
+class CodeTask(DatasetTask):
     """HumanEval- or MBPP-style code generation graded by running tests in the sandbox."""
 
-    path: str | None = None
-    """Required: a local file ("data/mbpp/{split}.jsonl") or a Hub dataset name."""
     schema: Literal["auto", "humaneval", "mbpp"] = "auto"
     """Row layout; "auto" decides by each row's columns."""
-    hub_config: str | None = None
-    """Hub configuration (e.g. "full" or "sanitized" for mbpp); unused for local files."""
-    train_split: str = "train"
-    """Split name for split="train" (the "{split}" of a local path)."""
-    test_split: str = "test"
-    """Split name for split="test"."""
-    cache_dir: str | None = None
-    """Where `datasets` caches what it loads; None = its default."""
     completion_length: int = 512
     """Completion slots the sampler fills."""
     prompt_template: str | None = None
@@ -115,8 +105,7 @@ class CodeTask:
     """Why each program of the last `reward` call scored what it did ("ok" when it passed)."""
 
     def __post_init__(self) -> None:
-        self.data = DatasetSplits(require_path(self.path, self.name), self.hub_config, self.train_split,
-                                  self.test_split, self.cache_dir)
+        super().__post_init__()
         if self.schema not in ("auto", "humaneval", "mbpp"):
             raise ValueError(f"schema must be 'auto', 'humaneval' or 'mbpp', got {self.schema!r}")
         if self.workers < 1 or self.timeout_s <= 0:
@@ -132,12 +121,8 @@ class CodeTask:
             fields["tests"] = "\n".join(row["test_list"])
         return format_prompt(template, fields)
 
-    @property
-    def prompt_length(self) -> int:
-        """Longest prompt of both splits in characters (loads them: a Hub dataset downloads)."""
-        rows = self.data.loaded_rows()
-        return max((len(self._prompt(r, self.schema if self.schema != "auto" else _schema_of(r))) for r in rows),
-                   default=0)
+    def prompt_of(self, row: dict[str, Any]) -> str:
+        return self._prompt(row, self.schema if self.schema != "auto" else _schema_of(row))
 
     def generate(self, n: int, *, split: Split = "train", seed: int = 0) -> list[Problem]:
         """`n` distinct rows of `split` (without replacement), reproducible from `seed`."""

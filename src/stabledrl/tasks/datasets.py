@@ -20,7 +20,7 @@ from typing import Any
 
 from stabledrl.tasks.base import Split
 
-__all__ = ["DatasetSplits", "format_prompt", "last_boxed", "require_path"]
+__all__ = ["DatasetSplits", "DatasetTask", "format_prompt", "last_boxed", "require_path"]
 
 logger = logging.getLogger(__name__)
 
@@ -157,3 +157,33 @@ def _last_boxed_span(text: str) -> tuple[int, str] | None:
             break
         lo, hi = inner.end(), close
     return pos, text[lo:hi]
+
+
+@dataclass
+class DatasetTask:
+    """Fields and behaviour the dataset-backed tasks share: where their rows come from
+    (`self.data`, built in `__post_init__`) and the longest prompt. A subclass sets `name`
+    and `prompt_template`, and overrides `prompt_of` if a row's prompt needs more."""
+
+    path: str | None = None
+    """Required: a local file ("data/NAME/{split}.jsonl") or a Hub dataset name."""
+    hub_config: str | None = None
+    """Hub configuration (e.g. "main" for openai/gsm8k); unused for local files."""
+    train_split: str = "train"
+    """Split name for split="train" (the "{split}" of a local path)."""
+    test_split: str = "test"
+    """Split name for split="test"."""
+    cache_dir: str | None = None
+    """Where `datasets` caches what it loads; None = its default."""
+
+    def __post_init__(self) -> None:
+        self.data = DatasetSplits(require_path(self.path, self.name), self.hub_config, self.train_split,
+                                  self.test_split, self.cache_dir)
+
+    def prompt_of(self, row: dict[str, Any]) -> str:
+        return format_prompt(self.prompt_template, row)
+
+    @property
+    def prompt_length(self) -> int:
+        """Longest prompt of both splits in characters (loads them: a Hub dataset downloads)."""
+        return max((len(self.prompt_of(r)) for r in self.data.loaded_rows()), default=0)

@@ -24,7 +24,7 @@ from decimal import Decimal, InvalidOperation
 from typing import Sequence
 
 from stabledrl.tasks.base import Problem, Split, register_task
-from stabledrl.tasks.datasets import DatasetSplits, _last_boxed_span, format_prompt, require_path
+from stabledrl.tasks.datasets import DatasetTask, _last_boxed_span, format_prompt
 
 __all__ = ["GSM8K", "extract_number", "parse_number", "reference_number"]
 
@@ -68,19 +68,9 @@ def reference_number(answer: str) -> Decimal | None:
 
 
 @dataclass
-class GSM8K:
+class GSM8K(DatasetTask):
     """GSM8K from local files or the Hub; see the module docstring for `path`."""
 
-    path: str | None = None
-    """Required: a local file ("data/gsm8k/{split}.jsonl") or a Hub name ("openai/gsm8k")."""
-    hub_config: str | None = None
-    """Hub configuration; "main" for openai/gsm8k."""
-    train_split: str = "train"
-    """Split name for split="train" (the "{split}" of a local path)."""
-    test_split: str = "test"
-    """Split name for split="test"."""
-    cache_dir: str | None = None
-    """Where `datasets` caches what it loads; None = its default."""
     completion_length: int = 256
     """Completion slots the sampler fills (reasoning plus the final answer)."""
     prompt_template: str = "{question}\nSolve it step by step; end with the final number as: #### <number>"
@@ -89,15 +79,9 @@ class GSM8K:
     """The registry name."""
 
     def __post_init__(self) -> None:
-        self.data = DatasetSplits(require_path(self.path, self.name), self.hub_config, self.train_split,
-                                  self.test_split, self.cache_dir)
+        super().__post_init__()
         if self.completion_length < 1:
             raise ValueError(f"completion_length must be positive, got {self.completion_length}")
-
-    @property
-    def prompt_length(self) -> int:
-        """Longest prompt of both splits in characters (loads them: a Hub dataset downloads)."""
-        return max((len(format_prompt(self.prompt_template, r)) for r in self.data.loaded_rows()), default=0)
 
     def generate(self, n: int, *, split: Split = "train", seed: int = 0) -> list[Problem]:
         """`n` distinct rows of `split` (without replacement), reproducible from `seed`."""

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from stabledrl.tasks.base import Problem, Split, register_task
-from stabledrl.tasks.datasets import DatasetSplits, format_prompt, last_boxed, require_path
+from stabledrl.tasks.datasets import DatasetTask, format_prompt, last_boxed
 
 __all__ = ["MathTask", "MathVerifier", "extract_answer"]
 
@@ -174,19 +174,9 @@ def _stop(proc: subprocess.Popen) -> None:
 
 
 @dataclass
-class MathTask:
+class MathTask(DatasetTask):
     """MATH / MATH-500 from local files or the Hub; see the module docstring."""
 
-    path: str | None = None
-    """Required: a local file ("data/math/{split}.jsonl") or a Hub dataset name."""
-    hub_config: str | None = None
-    """Hub configuration; unused for local files."""
-    train_split: str = "train"
-    """Split name for split="train" (the "{split}" of a local path)."""
-    test_split: str = "test"
-    """Split name for split="test"."""
-    cache_dir: str | None = None
-    """Where `datasets` caches what it loads; None = its default."""
     completion_length: int = 512
     """Completion slots the sampler fills."""
     prompt_template: str = "{problem}\nReason step by step and put the final answer in \\boxed{{}}."
@@ -203,18 +193,12 @@ class MathTask:
     """The registry name."""
 
     def __post_init__(self) -> None:
-        self.data = DatasetSplits(require_path(self.path, self.name), self.hub_config, self.train_split,
-                                  self.test_split, self.cache_dir)
+        super().__post_init__()
         if self.timeout_s <= 0 or self.verify_timeout_s < 1:
             raise ValueError("timeout_s must be positive and verify_timeout_s at least 1 (whole seconds)")
         self.verifier = MathVerifier(timeout_s=self.timeout_s, verify_timeout_s=self.verify_timeout_s,
                                      memory_mb=self.memory_mb)
         self._recent: dict[tuple[str, str], float] = {}  # the last batch, for is_correct
-
-    @property
-    def prompt_length(self) -> int:
-        """Longest prompt of both splits in characters (loads them: a Hub dataset downloads)."""
-        return max((len(format_prompt(self.prompt_template, r)) for r in self.data.loaded_rows()), default=0)
 
     def generate(self, n: int, *, split: Split = "train", seed: int = 0) -> list[Problem]:
         """`n` distinct rows of `split` (without replacement), reproducible from `seed`."""
