@@ -29,7 +29,10 @@ from pathlib import Path
 import torch
 
 from stabledrl.data import decode_completions, encode_prompts
+from stabledrl.data import position_ids
 from stabledrl.evaluate import evaluate
+from stabledrl.models.attention import staircase_attention_mask, staircase_position_ids
+from stabledrl.sft import sample_mask_levels
 from stabledrl.likelihood import estimate
 from stabledrl.models import load_policy
 from stabledrl.sampling import generate
@@ -42,8 +45,29 @@ ROOT = Path(__file__).resolve().parents[1]
 MODELS = {"full": ("checkpoints/countdown-tiny", "mc"), "block": ("checkpoints/countdown-tiny-block", "blockwise")}
 
 
+def sft_elbo(policy, ids, mask, comp, gen) -> torch.Tensor:
+    """(B,) minus each row's SFT loss: one draw of t per block (per row for full models),
+    every slot a target, PAD after EOS included and maskable, as `stabledrl sft` trains."""
+    B, L = comp.shape
+    if policy.attention_kind == "block":
+        S = policy.block_size
+        NB = -(-L // S)
+        t = sample_mask_levels(B * NB, generator=gen).view(B, NB).repeat_interleave(S, 1)[:, :L]  # (B, L)
+        masked = torch.rand((B, L), generator=gen) < t
+        x = torch.cat([ids, comp, comp.masked_fill(masked, policy.mask_token_id)], dim=1)
+        logits = policy.logits(x, staircase_attention_mask(mask, L, S), staircase_position_ids(mask, L))[:, -L:]
+    else:
+        t = sample_mask_levels(B, generator=gen)[:, None].expand(B, L)
+        masked = torch.rand((B, L), generator=gen) < t
+        x = torch.cat([ids, comp.masked_fill(masked, policy.mask_token_id)], dim=1)
+        attn = torch.cat([mask, torch.ones_like(comp)], dim=1)
+        logits = policy.logits(x, attn, position_ids(attn))[:, -L:]
+    logp = logits.float().log_softmax(-1).gather(-1, comp[..., None]).squeeze(-1)  # (B, L)
+    return (logp * masked / t).sum(-1)
+
+
 def run(model: str, method: str, *, iterations: int, prompts: int, group: int, lr: float, seed: int,
-        likelihood: str = "elbo") -> dict:
+        likelihood: str = "elbo", advantages: str = "both") -> dict:
     policy = load_policy(ROOT / model)
     task = get_task("countdown")
     held_out = task.generate(500, split="test", seed=0)
@@ -61,9 +85,15 @@ def run(model: str, method: str, *, iterations: int, prompts: int, group: int, l
         texts = decode_completions(policy.tokenizer, out.completion_ids)
         r = torch.tensor(task.reward(texts, [p for p in problems for _ in range(group)]))  # (prompts·G,)
         adv = (r.view(-1, group) - r.view(-1, group).mean(1, keepdim=True)).flatten()
+        if advantages == "positive":
+            adv = adv.clamp(min=0)
+        elif advantages == "negative":
+            adv = adv.clamp(max=0)
         policy.model.train()
         if likelihood == "path":
             ell = path_logprob(policy, ids, mask, out)  # (prompts·G,)
+        elif likelihood == "sft":
+            ell = sft_elbo(policy, ids, mask, out.completion_ids, gen)  # (prompts·G,)
         else:
             ell = estimate(policy, ids, out.completion_ids, out.completion_mask, prompt_mask=mask, method=method,
                            num_samples=2, generator=gen).sequence  # (prompts·G,)
@@ -76,7 +106,7 @@ def run(model: str, method: str, *, iterations: int, prompts: int, group: int, l
         print(f"{model} iteration {it + 1}/{iterations}: reward {rewards[-1]:.3f}", flush=True)
     after = evaluate(policy, task, held_out, progress=False)
     return {"model": model, "estimator": method if likelihood == "elbo" else "sampler path", "accuracy_before": before.accuracy, "accuracy_after": after.accuracy,
-            "reward_before": before.mean_reward, "reward_after": after.mean_reward, "reward_curve": rewards}
+            "reward_before": before.mean_reward, "reward_after": after.mean_reward, "advantages": advantages, "reward_curve": rewards}
 
 
 def main() -> None:
@@ -87,7 +117,9 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=3e-5)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--likelihood", choices=["elbo", "path"], default="elbo")
+    ap.add_argument("--likelihood", choices=["elbo", "path", "sft"], default="elbo")
+    ap.add_argument("--advantages", choices=["both", "positive", "negative"], default="both",
+                    help="keep only the positive (or negative) advantages: which half of the update moves the model")
     ap.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
@@ -96,7 +128,7 @@ def main() -> None:
         args.out = ROOT / "benchmarks" / "results" / name
     torch.set_num_threads(args.threads)
     rows = [run(*MODELS[m], iterations=args.iterations, prompts=args.prompts, group=args.group, lr=args.lr,
-                seed=args.seed, likelihood=args.likelihood) for m in args.models]
+                seed=args.seed, likelihood=args.likelihood, advantages=args.advantages) for m in args.models]
     for row in rows:
         print(f"{row['model']}: held-out accuracy {row['accuracy_before']:.4f} -> {row['accuracy_after']:.4f}")
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -79,6 +79,8 @@ def _max_diff(a: dict, b: dict) -> float:
     # gradient accumulation, 2 views per forward/backward, with uneven shares: the
     # processes make different numbers of micro-batches and synchronise once
     ("stabledrl", {"group_size": 3}, {"estimator.max_views_per_forward": 2}),
+    # the path estimator replays each rollout's unmask order, which is gathered with the rows
+    ("stabledrl", {"group_size": 3, "estimator.method": "path", "estimator.num_samples": 1}, {}),
 ])
 def test_two_processes_make_the_update_of_one(init_model, tmp_path, objective, common, extra):
     one = tmp_path / "one"

@@ -156,6 +156,26 @@ def test_a_block_model_trains_with_the_blockwise_estimator(block_model, tmp_path
     assert summary["skipped_steps"] == 0
 
 
+@pytest.mark.parametrize("model", ["init_model", "block_model"])
+def test_the_path_estimator_trains_either_kind_and_its_first_ratio_is_exactly_one(request, tmp_path, model):
+    # The path plan is a function of the rollouts: with "independent" masks and mu = 1 the
+    # only inner iteration scores theta_old's own views again, so every ratio is 1.
+    init = request.getfixturevalue(model)
+    cfg = _cfg(init, tmp_path / "run", steps=2, mu=1, masks="independent", zero_variance_groups="keep",
+               estimator={"method": "path", "num_samples": 1})
+    run_train(cfg, progress=False)
+    before = load_file(init / "model.safetensors")
+    after = load_file(tmp_path / "run" / "final" / "model.safetensors")
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    step_rows = [r for r in rows if "loss" in r]
+    assert len(step_rows) == 2
+    for r in step_rows:
+        assert r["ratio_max"] == pytest.approx(1.0, abs=1e-5) and r["log_ratio_std"] == pytest.approx(0.0, abs=1e-5)
+    with pytest.raises(ConfigError, match="num_samples: 1"):
+        _cfg(init, tmp_path / "bad", estimator={"method": "path", "num_samples": 2})
+
+
 def test_estimator_and_model_kind_must_match_at_start_up(init_model, block_model, tmp_path):
     with pytest.raises(ConfigError, match="blockwise"):
         run_train(_cfg(block_model, tmp_path / "a"), progress=False)

@@ -16,8 +16,9 @@ written into a per-token (B, L) tensor (slot i collects the terms where it was m
 and summed over the scored slots into a per-sequence (B,) estimate (`reduction="sum"`,
 a log-likelihood) or divided by the scored length (`"mean"`).
 
-Only scored slots (up to and including the first EOS) are ever masked or counted; the
-PAD after EOS stays visible. So ℓ estimates log p(y, its length | q) as the rollout
+Only scored slots (up to and including the first EOS) are ever counted, and the ELBO
+methods mask only them: the PAD after EOS stays visible (``path`` masks it until the step
+that committed the EOS, as the sampler did). So ℓ estimates log p(y, its length | q) as the rollout
 wrote it, and the easy PAD slots do not inflate it (SPEC §9's trap). θ, θ_old and the
 reference all see the same convention, so ratios are consistent.
 
@@ -55,8 +56,21 @@ Methods (n = the number of scored slots of a sequence, K = `num_samples`):
   clean blocks < j and itself, so all blocks' terms come from the same forward pass.
   Weights are per slot (one per block) instead of per view.
 
+- ``path``: the log-probability of the rollout along its sampler's own decoding path
+  (the trajectory likelihood of TraceRL, Wang et al. 2025): Σ over the sampler's steps s of
+  Σ_{i committed at s} log p_θ(y_i | x_s, q), x_s the completion as it stood before step s
+  (slots committed before s revealed, the rest masked). It needs the rollout's
+  `unmask_step` (`GenerationOutput.unmask_step`) and is deterministic given it: one view
+  per step for full-attention models; for block models view j holds the j-th step of
+  every block at once (a noisy block sees only the clean earlier blocks, which the
+  sampler had finished), in one staircase pass per view. Not an ELBO: it scores the
+  order the sampler chose, not every order. One approximation: a slot committed before a
+  later-committed EOS turned it into PAD shows as PAD from its own step on (the sampler
+  showed its token until the EOS).
+
 The full-attention methods refuse block models and ``blockwise`` refuses full-attention
-ones: a wrong pairing would score a likelihood the model does not define.
+ones: a wrong pairing would score a likelihood the model does not define. ``path`` takes
+both (with ``block_size`` for block models).
 
 Shapes: B batch, P prompt columns, L completion slots, V vocabulary, Nv views,
 K samples, N quadrature nodes.
@@ -94,8 +108,8 @@ __all__ = [
     "METHODS",
 ]
 
-Method = Literal["mc", "sdmc", "mean_field", "exact", "blockwise"]
-METHODS: tuple[str, ...] = ("mc", "sdmc", "mean_field", "exact", "blockwise")
+Method = Literal["mc", "sdmc", "mean_field", "exact", "blockwise", "path"]
+METHODS: tuple[str, ...] = ("mc", "sdmc", "mean_field", "exact", "blockwise", "path")
 MAX_EXACT_SLOTS = 16
 
 
@@ -106,11 +120,12 @@ class ViewPlan:
     seq_index: torch.Tensor
     """(Nv,) the sequence each view noises."""
     masked: torch.Tensor
-    """(Nv, L) bool: the slots whose log-probability the view counts. For ELBO views
-    these are exactly the slots replaced by the mask token."""
+    """(Nv, L) bool: the slots replaced by the mask token, whose log-probabilities the
+    view counts with `weight` (only the scored ones)."""
     weight: torch.Tensor
     """(Nv,) float64 weight of the view's masked log-probabilities, or (Nv, L) one per
-    slot (blockwise: each block has its own weight)."""
+    slot (blockwise: each block has its own weight; path: 1 on the slots committed at the
+    view's step, 0 on those committed later)."""
     prompt_masked: torch.Tensor | None
     """(Nv, P) bool: prompt tokens replaced by the mask token (mean_field only)."""
     batch_size: int
@@ -377,12 +392,41 @@ def _plan_blockwise_exact(scored, blocks, n, block_size) -> ViewPlan:
     return ViewPlan(torch.cat(seqs), torch.cat(masks), torch.cat(weights), None, B, block_size=block_size)
 
 
+def _plan_path(scored: torch.Tensor, step: torch.Tensor, block_size: int | None) -> ViewPlan:
+    """Views replaying each rollout's decoding: at step s, the slots committed at s or
+    later are masked and those committed at s count (weight 1). Block models: view j masks,
+    in every block, the slots from the block's j-th step on (blocks with fewer steps are
+    left clean); the steps are those of the block's scored slots."""
+    B, L = scored.shape
+    if step.shape != scored.shape:
+        raise ValueError(f"unmask_step {tuple(step.shape)} does not match the completions {tuple(scored.shape)}")
+    if (step[scored] < 0).any():
+        raise ValueError("unmask_step has scored slots that were never committed (-1): pass the rollout's own "
+                         "GenerationOutput.unmask_step")
+    blocks = [slice(0, L)] if block_size is None else block_slices(L, block_size)
+    seqs, masks, weights = [], [], []
+    for b in range(B):
+        firsts = [step[b, blk][scored[b, blk]].unique() for blk in blocks]  # each block's steps, ascending
+        nv = max(len(f) for f in firsts)
+        mb = torch.zeros((nv, L), dtype=torch.bool)
+        wb = torch.zeros((nv, L), dtype=torch.float64)
+        for blk, f in zip(blocks, firsts):
+            for j, s in enumerate(f.tolist()):
+                mb[j, blk] = step[b, blk] >= s
+                wb[j, blk] = ((step[b, blk] == s) & scored[b, blk]).double()
+        seqs.append(torch.full((nv,), b))
+        masks.append(mb)
+        weights.append(wb)
+    return ViewPlan(torch.cat(seqs), torch.cat(masks), torch.cat(weights), None, B, block_size=block_size)
+
+
 _OPTIONS = {
     "mc": {"masking": "count", "stratified": False, "antithetic": False},
     "sdmc": {"num_nodes": 2},
     "mean_field": {"p_prompt": 0.15},
     "exact": {},
     "blockwise": {"inner": "mc", "num_nodes": 2, "stratified": False},
+    "path": {},
 }
 
 
@@ -396,11 +440,13 @@ def plan_views(
     prompt_mask: torch.Tensor | None = None,
     bos_token_id: int | None = None,
     block_size: int | None = None,
+    unmask_step: torch.Tensor | None = None,
     **options,
 ) -> ViewPlan:
     """Draw the noised views of `method` for completions with scored slots
     `completion_mask` (B, L). The same generator state gives the same plan.
-    `block_size` is the block model's S (blockwise only).
+    `block_size` is the block model's S (blockwise, and path on block models);
+    `unmask_step` (B, L) the step at which the sampler committed each slot (path only).
 
     Options by method (an option another method takes is an error, not ignored):
     mc: masking ("count" | "bernoulli"), stratified, antithetic; sdmc: num_nodes;
@@ -416,8 +462,16 @@ def plan_views(
         raise ValueError(f"num_samples must be >= 1, got {num_samples}")
     if method == "blockwise" and block_size is None:
         raise ValueError("method 'blockwise' needs block_size (the block model's S)")
-    if method != "blockwise" and block_size is not None:
-        raise ValueError(f"block_size is for method 'blockwise', not {method!r}")
+    if method not in ("blockwise", "path") and block_size is not None:
+        raise ValueError(f"block_size is for the methods 'blockwise' and 'path', not {method!r}")
+    if (method == "path") != (unmask_step is not None):
+        raise ValueError("method 'path' needs the rollouts' unmask_step, and only it takes one")
+    if method == "path":
+        if num_samples != 1:
+            raise ValueError("path is deterministic given the unmask order: num_samples must be 1")
+        if block_size is not None and block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        return _plan_path(scored, unmask_step.cpu(), block_size)
     if method == "mc":
         return _plan_mc(scored, num_samples, opts["masking"], opts["stratified"], opts["antithetic"],
                         _need_generator(generator, method))
@@ -607,22 +661,26 @@ def estimate(
     prompt_mask: torch.Tensor | None = None,
     reduction: Literal["sum", "mean"] = "sum",
     max_views_per_forward: int | None = None,
+    unmask_step: torch.Tensor | None = None,
     **options,
 ) -> LikelihoodEstimate:
     """Estimate log π(y|q) for each completion: `plan_views` then `score_views`.
+    `unmask_step` is the rollouts' (B, L) decoding order, for method "path".
 
     `options` go to `plan_views` (masking, stratified, antithetic, num_nodes, p_prompt).
     For common random numbers across models, call `plan_views` once and `score_views`
     per model — or pass generators in the same state.
     """
     _check_inputs(policy, prompt_ids, completion_ids, completion_mask, prompt_mask)
-    if method == "blockwise" and getattr(policy, "attention_kind", "full") != "block":
+    block = getattr(policy, "attention_kind", "full") == "block"
+    if method == "blockwise" and not block:
         raise ValueError("method 'blockwise' needs a block policy (attention_kind 'block'); use mc, sdmc, "
                          "mean_field or exact for full-attention models")
     plan = plan_views(
         method, completion_mask, num_samples=num_samples, generator=generator, prompt_ids=prompt_ids,
         prompt_mask=prompt_mask, bos_token_id=getattr(policy.tokenizer, "bos_token_id", None),
-        block_size=policy.block_size if method == "blockwise" else None, **options,
+        block_size=policy.block_size if method == "blockwise" or (method == "path" and block) else None,
+        unmask_step=unmask_step, **options,
     )
     if (method == "exact" or options.get("inner") == "exact") and max_views_per_forward is None:
         max_views_per_forward = 4096  # up to 2^16 views per sequence: never all at once

@@ -92,9 +92,10 @@ def _seeded(seed: int, step: int, purpose: int) -> torch.Generator:
 class EstimatorConfig:
     """The likelihood estimator ℓ (see stabledrl.likelihood)."""
 
-    method: Literal["mc", "sdmc", "mean_field", "exact", "blockwise"] = "mc"
+    method: Literal["mc", "sdmc", "mean_field", "exact", "blockwise", "path"] = "mc"
     """mc (ELBO), sdmc (GDPO), mean_field (d1), exact (enumeration, tiny L only); blockwise
-    for block-diffusion models (per-block ELBO terms in one staircase pass)."""
+    for block-diffusion models (per-block ELBO terms in one staircase pass); path (either
+    kind: the log-probability along the rollout's own decoding order, num_samples 1)."""
     num_samples: int = 1
     """K: masks per sequence (per node for sdmc)."""
     options: dict[str, Any] = field(default_factory=dict)
@@ -110,6 +111,8 @@ class EstimatorConfig:
     def __post_init__(self) -> None:
         check(self.method in METHODS, f"estimator.method must be one of {METHODS}")
         check(self.num_samples >= 1, f"estimator.num_samples must be >= 1, got {self.num_samples}")
+        check(self.method != "path" or (self.num_samples == 1 and not self.options),
+              "estimator.method 'path' is deterministic and takes no options: set num_samples: 1 and no options")
 
 
 @dataclass
@@ -301,6 +304,7 @@ class Rollouts(NamedTuple):
     prompt_mask: torch.Tensor  # (B', P)
     completion_ids: torch.Tensor  # (B', L)
     completion_mask: torch.Tensor  # (B', L) scored slots
+    unmask_step: torch.Tensor  # (B', L) the sampler step that committed each slot
 
 
 class _Groups(NamedTuple):
@@ -311,6 +315,7 @@ class _Groups(NamedTuple):
     prompt_mask: torch.Tensor  # (n·G, P)
     completion_ids: torch.Tensor  # (n·G, L)
     completion_mask: torch.Tensor  # (n·G, L)
+    unmask_step: torch.Tensor  # (n·G, L)
     rewards: torch.Tensor  # (n, G)
     entropy: torch.Tensor  # (n·G,)
 
@@ -322,7 +327,8 @@ class _Groups(NamedTuple):
         G = self.rewards.size(1)
         rows = (groups[:, None] * G + torch.arange(G)).flatten()  # (n'·G,)
         return _Groups([self.problems[i] for i in groups.tolist()], self.prompt_ids[rows], self.prompt_mask[rows],
-                       self.completion_ids[rows], self.completion_mask[rows], self.rewards[groups], self.entropy[rows])
+                       self.completion_ids[rows], self.completion_mask[rows], self.unmask_step[rows],
+                       self.rewards[groups], self.entropy[rows])
 
 
 def _left_pad(x: torch.Tensor, width: int, value: int) -> torch.Tensor:
@@ -338,7 +344,7 @@ def _concat(parts: list[_Groups], pad_token_id: int) -> _Groups:
                    torch.cat([_left_pad(p.prompt_ids, width, pad_token_id) for p in parts]),
                    torch.cat([_left_pad(p.prompt_mask, width, 0) for p in parts]),
                    *(torch.cat([getattr(p, f) for p in parts]) for f in ("completion_ids", "completion_mask",
-                                                                         "rewards", "entropy")))
+                                                                         "unmask_step", "rewards", "entropy")))
 
 
 def _roll_groups(cfg: TrainConfig, policy, task, problems: list, tag: str, gen_length: int, procs: _Procs) -> _Groups:
@@ -354,9 +360,9 @@ def _roll_groups(cfg: TrainConfig, policy, task, problems: list, tag: str, gen_l
                     generator=_row_generators(tag, lo, hi), synced=procs.synced, **cfg.rollout.generate_kwargs())
     texts = decode_completions(policy.tokenizer, roll.completion_ids.cpu())
     rewards = torch.tensor(task.reward(texts, group_problems[lo:hi]), dtype=torch.float32)  # (share,)
-    full = [procs.gather(x.to(dev), n).cpu() for x in (roll.completion_ids, roll.completion_mask, rewards,
-                                                         roll.entropy)]
-    return _Groups(list(problems), p_ids, p_mask, full[0], full[1], full[2].view(-1, G), full[3])
+    full = [procs.gather(x.to(dev), n).cpu() for x in (roll.completion_ids, roll.completion_mask, roll.unmask_step,
+                                                         rewards, roll.entropy)]
+    return _Groups(list(problems), p_ids, p_mask, full[0], full[1], full[2], full[3].view(-1, G), full[4])
 
 
 def _resample_seed(seed: int, step: int, round_: int) -> int:
@@ -366,11 +372,14 @@ def _resample_seed(seed: int, step: int, round_: int) -> int:
 
 def _plan(cfg: TrainConfig, batch: Rollouts, step: int, slot: int, policy):
     """The mask plan of one seed slot of one step."""
-    block_size = policy.block_size if cfg.estimator.method == "blockwise" else None
-    return plan_views(cfg.estimator.method, batch.completion_mask, num_samples=cfg.estimator.num_samples,
+    method = cfg.estimator.method
+    block = policy.attention_kind == "block"
+    block_size = policy.block_size if method == "blockwise" or (method == "path" and block) else None
+    return plan_views(method, batch.completion_mask, num_samples=cfg.estimator.num_samples,
                       generator=_seeded(cfg.seed, step, slot), prompt_ids=batch.prompt_ids,
                       prompt_mask=batch.prompt_mask, bos_token_id=policy.tokenizer.bos_token_id,
-                      block_size=block_size, **cfg.estimator.options)
+                      block_size=block_size, unmask_step=batch.unmask_step if method == "path" else None,
+                      **cfg.estimator.options)
 
 
 def _score(cfg: TrainConfig, policy, plan, batch: Rollouts) -> torch.Tensor:
@@ -393,12 +402,13 @@ def _objective(cfg: TrainConfig, logp, old, advantages, batch: Rollouts, ref, we
 
 
 def _check_estimator_fits_model(cfg: TrainConfig, policy) -> None:
-    """At start-up, not mid-run: block models need the blockwise estimator and only they take it."""
+    """At start-up, not mid-run: block models need the blockwise (or path) estimator and
+    only they take blockwise."""
     kind = policy.attention_kind
-    if (kind == "block") != (cfg.estimator.method == "blockwise"):
+    if cfg.estimator.method != "path" and (kind == "block") != (cfg.estimator.method == "blockwise"):
         raise ConfigError(f"estimator.method {cfg.estimator.method!r} does not fit the {kind}-attention model "
-                          f"{cfg.model.path}: use 'blockwise' for block models and mc, sdmc, mean_field or exact "
-                          "otherwise")
+                          f"{cfg.model.path}: use 'blockwise' (or 'path') for block models and mc, sdmc, mean_field, "
+                          "exact (or path) otherwise")
 
 
 def _check_processes(cfg: TrainConfig, world: int) -> None:
@@ -556,7 +566,8 @@ def run_train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) 
             "groups_used": len(groups.problems), "lr": sched.get_last_lr()[0],
         }
         if groups.problems:
-            batch = Rollouts(groups.prompt_ids, groups.prompt_mask, groups.completion_ids, groups.completion_mask)
+            batch = Rollouts(groups.prompt_ids, groups.prompt_mask, groups.completion_ids, groups.completion_mask,
+                             groups.unmask_step)
             n_rows = batch.completion_ids.size(0)  # B' = kept groups · G
             lo, hi = procs.bounds(n_rows)  # this process's rows of the likelihoods
             mine = Rollouts(*(x[lo:hi].to(device) for x in batch))
