@@ -17,6 +17,11 @@ REINFORCE on the sampler's likelihood given its order, no ELBO at all; `--models
 the models. Results go to plain_reinforce_path.json then.
 
     python benchmarks/plain_reinforce.py --likelihood path --models block
+
+`--likelihood sft` uses instead minus the SFT loss of each rollout (one mask level per
+block, every slot a target including the PAD after EOS, as `stabledrl sft` trains), and
+`--advantages positive` (or `negative`) keeps only that half of the advantages: with
+`positive` the update is reward-weighted training on the model's own correct answers.
 """
 
 from __future__ import annotations
@@ -105,7 +110,7 @@ def run(model: str, method: str, *, iterations: int, prompts: int, group: int, l
         rewards.append(float(r.mean()))
         print(f"{model} iteration {it + 1}/{iterations}: reward {rewards[-1]:.3f}", flush=True)
     after = evaluate(policy, task, held_out, progress=False)
-    return {"model": model, "estimator": method if likelihood == "elbo" else "sampler path", "accuracy_before": before.accuracy, "accuracy_after": after.accuracy,
+    return {"model": model, "estimator": {"elbo": method, "path": "sampler path", "sft": "SFT loss"}[likelihood], "accuracy_before": before.accuracy, "accuracy_after": after.accuracy,
             "reward_before": before.mean_reward, "reward_after": after.mean_reward, "advantages": advantages, "reward_curve": rewards}
 
 
