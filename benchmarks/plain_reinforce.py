@@ -33,14 +33,13 @@ from pathlib import Path
 
 import torch
 
-from stabledrl.data import decode_completions, encode_prompts
-from stabledrl.data import position_ids
+from stabledrl.data import decode_completions, encode_prompts, position_ids
 from stabledrl.evaluate import evaluate
-from stabledrl.models.attention import staircase_attention_mask, staircase_position_ids
-from stabledrl.sft import sample_mask_levels
 from stabledrl.likelihood import estimate
 from stabledrl.models import load_policy
+from stabledrl.models.attention import staircase_attention_mask, staircase_position_ids
 from stabledrl.sampling import generate
+from stabledrl.sft import sample_mask_levels
 from stabledrl.tasks import get_task
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
