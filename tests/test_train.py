@@ -26,6 +26,15 @@ def _cfg(init_model, out, **kw):
     return load_config(TrainConfig, base)
 
 
+def _changed_weights_and_step_rows(init_model, run_dir) -> list[dict]:
+    """Assert the run's final weights differ from the initial ones; its metric rows with a loss."""
+    before = load_file(init_model / "model.safetensors")
+    after = load_file(run_dir / "final" / "model.safetensors")
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if "loss" in r]
+
+
 def _losses(path):
     rows = [json.loads(x) for x in path.read_text().splitlines()]
     return [(r["step"], r["loss"], r["grad_norm"], r["ratio_max"]) for r in rows if "loss" in r]
@@ -42,11 +51,7 @@ def test_a_short_run_changes_parameters_and_logs_every_diagnostic(init_model, tm
     cfg = _cfg(init_model, tmp_path / "run", steps=2, objective=objective, estimator=estimator, masks="independent",
                zero_variance_groups="keep")
     summary = run_train(cfg, progress=False)
-    before = load_file(init_model / "model.safetensors")
-    after = load_file(tmp_path / "run" / "final" / "model.safetensors")
-    assert any(not torch.equal(before[k], after[k]) for k in before)
-    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    step_rows = [r for r in rows if "loss" in r]
+    step_rows = _changed_weights_and_step_rows(init_model, tmp_path / "run")
     assert len(step_rows) == 2
     for key in ("reward_mean", "reward_std", "ratio_mean", "ratio_std", "ratio_max", "clip_fraction",
                 "bypass_fraction", "grad_norm", "update_norm", "drift_kl", "completion_length", "entropy"):
@@ -164,11 +169,7 @@ def test_the_path_estimator_trains_either_kind_and_its_first_ratio_is_exactly_on
     cfg = _cfg(init, tmp_path / "run", steps=2, mu=1, masks="independent", zero_variance_groups="keep",
                estimator={"method": "path", "num_samples": 1})
     run_train(cfg, progress=False)
-    before = load_file(init / "model.safetensors")
-    after = load_file(tmp_path / "run" / "final" / "model.safetensors")
-    assert any(not torch.equal(before[k], after[k]) for k in before)
-    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    step_rows = [r for r in rows if "loss" in r]
+    step_rows = _changed_weights_and_step_rows(init, tmp_path / "run")
     assert len(step_rows) == 2
     for r in step_rows:
         assert r["ratio_max"] == pytest.approx(1.0, abs=1e-5) and r["log_ratio_std"] == pytest.approx(0.0, abs=1e-5)
