@@ -3,7 +3,7 @@ from fractions import Fraction
 import pytest
 
 from stabledrl.tasks import Problem, get_task
-from stabledrl.tasks.countdown import parse_expression, solve
+from stabledrl.tasks.countdown import all_solutions, parse_expression, solve
 
 P = Problem("3,5,7=22", "3*5+7", {"numbers": (3, 5, 7), "target": 22})
 Q = Problem("2,3,12=8", "12/3*2", {"numbers": (2, 3, 12), "target": 8})
@@ -101,6 +101,33 @@ def test_generation_is_reproducible_and_the_splits_are_disjoint():
         assert p.prompt == ",".join(map(str, p.meta["numbers"])) + f"={p.meta['target']}"
 
 
+def test_the_validation_split_is_disjoint_from_train_and_test_by_multiset():
+    task = get_task("countdown")
+    sets = {s: set(task._multisets(s)) for s in ("train", "validation", "test")}
+    # Every multiset of numbers 1..20 (C(22, 3) = 1540 of them) is in exactly one split.
+    assert sum(map(len, sets.values())) == len(set().union(*sets.values())) == 1540
+    assert 0.05 < len(sets["validation"]) / 1540 < 0.15
+    # The test split is the one of a task without a validation split: unchanged by it.
+    assert set(get_task("countdown", validation_fraction=0.0)._multisets("test")) == sets["test"]
+    assert not set(get_task("countdown", validation_fraction=0.0)._multisets("validation"))
+    drawn = {s: task.generate(300, split=s, seed=0) for s in sets}
+    for s, problems in drawn.items():
+        assert {p.meta["numbers"] for p in problems} <= sets[s]
+        assert task.reward([p.answer for p in problems], problems) == [1.0] * 300
+
+
+def test_random_answers_are_every_solution_drawn_afresh():
+    task = get_task("countdown", answers="random")
+    a, b = task.generate(400, seed=0), task.generate(400, seed=1)
+    assert task.reward([p.answer for p in a], a) == [1.0] * 400
+    # 3,5,7=22: 3·5 + 7 is the only way (by hand), written in each order of its operands, once each
+    assert all_solutions((3, 5, 7))[22] == ("3*5+7", "5*3+7", "7+3*5", "7+5*3")
+    # Most answers differ from the canonical one; a problem drawn again may get another.
+    assert sum(p.answer != solve(p.meta["numbers"])[p.meta["target"]] for p in a) > 200
+    first = {p.prompt: p.answer for p in a}
+    assert any(first[p.prompt] != p.answer for p in b if p.prompt in first)
+
+
 def test_four_numbers():
     task = get_task("countdown", num_numbers=4)
     problems = task.generate(20, split="test", seed=0)
@@ -117,6 +144,8 @@ def test_bad_options_and_inputs():
         get_task("chess")
     task = get_task("countdown")
     with pytest.raises(ValueError, match="split"):
-        task.generate(3, split="validation")
+        task.generate(3, split="dev")
+    with pytest.raises(ValueError, match="answers"):
+        get_task("countdown", answers="all")
     with pytest.raises(ValueError, match="completions"):
         task.reward(["1"], [])

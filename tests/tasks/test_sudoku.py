@@ -71,7 +71,9 @@ def test_generated_puzzles_are_unique_reproducible_and_split():
     train = task.generate(200, split="train", seed=0)
     assert train == task.generate(200, split="train", seed=0)
     test = task.generate(200, split="test", seed=0)
+    validation = task.generate(200, split="validation", seed=0)
     assert not {p.prompt for p in train} & {p.prompt for p in test}
+    assert not {p.prompt for p in validation} & ({p.prompt for p in train} | {p.prompt for p in test})
     for p in train + test:
         assert count_solutions(p.prompt) == 1
         assert task.min_empty <= p.prompt.count(".") <= task.max_empty

@@ -14,9 +14,10 @@ import hashlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal, Protocol, Sequence
 
-__all__ = ["Problem", "Task", "Split", "get_task", "register_task", "available_tasks", "split_of"]
+__all__ = ["Problem", "Task", "Split", "SPLITS", "get_task", "register_task", "available_tasks", "split_of", "check_split"]
 
-Split = Literal["train", "test"]
+Split = Literal["train", "validation", "test"]
+SPLITS: tuple[str, ...] = ("train", "validation", "test")
 
 
 @dataclass(frozen=True)
@@ -73,7 +74,18 @@ def get_task(name: str, **options: Any) -> Task:
     return factory(**options)
 
 
-def split_of(key: str, test_fraction: float) -> Split:
-    """Deterministic split assignment from a stable hash of `key` (not Python's hash())."""
-    h = int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "big")
-    return "test" if h / 2**64 < test_fraction else "train"
+def split_of(key: str, test_fraction: float, validation_fraction: float = 0.0) -> Split:
+    """Deterministic split assignment from a stable hash of `key` (not Python's hash()).
+
+    The hash, read as u in [0, 1): test if u < test_fraction, validation if u <
+    test_fraction + validation_fraction, train otherwise. The test split does not depend on
+    `validation_fraction`; the validation split is carved out of what was train."""
+    u = int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "big") / 2**64
+    if u < test_fraction:
+        return "test"
+    return "validation" if u < test_fraction + validation_fraction else "train"
+
+
+def check_split(split: str) -> None:
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")

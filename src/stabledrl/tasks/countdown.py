@@ -4,8 +4,15 @@ Prompt  ``"3,5,7=22"`` (the numbers in ascending order, then the target).
 Answer  ``"3*5+7"``: an arithmetic expression using every given number exactly once.
 
 Arithmetic is exact (`fractions.Fraction`): intermediate values may be fractions, the
-target is an integer in [1, max_target]. The split is by number multiset, so no test
-problem shares its numbers with a training problem.
+target is an integer in [1, max_target]. The splits (train, validation, test) are by
+number multiset, so no test or validation problem shares its numbers with a training
+problem or with each other.
+
+A problem's `answer` (the SFT target) is the canonical solution (fewest parentheses,
+then the lexicographically smallest text) with ``answers="canonical"``; with
+``answers="random"`` it is one of all the distinct solution texts, drawn afresh each
+time the problem is generated, so a model trained on it learns every way to the target
+and its samples disagree (room for RL to choose among them).
 
 Reward (SPEC §7): 1.0 for a correct expression; 0.1 for a well-formed expression that is
 wrong (wrong value, numbers missing, reused or unknown, division by zero); 0.0 for
@@ -22,11 +29,11 @@ import re
 from dataclasses import dataclass
 from fractions import Fraction
 from functools import lru_cache
-from typing import Sequence
+from typing import Literal, Sequence
 
-from stabledrl.tasks.base import Problem, Split, register_task, split_of
+from stabledrl.tasks.base import Problem, Split, check_split, register_task, split_of
 
-__all__ = ["Countdown", "parse_expression", "solve"]
+__all__ = ["Countdown", "all_solutions", "parse_expression", "solve"]
 
 MAX_EXPRESSION_CHARS = 64
 MAX_LITERAL_DIGITS = 6
@@ -160,6 +167,17 @@ def solve(numbers: tuple[int, ...], max_target: int = 100) -> dict[int, str]:
     return best
 
 
+@lru_cache(maxsize=4096)
+def all_solutions(numbers: tuple[int, ...], max_target: int = 100) -> dict[int, tuple[str, ...]]:
+    """Every integer target in [1, max_target] reachable from `numbers`, with every distinct
+    solution text (sorted), each written with the fewest parentheses its tree needs."""
+    found: dict[int, set[str]] = {}
+    for text, value, _ in _all_expressions(tuple((str(n), Fraction(n), 3) for n in numbers)):
+        if value.denominator == 1 and 1 <= value <= max_target:
+            found.setdefault(int(value), set()).add(text)
+    return {t: tuple(sorted(texts)) for t, texts in sorted(found.items())}
+
+
 @dataclass
 class Countdown:
     """Countdown with `num_numbers` numbers drawn from [1, max_number]."""
@@ -168,6 +186,10 @@ class Countdown:
     max_number: int = 20
     max_target: int = 100
     test_fraction: float = 0.1
+    validation_fraction: float = 0.1
+    """Share of the number multisets held out for choosing settings (carved out of train)."""
+    answers: Literal["canonical", "random"] = "canonical"
+    """The SFT target: the canonical solution, or a random one of all solutions per draw."""
     name: str = "countdown"
 
     def __post_init__(self) -> None:
@@ -177,6 +199,10 @@ class Countdown:
             raise ValueError(f"max_number must be in [1, 99], got {self.max_number}")
         if not 0 < self.test_fraction < 1:
             raise ValueError(f"test_fraction must be in (0, 1), got {self.test_fraction}")
+        if not 0 <= self.validation_fraction < 1 - self.test_fraction:
+            raise ValueError(f"validation_fraction must be in [0, 1 - test_fraction), got {self.validation_fraction}")
+        if self.answers not in ("canonical", "random"):
+            raise ValueError(f"answers must be 'canonical' or 'random', got {self.answers!r}")
 
     @property
     def prompt_length(self) -> int:
@@ -192,12 +218,12 @@ class Countdown:
 
     def _multisets(self, split: Split) -> list[tuple[int, ...]]:
         all_sets = itertools.combinations_with_replacement(range(1, self.max_number + 1), self.num_numbers)
-        return [m for m in all_sets if split_of(",".join(map(str, m)), self.test_fraction) == split]
+        return [m for m in all_sets
+                if split_of(",".join(map(str, m)), self.test_fraction, self.validation_fraction) == split]
 
     def generate(self, n: int, *, split: Split = "train", seed: int = 0) -> list[Problem]:
         """`n` distinct problems of `split`, reproducible from `seed`."""
-        if split not in ("train", "test"):
-            raise ValueError(f"split must be 'train' or 'test', got {split!r}")
+        check_split(split)
         rng = random.Random(f"countdown-{split}-{seed}")
         pool = self._multisets(split)
         seen: set[tuple[tuple[int, ...], int]] = set()
@@ -216,7 +242,10 @@ class Countdown:
                 continue
             seen.add((numbers, target))
             prompt = ",".join(map(str, numbers)) + f"={target}"
-            problems.append(Problem(prompt, solutions[target], {"numbers": numbers, "target": target}))
+            answer = solutions[target]
+            if self.answers == "random":  # one more draw, in this mode only: canonical streams unchanged
+                answer = rng.choice(all_solutions(numbers, self.max_target)[target])
+            problems.append(Problem(prompt, answer, {"numbers": numbers, "target": target}))
         return problems
 
     def score(self, completion: str, problem: Problem) -> float:

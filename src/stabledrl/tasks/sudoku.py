@@ -23,7 +23,7 @@ from typing import Sequence
 
 import numpy as np
 
-from stabledrl.tasks.base import Problem, Split, register_task, split_of
+from stabledrl.tasks.base import Problem, Split, check_split, register_task, split_of
 
 __all__ = ["Sudoku", "count_solutions", "all_grids"]
 
@@ -68,6 +68,8 @@ class Sudoku:
     min_empty: int = 4
     max_empty: int = 10
     test_fraction: float = 0.1
+    validation_fraction: float = 0.1
+    """Share of the puzzles held out for choosing settings (carved out of train)."""
     name: str = "sudoku"
     prompt_length: int = 16
     completion_length: int = 17  # 16 digits + EOS
@@ -78,6 +80,9 @@ class Sudoku:
             raise ValueError(
                 f"need 1 <= min_empty <= max_empty <= 12, got {self.min_empty}, {self.max_empty}"
             )
+        if not (0 < self.test_fraction < 1 and 0 <= self.validation_fraction < 1 - self.test_fraction):
+            raise ValueError("need 0 < test_fraction < 1 and 0 <= validation_fraction < 1 - test_fraction, got "
+                             f"{self.test_fraction}, {self.validation_fraction}")
 
     def _make(self, rng: random.Random) -> tuple[str, str] | None:
         solution = rng.choice(all_grids())
@@ -101,8 +106,7 @@ class Sudoku:
 
     def generate(self, n: int, *, split: Split = "train", seed: int = 0) -> list[Problem]:
         """`n` distinct puzzles of `split`, reproducible from `seed`."""
-        if split not in ("train", "test"):
-            raise ValueError(f"split must be 'train' or 'test', got {split!r}")
+        check_split(split)
         rng = random.Random(f"sudoku-{split}-{seed}")
         seen: set[str] = set()
         problems: list[Problem] = []
@@ -115,7 +119,7 @@ class Sudoku:
             if made is None:
                 continue
             puzzle, solution = made
-            if puzzle in seen or split_of(puzzle, self.test_fraction) != split:
+            if puzzle in seen or split_of(puzzle, self.test_fraction, self.validation_fraction) != split:
                 continue
             seen.add(puzzle)
             problems.append(Problem(puzzle, solution, {"puzzle": puzzle, "solution": solution}))

@@ -1,0 +1,108 @@
+"""Run-level diagnostics of the instability loop: a collapse flag and gradient agreement.
+
+`CollapseMonitor` reads a run's step rows as they come and raises a flag when the run
+has fallen far below its own best or its gradient norm keeps spiking:
+
+- reward: the mean training reward over the last `window` steps has fallen below
+  `drop` × its best windowed value (the windowed mean removes the single-step noise of
+  16 prompts);
+- held-out: an evaluation's accuracy has fallen below `drop` × the best evaluation so far
+  (the initial one included);
+- spikes: `spikes` or more of the last `window` steps had a gradient norm above
+  `spike_factor` × the running median of the norms before them, or a non-finite one.
+
+The flag is sticky once raised (a collapsed run that recovers a little is still one to
+look at) and names its reasons. It is a diagnostic, not a stopping rule.
+
+`gradient_agreement` is the cosine between the policy gradients of two disjoint halves
+of a step's groups: near 1 the halves agree on a direction (the step generalises across
+prompts), near 0 the step's update is mostly about its own prompts (the batch is too
+small to learn from). See README, "RL that learns".
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = ["CollapseMonitor", "flat_grad_cosine"]
+
+
+@dataclass
+class CollapseMonitor:
+    """Feed it each step row with `update`; `reasons` lists why the run looks collapsed."""
+
+    window: int = 10
+    """Steps in the reward window and the spike window."""
+    drop: float = 0.5
+    """Collapse when a windowed reward or an evaluation falls below drop × its best."""
+    spike_factor: float = 10.0
+    """A gradient norm above spike_factor × the running median is a spike."""
+    spikes: int = 3
+    """Spikes within the last `window` steps that make a collapse."""
+    reasons: list[str] = field(default_factory=list)
+    _rewards: deque = field(default_factory=deque, repr=False)
+    _best_reward: float = -math.inf
+    _best_eval: float = -math.inf
+    _norms: list[float] = field(default_factory=list, repr=False)
+    _spike_steps: deque = field(default_factory=deque, repr=False)
+    _steps: int = 0
+
+    def update(self, row: dict) -> list[str]:
+        """Read one metrics row (a step's, an evaluation's or both); returns the new reasons."""
+        new: list[str] = []
+        if "reward_mean" in row:
+            self._steps += 1
+            self._rewards.append(float(row["reward_mean"]))
+            if len(self._rewards) > self.window:
+                self._rewards.popleft()
+            if len(self._rewards) == self.window:
+                mean = sum(self._rewards) / self.window
+                self._best_reward = max(self._best_reward, mean)
+                if self._best_reward > 0 and mean < self.drop * self._best_reward:
+                    new.append("reward")
+        norm = row.get("grad_norm_max", row.get("grad_norm"))
+        if norm is not None:
+            norm = float(norm)
+            history = [n for n in self._norms if math.isfinite(n)]
+            spike = not math.isfinite(norm) or (len(history) >= 3 and norm > self.spike_factor * statistics.median(history))
+            if spike:
+                self._spike_steps.append(self._steps)
+            self._norms.append(norm)
+            while self._spike_steps and self._spike_steps[0] <= self._steps - self.window:
+                self._spike_steps.popleft()
+            if len(self._spike_steps) >= self.spikes:
+                new.append("grad_spikes")
+        if "eval_accuracy" in row:
+            acc = float(row["eval_accuracy"])
+            if self._best_eval > 0 and acc < self.drop * self._best_eval:
+                new.append("held_out")
+            self._best_eval = max(self._best_eval, acc)
+        new = [r for r in new if r not in self.reasons]
+        self.reasons.extend(new)
+        return new
+
+    @property
+    def collapsed(self) -> bool:
+        return bool(self.reasons)
+
+
+def flat_grad_cosine(a: list[torch.Tensor | None], b: list[torch.Tensor | None]) -> float:
+    """Cosine between two gradients given parameter by parameter (None: zero), in float64."""
+    dot = na = nb = 0.0
+    for x, y in zip(a, b):
+        x64 = None if x is None else x.detach().double()
+        y64 = None if y is None else y.detach().double()
+        if x64 is not None:
+            na += float((x64 * x64).sum())
+        if y64 is not None:
+            nb += float((y64 * y64).sum())
+        if x64 is not None and y64 is not None:
+            dot += float((x64 * y64).sum())
+    if na == 0 or nb == 0:
+        return float("nan")
+    return dot / math.sqrt(na * nb)
