@@ -1,7 +1,19 @@
+import os
+import stat
+
 import pytest
 import torch
 
-from stabledrl.checkpoint import latest_checkpoint, load_trainer_state, save_checkpoint
+from stabledrl.checkpoint import (
+    latest_checkpoint,
+    load_trainer_state,
+    open_run_dir,
+    rewind_metrics,
+    save_checkpoint,
+    save_final,
+    write_atomic,
+)
+from stabledrl.metrics import metrics_line, read_metrics
 
 
 class FakePolicy:
@@ -31,3 +43,67 @@ def test_an_incomplete_directory_is_not_a_checkpoint(tmp_path):
     save_checkpoint(tmp_path, 40, FakePolicy(), {"step": 40, "t": torch.ones(2)})
     assert latest_checkpoint(tmp_path).name == "checkpoint-0000040"
     assert latest_checkpoint(tmp_path / "missing") is None
+
+
+def _metrics(run_dir, *rows):
+    with open(run_dir / "metrics.jsonl", "a") as f:
+        f.write("".join(metrics_line(r) for r in rows))
+
+
+def test_a_run_dir_without_a_checkpoint_starts_clean_with_or_without_resume(tmp_path):
+    # Killed after the step-0 evaluation, before the first checkpoint: the same command again
+    # must not append a second step-0 row to the stale metrics.
+    for resume in (False, True):
+        _metrics(tmp_path, {"step": 0, "eval_accuracy": 0.1})
+        (tmp_path / "tensorboard").mkdir(exist_ok=True)
+        assert open_run_dir(tmp_path, {"seed": 0}, resume=resume) is None
+        assert not (tmp_path / "metrics.jsonl").exists() and not (tmp_path / "tensorboard").exists()
+        assert (tmp_path / "config.yaml").read_text() == "seed: 0\n"
+
+
+def test_leftovers_of_an_interrupted_save_are_cleaned_at_start_and_resume(tmp_path):
+    save_checkpoint(tmp_path, 10, FakePolicy(), {"step": 10})
+    (tmp_path / ".tmp-checkpoint-0000020-abc").mkdir()  # killed while saving step 20
+    (tmp_path / ".tmp-final-xyz").mkdir()  # killed while saving the final model
+    (tmp_path / ".tmp-summary.json.q1").write_text("{")  # killed inside write_atomic
+    os.replace(tmp_path / "checkpoint-0000010", tmp_path / ".old-checkpoint-0000010")  # killed mid-swap
+    assert open_run_dir(tmp_path, {}, resume=True).name == "checkpoint-0000010"  # restored, not lost
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-0000010", "config.yaml"]
+
+
+def test_resume_rewinds_the_metrics_to_the_checkpoint(tmp_path):
+    # The run saved its last checkpoint (step 2), logged the final evaluation, and was
+    # killed while saving the final model: resumed, it evaluates again, so the first
+    # final-evaluation row must go (else two rows for the same evaluation).
+    _metrics(tmp_path, {"step": 0, "eval_accuracy": 0.1}, {"step": 1, "loss": 0.5}, {"step": 2, "loss": 0.4})
+    kept = (tmp_path / "metrics.jsonl").read_text()
+    ckpt = save_checkpoint(tmp_path, 2, FakePolicy(), {"step": 2})
+    _metrics(tmp_path, {"step": 2, "eval_accuracy": 0.2})
+    rewind_metrics(tmp_path / "metrics.jsonl", ckpt)
+    assert (tmp_path / "metrics.jsonl").read_text() == kept
+    # A row cut off mid-write after the checkpoint goes too.
+    (tmp_path / "metrics.jsonl").write_text(kept + '{"step": 3, "lo')
+    rewind_metrics(tmp_path / "metrics.jsonl", ckpt)
+    assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [0, 1, 2]
+
+
+def test_a_checkpoint_without_a_recorded_size_rewinds_by_step(tmp_path):
+    ckpt = save_checkpoint(tmp_path, 1, FakePolicy(), {"step": 1})
+    (ckpt / "checkpoint.json").unlink()  # written by an older version
+    (tmp_path / "metrics.jsonl").write_text('{"step": 0}\n{"step": 1, "loss": NaN}\n{"step": 2}\n{"step": 3, "lo')
+    rewind_metrics(tmp_path / "metrics.jsonl", ckpt)
+    assert read_metrics(tmp_path / "metrics.jsonl") == [{"step": 0}, {"step": 1, "loss": None}]
+
+
+def test_files_and_folders_respect_the_umask(tmp_path):
+    old = os.umask(0o027)
+    try:
+        write_atomic(tmp_path / "config.yaml", "a: 1\n")
+        ckpt = save_checkpoint(tmp_path, 1, FakePolicy(), {"step": 1})
+        final = save_final(tmp_path, FakePolicy())
+    finally:
+        os.umask(old)
+    mode = lambda p: stat.S_IMODE(p.stat().st_mode)  # noqa: E731
+    # mkstemp / mkdtemp alone would give 0o600 / 0o700 whatever the umask
+    assert mode(tmp_path / "config.yaml") == 0o640
+    assert mode(ckpt) == mode(final) == 0o750

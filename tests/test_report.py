@@ -27,3 +27,16 @@ def test_report_overlays_runs_into_a_png(tmp_path, capsys):
 def test_report_rejects_a_directory_without_metrics(tmp_path):
     with pytest.raises(FileNotFoundError, match="metrics.jsonl"):
         plot_runs([tmp_path], tmp_path / "r.png")
+
+
+def test_report_reads_a_run_cut_off_mid_line_and_names_a_corrupt_line(tmp_path, capsys):
+    run = _run(tmp_path / "a", 2.0)
+    good = (run / "metrics.jsonl").read_text()
+    (run / "metrics.jsonl").write_text(good + '{"step": 6, "reward_mean": 0.')  # killed while writing
+    assert main(["report", str(run)]) == 0
+    assert len(load_metrics(run)) == 6
+    lines = good.splitlines(keepends=True)
+    (run / "metrics.jsonl").write_text(lines[0] + '{"step": 2, "rew\n' + "".join(lines[1:]))
+    assert main(["report", str(run)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "metrics.jsonl, line 2" in err

@@ -283,3 +283,33 @@ def test_a_run_on_the_code_task_carries_on_through_sandboxed_failures(init_model
     assert all(r["reward_mean"] == 0.0 for r in rows if "reward_mean" in r)
     assert summary["zero_variance_groups"] == 4 and summary["eval_final"]["accuracy"] == 0.0
     assert (tmp_path / "run" / "final" / "model.safetensors").is_file()
+
+
+def test_a_run_killed_before_its_first_checkpoint_or_in_its_final_save_reruns_cleanly(init_model, tmp_path,
+                                                                                        monkeypatch):
+    class Killed(Exception):
+        pass
+
+    def killed(*a, **k):
+        raise Killed
+
+    def killed_mid_save(run_dir, policy):
+        (run_dir / ".tmp-final-x1").mkdir()
+        raise Killed
+
+    run = tmp_path / "run"
+    cfg = _cfg(init_model, run, steps=2, mu=1)
+    monkeypatch.setattr(train_mod, "save_checkpoint", killed)  # killed before the first checkpoint
+    with pytest.raises(Killed):
+        run_train(cfg, progress=False)
+    monkeypatch.undo()
+    monkeypatch.setattr(train_mod, "save_final", killed_mid_save)  # the same command again, killed at the end
+    with pytest.raises(Killed):
+        run_train(cfg, progress=False)
+    monkeypatch.undo()
+    run_train(cfg, resume=True, progress=False)
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    # step 0 (initial evaluation), steps 1 and 2, the final evaluation: each once
+    assert [(r["step"], "loss" in r, "eval_accuracy" in r) for r in rows] == [
+        (0, False, True), (1, True, False), (2, True, False), (2, False, True)]
+    assert not [p.name for p in run.iterdir() if p.name.startswith(".")]

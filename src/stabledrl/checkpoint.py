@@ -4,10 +4,20 @@ A checkpoint is a directory ``checkpoint-{step:07d}/`` holding the policy
 (`save_pretrained`: config, safetensors weights, tokenizer) and ``trainer_state.pt``
 (optimizer, scheduler, step, RNG states). It is written under a temporary name in the
 same directory, then renamed into place, so a reader only ever sees complete ones.
+It also records the size of ``metrics.jsonl`` at that moment (``checkpoint.json``), so a
+resumed run rewinds the metrics to exactly the rows written before it.
+
+A run killed at any moment can be run again with the same command: `open_run_dir`
+removes the temporary folders of an interrupted save (and puts back a checkpoint caught
+mid-swap), and a run directory without a checkpoint starts afresh, its stale metrics
+removed, with or without ``--resume``. Files and folders get the usual permissions
+(0666 / 0777 less the umask), not the private ones of `tempfile`.
 """
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 import re
 import shutil
@@ -17,21 +27,46 @@ from typing import Any
 
 import torch
 
+from stabledrl.config import ConfigError
+from stabledrl.metrics import metrics_line, read_metrics
+
 __all__ = ["open_run_dir", "save_checkpoint", "latest_checkpoint", "load_trainer_state", "write_atomic", "save_final",
-           "truncate_metrics"]
+           "rewind_metrics"]
+
+logger = logging.getLogger(__name__)
 
 _NAME = re.compile(r"^checkpoint-(\d+)$")
+_TMP = ".tmp-"  # every temporary file or folder of this module starts with it
+_OLD = ".old-"  # a checkpoint (or final model) being replaced
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def _mkdtemp(parent: Path, prefix: str) -> Path:
+    """A temporary folder with the permissions `mkdir` would give (not mkdtemp's 0o700)."""
+    tmp = Path(tempfile.mkdtemp(dir=parent, prefix=prefix))
+    os.chmod(tmp, 0o777 & ~_umask())
+    return tmp
 
 
 def write_atomic(path: str | Path, text: str) -> None:
     """Write a text file via a temporary file and rename."""
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f"{_TMP}{path.name}.")
+    try:
+        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp's 0o600 would hide the run from its group
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 def save_checkpoint(run_dir: str | Path, step: int, policy: Any, state: dict[str, Any], *, keep: int = 2) -> Path:
@@ -40,12 +75,15 @@ def save_checkpoint(run_dir: str | Path, step: int, policy: Any, state: dict[str
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     final = run_dir / f"checkpoint-{step:07d}"
-    tmp = Path(tempfile.mkdtemp(dir=run_dir, prefix=f".tmp-checkpoint-{step:07d}-"))
+    tmp = _mkdtemp(run_dir, f"{_TMP}checkpoint-{step:07d}-")
     try:
         policy.save(tmp)
         torch.save(state, tmp / "trainer_state.pt")
+        metrics = run_dir / "metrics.jsonl"  # the rows written so far belong to this checkpoint
+        (tmp / "checkpoint.json").write_text(json.dumps(
+            {"step": step, "metrics_bytes": metrics.stat().st_size if metrics.is_file() else 0}))
         if final.exists():  # re-saving the same step (e.g. after a resume): swap atomically
-            old = run_dir / f".old-{final.name}"
+            old = run_dir / f"{_OLD}{final.name}"
             os.replace(final, old)
             os.replace(tmp, final)
             shutil.rmtree(old, ignore_errors=True)
@@ -84,10 +122,10 @@ def save_final(run_dir: str | Path, policy: Any) -> Path:
     """Save the finished model to ``{run_dir}/final`` (written aside, then swapped in)."""
     run_dir = Path(run_dir)
     final = run_dir / "final"
-    tmp = Path(tempfile.mkdtemp(dir=run_dir, prefix=".tmp-final-"))
+    tmp = _mkdtemp(run_dir, f"{_TMP}final-")
     policy.save(tmp)
     if final.exists():
-        old = run_dir / ".old-final"
+        old = run_dir / f"{_OLD}final"
         shutil.rmtree(old, ignore_errors=True)
         os.replace(final, old)
         os.replace(tmp, final)
@@ -97,30 +135,80 @@ def save_final(run_dir: str | Path, policy: Any) -> Path:
     return final
 
 
-def truncate_metrics(path: str | Path, step: int) -> None:
-    """Drop JSONL metric lines after `step`: on resume they belong to the replaced run."""
-    import json
-
+def rewind_metrics(path: str | Path, checkpoint: str | Path) -> None:
+    """Cut the metrics file back to what it held when `checkpoint` was saved: the rows
+    after it (the steps, evaluations and final evaluation of the interrupted run) would
+    otherwise be written twice when the resumed run repeats them."""
     path = Path(path)
     if not path.is_file():
         return
-    keep = [line for line in path.read_text().splitlines() if line and json.loads(line).get("step", 0) <= step]
-    write_atomic(path, "".join(line + "\n" for line in keep))
+    record = Path(checkpoint) / "checkpoint.json"
+    size = json.loads(record.read_text())["metrics_bytes"] if record.is_file() else None
+    data = path.read_bytes()
+    if size is not None and size <= len(data) and data[size - 1: size] in (b"\n", b""):
+        if size < len(data):
+            with open(path, "r+b") as f:
+                f.truncate(size)
+        return
+    # A checkpoint saved before sizes were recorded (or a file edited since): keep the rows
+    # up to its step.
+    step = int(_NAME.match(Path(checkpoint).name).group(1))
+    rows = [r for r in read_metrics(path) if r.get("step", 0) <= step]
+    write_atomic(path, "".join(metrics_line(r) for r in rows))
+
+
+def _clean_leftovers(run_dir: Path) -> None:
+    """Remove what an interrupted save left: temporary files and folders; a checkpoint
+    (or final model) renamed aside mid-swap goes back in place if nothing replaced it."""
+    for p in sorted(run_dir.iterdir()):
+        if p.name.startswith(_OLD) and not (run_dir / p.name[len(_OLD):]).exists():
+            logger.warning("%s: putting back %s, renamed aside by an interrupted save", run_dir, p.name[len(_OLD):])
+            os.replace(p, run_dir / p.name[len(_OLD):])
+        elif p.name.startswith((_TMP, _OLD)):
+            logger.warning("%s: removing %s, left by an interrupted save", run_dir, p.name)
+            _remove(p)
 
 
 def open_run_dir(run_dir: str | Path, config: dict, *, resume: bool) -> Path | None:
-    """Create (or reopen, with `resume`) a run directory and write its resolved config.
+    """Create (or reopen) a run directory and write its resolved config.
 
-    Returns the checkpoint to resume from, or None for a fresh run. Refuses to start a
-    fresh run over existing checkpoints, and to resume without one."""
+    Returns the checkpoint to resume from (with `resume`), or None for a fresh run.
+    Refuses to start a fresh run over existing checkpoints. A directory without a
+    checkpoint (a run killed before its first one) starts afresh either way: its metrics
+    and TensorBoard events are removed, not appended to."""
     import yaml
 
     run_dir = Path(run_dir)
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        _clean_leftovers(run_dir)
+    except OSError as e:
+        raise _unwritable(run_dir, e) from None
     ckpt = latest_checkpoint(run_dir)
-    if resume and ckpt is None:
-        raise FileNotFoundError(f"--resume: no checkpoint in {run_dir}")
     if not resume and ckpt is not None:
         raise FileExistsError(f"{run_dir} already holds checkpoints; pass --resume or choose another output_dir")
-    run_dir.mkdir(parents=True, exist_ok=True)
-    write_atomic(run_dir / "config.yaml", yaml.safe_dump(config, sort_keys=False))
+    try:
+        if ckpt is None:
+            stale = [p for p in (run_dir / "metrics.jsonl", run_dir / "tensorboard") if p.exists()]
+            if stale or resume:
+                logger.warning("%s holds no checkpoint: starting from step 0%s", run_dir,
+                               f" (removing the stale {', '.join(p.name for p in stale)})" if stale else "")
+            for p in stale:
+                _remove(p)
+        write_atomic(run_dir / "config.yaml", yaml.safe_dump(config, sort_keys=False))
+    except OSError as e:
+        raise _unwritable(run_dir, e) from None
     return ckpt
+
+
+def _unwritable(run_dir: Path, e: OSError) -> ConfigError:
+    where = f": {e.filename}" if e.filename else ""
+    return ConfigError(f"output_dir {run_dir} cannot be written ({e.strerror or e}{where}); "
+                       "choose another output_dir or fix its permissions")
+
+
+def _remove(p: Path) -> None:
+    if p.is_dir():
+        shutil.rmtree(p)
+    else:
+        p.unlink()

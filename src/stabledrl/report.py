@@ -7,9 +7,10 @@ clipping (log scale), log-ratio spread, bypass fraction (A < 0 and ρ > 1+ε), d
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Sequence
+
+from stabledrl.metrics import read_metrics
 
 __all__ = ["load_metrics", "plot_runs"]
 
@@ -27,7 +28,7 @@ def load_metrics(run_dir: str | Path) -> list[dict]:
     path = Path(run_dir) / "metrics.jsonl"
     if not path.is_file():
         raise FileNotFoundError(f"{run_dir} has no metrics.jsonl: is it a run directory?")
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return read_metrics(path)
 
 
 def plot_runs(run_dirs: Sequence[str | Path], out: str | Path, *, colors: Sequence[str] | None = None) -> Path:

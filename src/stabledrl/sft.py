@@ -46,14 +46,15 @@ from transformers import get_cosine_with_min_lr_schedule_with_warmup
 from stabledrl.checkpoint import (
     open_run_dir,
     load_trainer_state,
+    rewind_metrics,
     save_checkpoint,
     save_final,
-    truncate_metrics,
     write_atomic,
 )
 from stabledrl.config import check, to_dict
 from stabledrl.data import encode_completions, encode_prompts, position_ids
 from stabledrl.evaluate import evaluate
+from stabledrl.metrics import metrics_line
 from stabledrl.models.attention import staircase_attention_mask, staircase_position_ids
 from stabledrl.models.policy import Policy, TinyPolicy
 from stabledrl.models.tiny import TinyDiffusionConfig, TinyDiffusionLM
@@ -291,7 +292,7 @@ def run_sft(cfg: SFTConfig, *, resume: bool = False, progress: bool = True) -> d
         sched.load_state_dict(state["scheduler"])
         gen.set_state(state["generator"])
         start = state["step"]
-        truncate_metrics(out / "metrics.jsonl", start)
+        rewind_metrics(out / "metrics.jsonl", ckpt)
 
     eval_problems = task.generate(cfg.eval_n, split="test", seed=0)
     loss_fn = block_diffusion_loss if cfg.model.attention_kind == "block" else masked_diffusion_loss
@@ -320,13 +321,13 @@ def run_sft(cfg: SFTConfig, *, resume: bool = False, progress: bool = True) -> d
             elapsed = time.perf_counter() - t0
             row = {"step": done, "loss": loss_value, "grad_norm": grad_norm, "lr": sched.get_last_lr()[0],
                    "tokens_per_s": tokens / elapsed, **m}
-            metrics_file.write(json.dumps(row) + "\n")
+            metrics_file.write(metrics_line(row))
             metrics_file.flush()
             bar.set_postfix(loss=f"{loss_value:.3f}", acc=f"{m['masked_acc']:.3f}", tok_s=f"{tokens / elapsed:.0f}")
         if cfg.eval_every and done % cfg.eval_every == 0 and done != cfg.steps:
             res = evaluate(policy, task, eval_problems, cfg.sampling, progress=False)
             model.train()
-            metrics_file.write(json.dumps({"step": done, "eval_accuracy": res.accuracy, "eval_reward": res.mean_reward}) + "\n")
+            metrics_file.write(metrics_line({"step": done, "eval_accuracy": res.accuracy, "eval_reward": res.mean_reward}))
             metrics_file.flush()
             bar.write(f"step {done}: held-out accuracy {res.accuracy:.3f}, mean reward {res.mean_reward:.3f}")
         if done % cfg.save_every == 0 or done == cfg.steps:
@@ -337,7 +338,7 @@ def run_sft(cfg: SFTConfig, *, resume: bool = False, progress: bool = True) -> d
 
     res = evaluate(policy, task, eval_problems, cfg.sampling, progress=progress)
     summary = {"step": cfg.steps, "eval_accuracy": res.accuracy, "eval_reward": res.mean_reward}
-    metrics_file.write(json.dumps(summary) + "\n")
+    metrics_file.write(metrics_line(summary))
     metrics_file.close()
     policy.model.eval()
     save_final(out, policy)

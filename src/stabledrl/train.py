@@ -58,15 +58,16 @@ from stabledrl.checkpoint import (
     latest_checkpoint,
     open_run_dir,
     load_trainer_state,
+    rewind_metrics,
     save_checkpoint,
     save_final,
-    truncate_metrics,
     write_atomic,
 )
 from stabledrl.config import ConfigError, check, to_dict
 from stabledrl.data import decode_completions, encode_prompts
 from stabledrl.evaluate import evaluate
 from stabledrl.likelihood import METHODS, backward_views, plan_views, score_views
+from stabledrl.metrics import metrics_line
 from stabledrl.models.lora import LoraSettings, add_lora, base_policy
 from stabledrl.models.policy import ModelConfig, load_policy
 from stabledrl.objectives import LossOutput, group_advantages, grpo_loss, stabledrl_loss
@@ -507,7 +508,7 @@ def run_train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) 
         start, history = state["step"], state["history"]
         counters.update(state["counters"])
         if main:
-            truncate_metrics(out / "metrics.jsonl", start)
+            rewind_metrics(out / "metrics.jsonl", ckpt)
 
     eval_problems = task.generate(cfg.eval_n, split="test", seed=0)
     if "eval_initial" not in history:
@@ -694,7 +695,7 @@ def run_train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) 
 def _log(f, tb, row: dict[str, Any]) -> None:
     if f is None:  # not the main process
         return
-    f.write(json.dumps(row) + "\n")
+    f.write(metrics_line(row))
     f.flush()
     for k, v in row.items():
         if k != "step" and isinstance(v, (int, float)) and math.isfinite(v):
