@@ -1,10 +1,11 @@
-"""Every shipped preset loads into its dataclass and points at a model that ships."""
+"""Every shipped preset loads into its dataclass and points at a model that ships; bad
+config files and values are a `ConfigError` that names the file or field and the fix."""
 
 from pathlib import Path
 
 import pytest
 
-from stabledrl.config import load_config
+from stabledrl.config import ConfigError, load_config
 from stabledrl.sft import SFTConfig
 from stabledrl.train import TrainConfig
 
@@ -33,3 +34,54 @@ def test_accelerate_example_configs_load(name):
 
     cfg = load_config_from_file(str(Path(__file__).resolve().parent.parent / "configs" / "accelerate" / f"{name}.yaml"))
     assert cfg.distributed_type.value == {"ddp": "MULTI_GPU", "fsdp": "FSDP", "deepspeed-zero3": "DEEPSPEED"}[name]
+
+
+@pytest.mark.parametrize("text, message", [
+    ("steps: 4\nestimator: {method: mc\nlr: 1e-3\n", r"bad\.yaml: not valid YAML: .*at line 3, column 3"),
+    ("", r"bad\.yaml is empty"),
+    ("# only a comment\n", r"bad\.yaml is empty"),
+    ("- steps: 4\n", r"bad\.yaml: the top level must be a mapping"),
+])
+def test_a_bad_config_file_is_an_error_that_names_it(tmp_path, text, message):
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=message) as e:
+        load_config(TrainConfig, path)
+    assert "\n" not in str(e.value)  # one line on the command line
+
+
+def test_a_non_utf8_config_names_the_file(tmp_path):
+    path = tmp_path / "latin1.yaml"
+    path.write_bytes("output_dir: runs/caf\u00e9\n".encode("latin-1"))
+    with pytest.raises(ConfigError, match=r"latin1\.yaml is not UTF-8 .*byte 20"):
+        load_config(TrainConfig, path)
+
+
+@pytest.mark.parametrize("override, message", [
+    ("lr=[1e-3,", r"--set lr=\[1e-3,: the value is not valid YAML"),
+    ("estimator.num_samples: 2", r"must look like key.sub=value"),
+])
+def test_a_malformed_override_names_it(override, message):
+    with pytest.raises(ConfigError, match=message) as e:
+        load_config(TrainConfig, {}, [override])
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("data, field", [
+    ({"steps": True}, "steps"),  # a bool is an int to Python, not to a config
+    ({"threads": False}, "threads"),  # int | None
+    ({"estimator": {"num_samples": True}}, "estimator.num_samples"),
+    ({"lr": True}, "lr"),
+    ({"rollout": {"temperature": True}}, "rollout.temperature"),
+])
+def test_a_bool_is_not_a_number(data, field):
+    with pytest.raises(ConfigError, match=rf"config field '{field}': expected .*, got True|got False"):
+        load_config(TrainConfig, data)
+    with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+        load_config(TrainConfig, {}, [f"{field}={str(next(iter(_leaves(data))))}"])
+
+
+def _leaves(d):
+    for v in d.values():
+        yield from _leaves(v) if isinstance(v, dict) else [v]
+
