@@ -142,9 +142,8 @@ def test_prompt_template_and_length(tmp_path, task):
                      prompt_template="Q: {question}\nA:")
     assert plain.generate(1, split="test", seed=0)[0].prompt.startswith("Q: ")
     assert len(plain.generate(2, split="train")) == 2  # a file without {split} serves every split
-    bad = get_task("gsm8k", path=str(tmp_path / "one.jsonl"), cache_dir=str(tmp_path / "hf"), prompt_template="{query}")
-    with pytest.raises(ValueError, match="prompt_template"):
-        bad.generate(1)
+    with pytest.raises(ValueError, match=r"line 1: no 'query' \(prompt_template reads it\)"):
+        get_task("gsm8k", path=str(tmp_path / "one.jsonl"), cache_dir=str(tmp_path / "hf"), prompt_template="{query}")
 
 
 def test_parquet_files_load(tmp_path):
@@ -163,8 +162,35 @@ def test_bad_options_and_files(tmp_path):
     with pytest.raises(FileNotFoundError, match="missing-train.jsonl"):
         task.generate(1)
     write_jsonl(tmp_path / "noref.jsonl", [{"question": "?", "answer": "no marker"}])
-    task = get_task("gsm8k", path=str(tmp_path / "noref.jsonl"), cache_dir=str(tmp_path / "hf"))
     with pytest.raises(ValueError, match="no number after '####'"):
-        task.generate(1)
+        get_task("gsm8k", path=str(tmp_path / "noref.jsonl"), cache_dir=str(tmp_path / "hf"))
+    task = get_task("gsm8k", path=str(tmp_path / "gsm8k-{split}.jsonl"), cache_dir=str(tmp_path / "hf"))
     with pytest.raises(ValueError, match="completions"):
         task.reward(["1"], [])
+
+
+def test_every_row_is_checked_when_the_task_is_built_and_the_bad_ones_are_named(tmp_path):
+    # Not when a training step first draws row 4, hours in: at start-up, every row.
+    rows = TRAIN[:2] + [{"question": "No answer?"}, TRAIN[2], {"answer": "#### 3"},
+                        {"question": "q", "answer": "three"}] + TRAIN[3:]
+    write_jsonl(tmp_path / "train.jsonl", rows)
+    write_jsonl(tmp_path / "test.jsonl", TEST)
+    with pytest.raises(ValueError) as e:
+        get_task("gsm8k", path=str(tmp_path / "{split}.jsonl"), cache_dir=str(tmp_path / "hf"))
+    msg = str(e.value)
+    assert "train.jsonl: 3 of 8 rows cannot be used" in msg
+    assert "line 3: no answer" in msg and "line 5: no 'question' (prompt_template reads it)" in msg
+    assert "line 6: no number after '####' in its answer" in msg and "\n" not in msg
+
+
+@pytest.mark.parametrize("text, message", [
+    ("", r"empty\.jsonl is empty"),
+    ("\n\n", r"empty\.jsonl is empty"),
+    ('{"question": "a", "answer": "#### 1"}\n{"question": "b", "answer": \n', r"empty\.jsonl, line 2: not JSON"),
+    ('{"question": "a", "answer": "#### 1"}\n["b", "#### 2"]\n', r"empty\.jsonl, line 2: not a JSON object"),
+])
+def test_an_empty_or_malformed_data_file_is_an_error_naming_it(tmp_path, text, message):
+    (tmp_path / "empty.jsonl").write_text(text)
+    with pytest.raises(ValueError, match=message) as e:
+        get_task("gsm8k", path=str(tmp_path / "empty.jsonl"), cache_dir=str(tmp_path / "hf")).generate(1)
+    assert "\n" not in str(e.value)

@@ -7,20 +7,27 @@ local path, "{split}" is replaced by the split's name (`train_split` / `test_spl
 ``path="data/gsm8k/{split}.jsonl"``; a local path without "{split}" serves every split
 (for evaluation-only files; do not train on it too). Nothing is downloaded unless `path`
 is a Hub name.
+
+Local files are read, and every row checked (`DatasetTask.check_row`), when the task is
+built: an empty file, a line that is not a JSON object, or rows a problem cannot be made
+from are a ValueError that names the file and the lines, at start-up rather than at the
+training step that first draws a bad row.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import random
 import re
+import string
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from stabledrl.tasks.base import Split
 
-__all__ = ["DatasetSplits", "DatasetTask", "format_prompt", "last_boxed", "require_path"]
+__all__ = ["DatasetSplits", "DatasetTask", "format_prompt", "last_boxed", "require_path", "template_columns"]
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +48,8 @@ class DatasetSplits:
     """Split name behind split="test"."""
     cache_dir: str | None = None
     """`datasets` cache directory; None = its default (~/.cache/huggingface/datasets)."""
+    check_row: Callable[[dict[str, Any]], str | None] | None = None
+    """Why a row cannot become a problem (None if it can); every row is checked as it loads."""
     _rows: dict[str, list[dict[str, Any]]] = field(default_factory=dict, init=False, repr=False)
 
     def split_name(self, split: Split) -> str:
@@ -60,6 +69,7 @@ class DatasetSplits:
     def _load(self, name: str) -> list[dict[str, Any]]:
         import datasets  # slow to import; only the dataset-backed tasks need it
 
+        lines = None  # the line of each row, where the file is JSON lines
         if self.is_local():
             file = self.path.replace("{split}", name)
             builder = _LOCAL_BUILDERS.get(os.path.splitext(file)[1].lower())
@@ -67,10 +77,22 @@ class DatasetSplits:
                 raise ValueError(f"path {file!r}: use a .json, .jsonl, .parquet or .csv file")
             if not os.path.isfile(file):
                 raise FileNotFoundError(f"no data file {file!r} for split {name!r} (path={self.path!r})")
-            ds = datasets.load_dataset(builder, data_files=file, split="train", cache_dir=self.cache_dir)
+            if builder == "json":
+                lines = _json_rows(file)  # what datasets would fail on, named by line
+            try:
+                ds = datasets.load_dataset(builder, data_files=file, split="train", cache_dir=self.cache_dir)
+            except Exception as e:  # e.g. a bare StopIteration from an empty csv
+                raise ValueError(f"{file}: cannot read the rows ({type(e).__name__}: {e}); check the file") from None
+            if len(ds) == 0:
+                raise ValueError(f"{file} is empty: it holds no rows")
+            source = file
         else:
             ds = datasets.load_dataset(self.path, self.hub_config, split=name, cache_dir=self.cache_dir)
-        return ds.to_list()
+            source = f"{self.path} ({name} split)"
+        rows = ds.to_list()
+        if self.check_row is not None:
+            _check_rows(rows, self.check_row, source, lines)
+        return rows
 
     def sample(self, n: int, split: Split, seed: int, salt: str) -> list[tuple[int, dict[str, Any]]]:
         """`n` distinct rows of `split` as (index, row), reproducible from (`salt`, `seed`).
@@ -94,6 +116,57 @@ class DatasetSplits:
             except FileNotFoundError:
                 pass
         return out
+
+
+def _json_rows(file: str) -> list[int] | None:
+    """The line of each row of a JSON-lines file (None for a file holding one JSON document).
+    Raises a ValueError naming the file and line where a row is not a JSON object, or if
+    there is no row at all."""
+    try:
+        with open(file, encoding="utf-8") as f:
+            text = f.read()
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{file} is not UTF-8 text ({e.reason} at byte {e.start}); save it as UTF-8") from None
+    if file.endswith(".json"):
+        try:
+            doc = json.loads(text)
+        except json.JSONDecodeError:
+            doc = None  # JSON lines under a .json name
+        if doc == []:
+            raise ValueError(f"{file} is empty: it holds no rows")
+        if doc is not None:
+            return None
+    lines = []
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{file}, line {number}: not JSON ({e.msg}); repair or remove that line") from None
+        if not isinstance(row, dict):
+            raise ValueError(f"{file}, line {number}: not a JSON object; each line must be one row {{...}}")
+        lines.append(number)
+    if not lines:
+        raise ValueError(f"{file} is empty: it holds no rows")
+    return lines
+
+
+def _check_rows(rows: list[dict[str, Any]], check: Callable[[dict[str, Any]], str | None], source: str,
+                lines: list[int] | None) -> None:
+    """A ValueError naming the first few rows `check` rejects (by line in JSON lines, else by row number)."""
+    bad = [(i, why) for i, row in enumerate(rows) if (why := check(row)) is not None]
+    if not bad:
+        return
+    where = (lambda i: f"line {lines[i]}") if lines is not None and len(lines) == len(rows) else (lambda i: f"row {i + 1}")
+    shown = "; ".join(f"{where(i)}: {why}" for i, why in bad[:5]) + ("; ..." if len(bad) > 5 else "")
+    raise ValueError(f"{source}: {len(bad)} of {len(rows)} rows cannot be used ({shown}); fix or remove them")
+
+
+def template_columns(template: str) -> list[str]:
+    """The row columns a `str.format` template reads ("{question}" -> ["question"])."""
+    names = (f for _, f, _, _ in string.Formatter().parse(template) if f)
+    return list(dict.fromkeys(re.split(r"[.\[]", f, maxsplit=1)[0] for f in names))
 
 
 def format_prompt(template: str, row: dict[str, Any]) -> str:
@@ -178,10 +251,18 @@ class DatasetTask:
 
     def __post_init__(self) -> None:
         self.data = DatasetSplits(require_path(self.path, self.name), self.hub_config, self.train_split,
-                                  self.test_split, self.cache_dir)
+                                  self.test_split, self.cache_dir, check_row=self.check_row)
+        if self.data.is_local():
+            self.data.loaded_rows()  # read and check every row now, not when a step first draws it
 
     def prompt_of(self, row: dict[str, Any]) -> str:
         return format_prompt(self.prompt_template, row)
+
+    def check_row(self, row: dict[str, Any]) -> str | None:
+        """Why `row` cannot become a problem, or None; a subclass adds its own checks."""
+        template = getattr(self, "prompt_template", None)  # a subclass may build prompts otherwise
+        missing = [c for c in template_columns(template) if row.get(c) is None] if isinstance(template, str) else []
+        return f"no {' or '.join(map(repr, missing))} (prompt_template reads it)" if missing else None
 
     @property
     def prompt_length(self) -> int:

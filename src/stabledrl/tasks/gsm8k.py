@@ -83,6 +83,15 @@ class GSM8K(DatasetTask):
         if self.completion_length < 1:
             raise ValueError(f"completion_length must be positive, got {self.completion_length}")
 
+    def check_row(self, row: dict) -> str | None:
+        why = super().check_row(row)
+        if why is not None:
+            return why
+        answer = row.get("answer")
+        if not isinstance(answer, str) or not answer.strip():
+            return "no answer"
+        return None if reference_number(answer) is not None else "no number after '####' in its answer"
+
     def generate(self, n: int, *, split: Split = "train", seed: int = 0) -> list[Problem]:
         """`n` distinct rows of `split` (without replacement), reproducible from `seed`."""
         problems = []
