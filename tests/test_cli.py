@@ -3,6 +3,7 @@ import json
 import pytest
 
 from stabledrl.cli import main
+from stabledrl.tasks import get_task
 from tests.conftest import make_tiny_policy
 
 
@@ -34,6 +35,20 @@ def test_sample_prints_one_line_per_completion(saved_model, capsys):
     assert [line.split("\t")[0] for line in lines] == ["3,5,7=22"] * 2 + ["1,2,3=6"] * 2
 
 
+def test_sample_prints_the_reward_of_each_completion_of_a_task_prompt(saved_model, capsys):
+    task = get_task("countdown")
+    args = ["sample", "--model", str(saved_model), "--prompt", "3,5,7=22", "--prompt", "1+2",
+            "--num-samples", "3", "--temperature", "1.0"]
+    assert main(args) == 0
+    out, err = capsys.readouterr()
+    lines = [line.split("\t") for line in out.strip().splitlines()]
+    for prompt, text, reward in lines[:3]:  # a countdown prompt: its reward, recomputed here
+        r = task.score(text, task.problem_from_prompt(prompt))
+        assert reward == f"reward {r:.3g} ({'correct' if r == 1.0 else 'wrong'})"
+    assert [len(fields) for fields in lines[3:]] == [2] * 3  # not a countdown prompt: no reward
+    assert "'1+2' is not a countdown prompt" in err
+
+
 def test_sft_then_eval_end_to_end(tmp_path, capsys):
     run = tmp_path / "run"
     cfg = tmp_path / "sft.yaml"
@@ -61,3 +76,43 @@ def test_bad_input_is_a_clear_error_not_a_traceback(argv, message, saved_model, 
     argv = [str(saved_model) if a == "MODEL" else str(cfg) if a == "CFG" else a for a in argv]
     assert main(argv) == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.fixture
+def bad_inputs(saved_model, tmp_path):
+    """Paths the argv placeholders below stand for."""
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for f in saved_model.iterdir():
+        (broken / f.name).write_bytes(f.read_bytes())
+    weights = broken / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:200])  # cut off mid-download
+    (tmp_path / "malformed.yaml").write_text("steps: 4\nestimator: {method: mc\n")
+    (tmp_path / "ok.yaml").write_text(f"model: {saved_model}\nsteps: 1\n")
+    (tmp_path / "a-file").write_text("")
+    (tmp_path / "unwritable.yaml").write_text(f"model: {saved_model}\noutput_dir: {tmp_path / 'a-file' / 'run'}\n"
+                                              "steps: 1\ntask: {name: sudoku}\n")
+    (tmp_path / "gsm8k.jsonl").write_text('{"question": "q", "answer": "#### 1"}\n{"question": "r", "ans\n')
+    return {"MODEL": saved_model, "BROKEN": broken, **{k.upper(): tmp_path / v for k, v in [
+        ("malformed", "malformed.yaml"), ("ok", "ok.yaml"), ("unwritable", "unwritable.yaml"),
+        ("gsm8k", "gsm8k.jsonl")]}}
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["train", "--config", "MALFORMED"], "malformed.yaml: not valid YAML: "),
+    (["train", "--config", "OK", "--set", "lr=[1,"], "--set lr=[1,: the value is not valid YAML"),
+    (["train", "--config", "OK", "--set", "steps=true"], "config field 'steps': expected int, got True"),
+    (["train", "--config", "UNWRITABLE"], "a-file/run cannot be written"),
+    (["eval", "--model", "BROKEN"], "broken/model.safetensors cannot be read"),
+    (["eval", "--model", "MODEL", "--batch-size", "0"], "--batch-size must be >= 1, got 0"),
+    (["eval", "--model", "MODEL", "--task", "gsm8k", "--task-option", "path=GSM8K"], "gsm8k.jsonl, line 2: not JSON"),
+    (["sample", "--model", "MODEL", "--prompt", "h\u00e9llo"], "characters the tokenizer does not know: 'h', '\u00e9'"),
+])
+def test_bad_input_is_one_line_on_stderr_and_exit_status_2(argv, message, bad_inputs, capsys):
+    argv = [str(bad_inputs.get(a, a)) if a in bad_inputs else a.replace("GSM8K", str(bad_inputs["GSM8K"]))
+            for a in argv]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1, err
+    assert message in err
+

@@ -37,3 +37,13 @@ def test_decode_round_trip():
     answers = ["3*5+7", "(20-19)*18", ""]
     ids = encode_completions(tok, answers, 11)
     assert decode_completions(tok, ids) == answers
+
+
+def test_characters_outside_the_tokenizer_are_an_error_naming_them():
+    # They would become UNK, which the model never saw: the completion would answer
+    # another prompt. The tiny tokenizer knows digits and + - * / ( ) = , . only.
+    with pytest.raises(ValueError, match=r"prompt 'h\u00e9llo=2' has characters the tokenizer does not know: "
+                                         r"'h', '\u00e9', 'l', 'o'"):
+        encode_prompts(tok, ["1,2=3", "h\u00e9llo=2"])
+    with pytest.raises(ValueError, match=r"answer '3 x 4' .* ' ', 'x'"):
+        encode_completions(tok, ["3 x 4"], 8)

@@ -5,6 +5,10 @@
     stabledrl report runs/countdown-stabledrl runs/countdown-grpo
     stabledrl eval --model checkpoints/countdown-tiny --task countdown --split test --n 500
     stabledrl sample --model checkpoints/countdown-tiny --prompt 3,5,7=22 --prompt 2,4,9=17
+
+Bad input (a config value, a file, an option) ends in one line on stderr that names it and
+the fix, and exit status 2. The config is checked before torch is imported, so that line
+comes at once.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from typing import Sequence
 
 import yaml
 
-from stabledrl.config import ConfigError, load_config
+from stabledrl.config import ConfigError, check, load_config
 
 __all__ = ["main"]
 
@@ -28,7 +32,10 @@ def _parse_options(items: Sequence[str]) -> dict:
         if "=" not in item:
             raise ConfigError(f"option {item!r} must look like key=value")
         k, v = item.split("=", 1)
-        out[k.strip()] = yaml.safe_load(v)
+        try:
+            out[k.strip()] = yaml.safe_load(v)
+        except yaml.YAMLError:
+            raise ConfigError(f"option {item!r}: the value is not valid YAML; quote it, e.g. key='text'") from None
     return out
 
 
@@ -55,6 +62,7 @@ def _cmd_sft(args: argparse.Namespace) -> int:
     from stabledrl.sft import SFTConfig, run_sft
 
     cfg = load_config(SFTConfig, args.config, args.set)
+    _quiet_transformers()
     summary = run_sft(cfg, resume=args.resume)
     print(json.dumps(summary))
     print(f"final model: {Path(cfg.output_dir) / 'final'}")
@@ -62,10 +70,13 @@ def _cmd_sft(args: argparse.Namespace) -> int:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    from stabledrl.train import TrainConfig, run_train
+    from stabledrl.train import TrainConfig
 
     overrides = list(args.set) + ([f"model.path={args.model}"] if args.model else [])
     cfg = load_config(TrainConfig, args.config, overrides)
+    _quiet_transformers()
+    from stabledrl.train import run_train
+
     summary = run_train(cfg, resume=args.resume)
     from accelerate import PartialState
 
@@ -88,14 +99,18 @@ def _cmd_report(args: argparse.Namespace) -> int:
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:
+    check(args.n >= 1, f"--n must be >= 1, got {args.n}")
+    check(args.batch_size >= 1, f"--batch-size must be >= 1, got {args.batch_size}")
+    sampling, options = _sampling(args), _parse_options(args.task_option)
+    _quiet_transformers()
     from stabledrl.evaluate import evaluate
     from stabledrl.models import load_policy
     from stabledrl.tasks import get_task
 
-    task = get_task(args.task, **_parse_options(args.task_option))
+    task = get_task(args.task, **options)
     policy = load_policy(_model_config(args))
     problems = task.generate(args.n, split=args.split, seed=args.seed)
-    res = evaluate(policy, task, problems, _sampling(args), batch_size=args.batch_size, seed=args.seed)
+    res = evaluate(policy, task, problems, sampling, batch_size=args.batch_size, seed=args.seed)
     report = {"model": str(args.model), "task": args.task, "split": args.split, "seed": args.seed, **res.summary()}
     print(f"{args.task} {args.split} n={res.n}: accuracy {res.accuracy:.4f}, mean reward {res.mean_reward:.4f} "
           f"({res.tokens_per_second:.0f} tokens/s)")
@@ -111,6 +126,9 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 
 
 def _cmd_sample(args: argparse.Namespace) -> int:
+    check(args.num_samples >= 1, f"--num-samples must be >= 1, got {args.num_samples}")
+    sampling, options = _sampling(args), _parse_options(args.task_option)
+    _quiet_transformers()
     import torch
 
     from stabledrl.data import decode_completions, encode_prompts
@@ -118,18 +136,44 @@ def _cmd_sample(args: argparse.Namespace) -> int:
     from stabledrl.sampling import generate
     from stabledrl.tasks import get_task
 
+    task = get_task(args.task, **options)
     policy = load_policy(_model_config(args))
-    sampling = _sampling(args)
-    gen_length = sampling.gen_length or get_task(args.task).completion_length
+    gen_length = sampling.gen_length or task.completion_length
     prompts = [p for p in args.prompt for _ in range(args.num_samples)]
     ids, mask = encode_prompts(policy.tokenizer, prompts)
+    problems = {p: _problem_of(task, p) for p in args.prompt}  # None: no reward to show
     out = generate(
         policy, ids, mask, gen_length=gen_length, generator=torch.Generator().manual_seed(args.seed),
         **sampling.generate_kwargs(),
     )
     for prompt, text in zip(prompts, decode_completions(policy.tokenizer, out.completion_ids)):
-        print(f"{prompt}\t{text}")
+        problem = problems[prompt]
+        if problem is None:
+            print(f"{prompt}\t{text}")
+            continue
+        reward = task.reward([text], [problem])[0]
+        print(f"{prompt}\t{text}\treward {reward:.3g} ({'correct' if task.is_correct(text, problem) else 'wrong'})")
     return 0
+
+
+def _problem_of(task, prompt: str):
+    """The task's problem that `prompt` states, or None (said on stderr) if it states none."""
+    parse = getattr(task, "problem_from_prompt", None)
+    if parse is None:
+        return None
+    try:
+        return parse(prompt)
+    except ValueError as e:
+        print(f"stabledrl sample: {e}; no reward shown for it", file=sys.stderr)
+        return None
+
+
+def _quiet_transformers() -> None:
+    """No per-file load/save bars: they drown the command's own output. (Imports
+    transformers: call it after the arguments and the config are checked.)"""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
 
 
 def _model_config(args: argparse.Namespace):
@@ -187,7 +231,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("sample", help="print completions for prompts")
     _add_model_args(p)
     p.add_argument("--prompt", action="append", required=True, help="a prompt, e.g. 3,5,7=22 (repeatable)")
-    p.add_argument("--task", default="countdown", help="sets the default completion length")
+    p.add_argument("--task", default="countdown", help="sets the default completion length; a prompt of the task "
+                   "(e.g. 3,5,7=22 for countdown) gets each completion's reward")
+    p.add_argument("--task-option", action="append", default=[], metavar="KEY=VALUE", help="e.g. num_numbers=4")
     p.add_argument("--num-samples", type=int, default=1, help="completions per prompt")
     p.add_argument("--seed", type=int, default=0)
     _add_sampling_args(p)
@@ -197,13 +243,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()  # per-file load/save bars drown the command's own output
     try:
         return args.func(args)
-    except (ConfigError, FileNotFoundError, FileExistsError, ValueError) as e:
-        print(f"stabledrl {args.verb}: error: {e}", file=sys.stderr)
+    except (ConfigError, OSError, ValueError) as e:  # bad input: one line that says what to fix, no traceback
+        print(f"stabledrl {args.verb}: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
 
 

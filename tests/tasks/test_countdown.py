@@ -149,3 +149,15 @@ def test_bad_options_and_inputs():
         get_task("countdown", answers="all")
     with pytest.raises(ValueError, match="completions"):
         task.reward(["1"], [])
+
+
+def test_a_written_prompt_becomes_the_problem_it_states():
+    task = get_task("countdown")
+    p = task.problem_from_prompt("3,5,7=22")
+    assert p.prompt == "3,5,7=22" and sorted(p.meta["numbers"]) == [3, 5, 7] and p.meta["target"] == 22
+    assert task.score("3*5+7", p) == 1.0 and task.score("(7-5)*3", p) == 0.1  # README's sample: 6, not 22
+    generated = task.generate(3, split="test")[0]
+    assert task.problem_from_prompt(generated.prompt).meta == generated.meta
+    for bad in ("3,5,7", "3,5,x=22", "=22", "hello"):
+        with pytest.raises(ValueError, match="not a countdown prompt"):
+            task.problem_from_prompt(bad)

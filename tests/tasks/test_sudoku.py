@@ -80,3 +80,13 @@ def test_generated_puzzles_are_unique_reproducible_and_split():
         assert all(a == b for a, b in zip(p.prompt, p.answer) if a != ".")
         assert _valid(p.answer)
     assert task.reward([p.answer for p in test], test) == [1.0] * 200
+
+
+def test_a_written_prompt_becomes_the_problem_it_states():
+    task = get_task("sudoku")
+    generated = task.generate(3, split="test")[0]
+    p = task.problem_from_prompt(generated.prompt)
+    assert p.meta == generated.meta and task.score(generated.answer, p) == 1.0
+    for bad in ("1234", "1234........12x4", "................"):  # short, a bad cell, many solutions
+        with pytest.raises(ValueError, match="not a sudoku prompt|solutions"):
+            task.problem_from_prompt(bad)

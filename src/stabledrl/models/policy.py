@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import ClassVar, Literal, Protocol, runtime_checkable
 
 import torch
+from safetensors import SafetensorError, safe_open
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from stabledrl.config import check
@@ -162,7 +163,35 @@ def load_policy(model: str | Path | ModelConfig, *, device: str | torch.device |
                 dtype: torch.dtype | None = None, trainable: bool = False):
     """Load a policy: a stabledrl tiny model, a real checkpoint through its adapter, or
     either with LoRA adapters (a directory holding ``adapter_config.json``, as a LoRA run
-    saves; `trainable` keeps the adapters trainable)."""
+    saves; `trainable` keeps the adapters trainable). A weights file that cannot be read
+    (cut off, or not safetensors) is a ValueError naming it."""
+    try:
+        return _load_policy(model, device=device, dtype=dtype, trainable=trainable)
+    except SafetensorError as e:
+        path = Path(model.path if isinstance(model, ModelConfig) else model)
+        names = ", ".join(str(f) for f in _unreadable_weights(path)) or f"a weights file of {path}"
+        raise ValueError(f"{names} cannot be read ({e}): it is cut off or not a safetensors file; "
+                         "save or download the model again") from None
+
+
+def _unreadable_weights(path: Path) -> list[Path]:
+    """The .safetensors files of a model directory (and of its LoRA base) that do not open."""
+    files = sorted(path.glob("*.safetensors")) if path.is_dir() else []
+    if (path / "adapter_config.json").is_file():
+        base = json.loads((path / "adapter_config.json").read_text()).get("base_model_name_or_path")
+        files += sorted(Path(base).glob("*.safetensors")) if base and Path(base).is_dir() else []
+    bad = []
+    for f in files:
+        try:
+            with safe_open(f, "pt"):
+                pass
+        except SafetensorError:
+            bad.append(f)
+    return bad
+
+
+def _load_policy(model: str | Path | ModelConfig, *, device: str | torch.device | None, dtype: torch.dtype | None,
+                 trainable: bool):
     cfg = model if isinstance(model, ModelConfig) else ModelConfig(path=str(model))
     device = cfg.device if device is None else device
     if device == "auto":
@@ -172,7 +201,7 @@ def load_policy(model: str | Path | ModelConfig, *, device: str | torch.device |
     if (path / "adapter_config.json").is_file():  # LoRA: load the base, then the adapters
         from peft import PeftModel
 
-        policy = load_policy(_lora_base(path, cfg), device=device, dtype=dtype)
+        policy = _load_policy(_lora_base(path, cfg), device=device, dtype=dtype, trainable=False)
         policy.model = PeftModel.from_pretrained(policy.model, str(path), is_trainable=trainable).to(device)
         return policy
     adapter = resolve_adapter(path, cfg.adapter)

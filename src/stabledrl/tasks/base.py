@@ -6,6 +6,9 @@ one signature for every task (TRL style, a plain function of text):
     reward(completions: Sequence[str], problems: Sequence[Problem]) -> list[float]
 
 It reads text only, never raises on model output, and never evaluates it with `eval`.
+A task may also offer ``problem_from_prompt(prompt) -> Problem`` (the problem a prompt
+written by hand states; ValueError if none): `stabledrl sample` then shows each
+completion's reward.
 """
 
 from __future__ import annotations

@@ -38,6 +38,7 @@ __all__ = ["Countdown", "all_solutions", "parse_expression", "solve"]
 MAX_EXPRESSION_CHARS = 64
 MAX_LITERAL_DIGITS = 6
 _TOKEN = re.compile(r"[0-9]+|\S")
+_PROMPT = re.compile(r"([0-9]+(?:,[0-9]+)+)=([0-9]+)")
 
 
 class _ParseError(ValueError):
@@ -247,6 +248,17 @@ class Countdown:
                 answer = rng.choice(all_solutions(numbers, self.max_target)[target])
             problems.append(Problem(prompt, answer, {"numbers": numbers, "target": target}))
         return problems
+
+    def problem_from_prompt(self, prompt: str) -> Problem:
+        """The problem a prompt such as "3,5,7=22" states (to score completions of a prompt
+        written by hand); a ValueError if it is not a Countdown prompt."""
+        m = _PROMPT.fullmatch(prompt.strip())
+        if m is None:
+            raise ValueError(f"{prompt!r} is not a countdown prompt (numbers, '=', the target: e.g. 3,5,7=22)")
+        numbers = tuple(sorted(int(x) for x in m.group(1).split(",")))
+        target = int(m.group(2))
+        answer = solve(numbers, self.max_target).get(target, "") if len(numbers) == self.num_numbers else ""
+        return Problem(",".join(map(str, numbers)) + f"={target}", answer, {"numbers": numbers, "target": target})
 
     def score(self, completion: str, problem: Problem) -> float:
         if not isinstance(completion, str):

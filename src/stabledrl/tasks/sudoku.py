@@ -125,6 +125,17 @@ class Sudoku:
             problems.append(Problem(puzzle, solution, {"puzzle": puzzle, "solution": solution}))
         return problems
 
+    def problem_from_prompt(self, prompt: str) -> Problem:
+        """The puzzle a prompt states, with its solution (to score completions of a prompt
+        written by hand); a ValueError if it is not a puzzle with one solution."""
+        puzzle = prompt.strip()
+        if len(puzzle) != 16 or any(c not in "1234." for c in puzzle):
+            raise ValueError(f"{prompt!r} is not a sudoku prompt (16 cells of 1-4 or '.', row by row)")
+        fits = [g for g in all_grids() if all(c in (".", d) for c, d in zip(puzzle, g))]
+        if len(fits) != 1:
+            raise ValueError(f"sudoku prompt {prompt!r} has {len(fits)} solutions, not one")
+        return Problem(puzzle, fits[0], {"puzzle": puzzle, "solution": fits[0]})
+
     def score(self, completion: str, problem: Problem) -> float:
         puzzle, solution = problem.meta["puzzle"], problem.meta["solution"]
         empty = [i for i, c in enumerate(puzzle) if c == "."]
