@@ -96,6 +96,7 @@ from stabledrl.models.attention import (
     staircase_position_ids,
 )
 from stabledrl.models.policy import Policy
+from stabledrl.settings import METHODS
 
 __all__ = [
     "ViewPlan",
@@ -109,7 +110,6 @@ __all__ = [
 ]
 
 Method = Literal["mc", "sdmc", "mean_field", "exact", "blockwise", "path"]
-METHODS: tuple[str, ...] = ("mc", "sdmc", "mean_field", "exact", "blockwise", "path")
 MAX_EXACT_SLOTS = 16
 
 

@@ -31,42 +31,13 @@ from typing import Literal, Sequence
 
 import torch
 
-from stabledrl.config import check
 from stabledrl.data import completion_mask as _completion_mask
 from stabledrl.data import position_ids
 from stabledrl.models.attention import block_causal_attention_mask, block_slices
 from stabledrl.models.policy import Policy
+from stabledrl.settings import SamplingConfig  # defined without torch, for the command line
 
 __all__ = ["SamplingConfig", "GenerationOutput", "generate"]
-
-
-@dataclass
-class SamplingConfig:
-    """How completions are sampled (rollouts and evaluation)."""
-
-    gen_length: int | None = None
-    """Completion slots L; None = the task's `completion_length`."""
-    steps: int | None = None
-    """Denoising steps T; None = L (one slot per step)."""
-    block_length: int | None = None
-    """Semi-autoregressive block size; None = one block of L."""
-    temperature: float = 0.0
-    """Gumbel temperature; 0 = greedy."""
-    remasking: Literal["low_confidence", "random"] = "low_confidence"
-    """Which masked slots to commit each step."""
-    kv_cache: bool = True
-    """Block models: keep the keys/values of the prompt and finished blocks (same tokens, faster)."""
-
-    def generate_kwargs(self) -> dict:
-        """The keyword arguments of `generate` (all but gen_length and generator)."""
-        return dict(steps=self.steps, block_length=self.block_length, temperature=self.temperature,
-                    remasking=self.remasking, kv_cache=self.kv_cache)
-
-    def __post_init__(self) -> None:
-        for name in ("gen_length", "steps", "block_length"):
-            v = getattr(self, name)
-            check(v is None or v >= 1, f"sampling.{name} must be a positive integer or null, got {v}")
-        check(self.temperature >= 0, f"sampling.temperature must be >= 0, got {self.temperature}")
 
 
 @dataclass

@@ -59,6 +59,7 @@ from stabledrl.models.attention import staircase_attention_mask, staircase_posit
 from stabledrl.models.policy import Policy, TinyPolicy
 from stabledrl.models.tiny import TinyDiffusionConfig, TinyDiffusionLM
 from stabledrl.sampling import SamplingConfig
+from stabledrl.settings import TaskConfig  # defined without torch, for the command line
 from stabledrl.tasks import Task, get_task
 from stabledrl.tokenizer import build_char_tokenizer
 
@@ -100,16 +101,6 @@ class ModelConfig:
               f"model.hidden_size ({self.hidden_size}) / num_heads ({self.num_heads}) must be an even integer")
         check(self.attention_kind == "full" or (self.block_size or 0) > 0,
               "model.attention_kind 'block' needs model.block_size > 0")
-
-
-@dataclass
-class TaskConfig:
-    """Which task, with its options (e.g. num_numbers: 4 for Countdown)."""
-
-    name: str = "countdown"
-    """A registered task: countdown, sudoku."""
-    options: dict[str, Any] = field(default_factory=dict)
-    """Keyword arguments of the task's constructor."""
 
 
 @dataclass

@@ -8,34 +8,13 @@ and the drift diagnostic, without a second copy of the weights in memory.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from stabledrl.config import check
+from stabledrl.settings import LoraSettings  # defined without torch, for the command line
 
 __all__ = ["LoraSettings", "add_lora", "base_policy"]
-
-
-@dataclass
-class LoraSettings:
-    """The `lora:` section of a training config."""
-
-    r: int = 8
-    """Rank of each adapter."""
-    alpha: float = 16.0
-    """Scale numerator: the adapter's output is multiplied by alpha / r."""
-    dropout: float = 0.0
-    """Dropout on the adapter's input (0 keeps the update deterministic)."""
-    target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
-    """Module names (or suffixes) to adapt; ["all-linear"]: every linear layer but the output head."""
-
-    def __post_init__(self) -> None:
-        check(self.r >= 1, f"lora.r must be >= 1, got {self.r}")
-        check(self.alpha > 0, f"lora.alpha must be positive, got {self.alpha}")
-        check(0 <= self.dropout < 1, f"lora.dropout must be in [0, 1), got {self.dropout}")
-        check(bool(self.target_modules), "lora.target_modules is empty: name modules or use ['all-linear']")
 
 
 def add_lora(policy: Any, settings: LoraSettings, *, seed: int = 0) -> Any:

@@ -16,15 +16,15 @@ import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar, Literal, Protocol, runtime_checkable
+from typing import Literal, Protocol, runtime_checkable
 
 import torch
 from safetensors import SafetensorError, safe_open
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
-from stabledrl.config import check
 from stabledrl.models.adapters import ADAPTER_FILE, ADAPTERS, load_hf_policy
 from stabledrl.models.tiny import KVCache, TinyDiffusionConfig, TinyDiffusionLM
+from stabledrl.settings import ModelConfig  # defined without torch, for the command line
 
 __all__ = ["Policy", "TinyPolicy", "ModelConfig", "load_policy", "resolve_adapter"]
 
@@ -103,41 +103,6 @@ class TinyPolicy:
     def save(self, path: str | Path) -> None:
         self.model.save_pretrained(path)
         self.tokenizer.save_pretrained(path)
-
-
-@dataclass
-class ModelConfig:
-    """The policy to load: a directory (or Hub name) and the adapter that reads it.
-
-    In YAML, ``model: some/dir`` is short for ``model: {path: some/dir}``."""
-
-    __shorthand__: ClassVar[str] = "path"
-
-    path: str = "checkpoints/countdown-tiny"
-    """Model directory (a stabledrl model, a run's checkpoint, a `transformers` checkpoint or a Hub name)."""
-    adapter: Literal["auto", "tiny", "llada", "dream", "masked_lm", "decoder"] = "auto"
-    """auto: from the checkpoint (stabledrl models, LLaDA, Dream); masked_lm and decoder must be named."""
-    mask_token_id: int | None = None
-    """The mask token; None: the checkpoint's config, then the tokenizer (an error if neither has one)."""
-    block_size: int | None = None
-    """decoder only: the block size S of the block-diffusion reading."""
-    shift_logits: bool | None = None
-    """True if the model's logits[:, i] predict token i+1; None: true for dream only."""
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    """Parameter dtype."""
-    device: str = "auto"
-    """auto (a GPU if there is one, else the CPU), cpu, cuda, cuda:1 ...; in a multi-process run each
-    process uses the device accelerate assigns it, on CPUs when this is cpu."""
-    trust_remote_code: bool | None = None
-    """Run the checkpoint's own modelling code; None: true for llada and dream only."""
-
-    def __post_init__(self) -> None:
-        check(bool(self.path), "model.path is empty: name a model directory")
-        check(self.mask_token_id is None or self.mask_token_id >= 0,
-              f"model.mask_token_id must be >= 0, got {self.mask_token_id}")
-        check(self.block_size is None or self.block_size >= 1, f"model.block_size must be >= 1, got {self.block_size}")
-        check(self.block_size is None or self.adapter in ("decoder", "auto"),
-              "model.block_size is for the decoder adapter (tiny block models store theirs)")
 
 
 def resolve_adapter(path: str | Path, adapter: str = "auto") -> str:
