@@ -116,3 +116,16 @@ def test_bad_input_is_one_line_on_stderr_and_exit_status_2(argv, message, bad_in
     assert len(err.strip().splitlines()) == 1, err
     assert message in err
 
+
+
+def test_a_bad_config_is_reported_before_torch_is_imported(tmp_path):
+    import subprocess
+    import sys
+
+    (tmp_path / "bad.yaml").write_text("steps: -1\n")
+    code = ("import sys; from stabledrl.cli import main; "
+            f"assert main(['train', '--config', {str(tmp_path / 'bad.yaml')!r}]) == 2; "
+            "heavy = sorted({'torch', 'transformers', 'accelerate'} & set(sys.modules)); assert not heavy, heavy")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stderr.strip() == "stabledrl train: error: steps must be >= 1, got -1"

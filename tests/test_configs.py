@@ -85,3 +85,31 @@ def _leaves(d):
     for v in d.values():
         yield from _leaves(v) if isinstance(v, dict) else [v]
 
+
+def test_the_configs_validate_without_torch():
+    # `stabledrl train` and `sft` read and check their config before the slow imports
+    # (torch, transformers: seconds), so a bad value is reported at once.
+    import subprocess
+    import sys
+
+    code = ("import sys; from stabledrl.config import load_config; from stabledrl.settings import SFTConfig, TrainConfig; "
+            "cfg = load_config(TrainConfig, {'steps': 3, 'lora': {'r': 2}, 'model': 'some/dir'}); assert cfg.steps == 3; "
+            "cfg = load_config(SFTConfig, {'model': {'num_layers': 1}}); assert cfg.model.num_layers == 1; "
+            "heavy = sorted({'torch', 'transformers', 'datasets', 'accelerate'} & set(sys.modules)); "
+            "assert not heavy, heavy")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+
+
+def test_the_config_classes_are_still_importable_from_their_modules():
+    from stabledrl import settings
+    from stabledrl.models import ModelConfig
+    from stabledrl.models.lora import LoraSettings
+    from stabledrl.sampling import SamplingConfig
+    from stabledrl.sft import ModelConfig as TinyModelConfig, TaskConfig
+    from stabledrl.train import EstimatorConfig, ObjectiveConfig
+
+    assert (TrainConfig, SFTConfig, EstimatorConfig, ObjectiveConfig, ModelConfig, LoraSettings, SamplingConfig,
+            TaskConfig, TinyModelConfig) == (settings.TrainConfig, settings.SFTConfig, settings.EstimatorConfig,
+                                            settings.ObjectiveConfig, settings.ModelConfig, settings.LoraSettings,
+                                            settings.SamplingConfig, settings.TaskConfig, settings.TinyModelConfig)

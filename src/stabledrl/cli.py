@@ -50,7 +50,7 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 
 def _sampling(args: argparse.Namespace):
-    from stabledrl.sampling import SamplingConfig
+    from stabledrl.settings import SamplingConfig
 
     return load_config(SamplingConfig, {
         "gen_length": args.gen_length, "steps": args.steps, "block_length": args.block_length,
@@ -59,10 +59,12 @@ def _sampling(args: argparse.Namespace):
 
 
 def _cmd_sft(args: argparse.Namespace) -> int:
-    from stabledrl.sft import SFTConfig, run_sft
+    from stabledrl.settings import SFTConfig  # no torch: a bad config is reported at once
 
     cfg = load_config(SFTConfig, args.config, args.set)
     _quiet_transformers()
+    from stabledrl.sft import run_sft
+
     summary = run_sft(cfg, resume=args.resume)
     print(json.dumps(summary))
     print(f"final model: {Path(cfg.output_dir) / 'final'}")
@@ -70,7 +72,7 @@ def _cmd_sft(args: argparse.Namespace) -> int:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    from stabledrl.train import TrainConfig
+    from stabledrl.settings import TrainConfig  # no torch: a bad config is reported at once
 
     overrides = list(args.set) + ([f"model.path={args.model}"] if args.model else [])
     cfg = load_config(TrainConfig, args.config, overrides)
@@ -177,7 +179,7 @@ def _quiet_transformers() -> None:
 
 
 def _model_config(args: argparse.Namespace):
-    from stabledrl.models import ModelConfig
+    from stabledrl.settings import ModelConfig
 
     return ModelConfig(path=args.model, adapter=args.adapter, mask_token_id=args.mask_token_id,
                        block_size=args.block_size, dtype=args.dtype, device=args.device)

@@ -1,9 +1,10 @@
-"""The config dataclasses of `stabledrl train` and of the components it wires, importable
+"""The config dataclasses of `stabledrl train`, `stabledrl sft` and the components they wire, importable
 without torch: the command line reads and checks a config (`stabledrl.config.load_config`)
 in well under a second, before the slow imports of training.
 
-Each class is also importable from its component, as before (`stabledrl.sampling.SamplingConfig`,
-`stabledrl.models.ModelConfig`, `stabledrl.models.lora.LoraSettings`, `stabledrl.sft.TaskConfig`).
+Each class is also importable from where it is used, as before (`stabledrl.train.TrainConfig`,
+`stabledrl.sft.SFTConfig`, `stabledrl.sft.ModelConfig` (here `TinyModelConfig`),
+`stabledrl.sampling.SamplingConfig`, `stabledrl.models.ModelConfig`, `stabledrl.models.lora.LoraSettings`).
 This module imports only the standard library and `stabledrl.config`.
 """
 
@@ -14,10 +15,15 @@ from typing import Any, ClassVar, Literal
 
 from stabledrl.config import check
 
-__all__ = ["METHODS", "ModelConfig", "LoraSettings", "SamplingConfig", "TaskConfig"]
+__all__ = ["METHODS", "MAX_MU", "ModelConfig", "LoraSettings", "SamplingConfig", "TaskConfig", "TinyModelConfig",
+           "SFTConfig", "EstimatorConfig", "ObjectiveConfig", "TrainConfig"]
 
 METHODS: tuple[str, ...] = ("mc", "sdmc", "mean_field", "exact", "blockwise", "path")
 """The likelihood estimators (`stabledrl.likelihood`)."""
+
+MAX_MU = 13
+"""Inner iterations per step at most: `stabledrl.train` seeds 16 streams per step, 3 of them
+for other draws (see its `_seeded`)."""
 
 
 @dataclass
@@ -112,3 +118,222 @@ class TaskConfig:
     """A registered task: countdown, sudoku."""
     options: dict[str, Any] = field(default_factory=dict)
     """Keyword arguments of the task's constructor."""
+
+
+@dataclass
+class TinyModelConfig:
+    """Size and attention of a new `TinyDiffusionLM`."""
+
+    hidden_size: int = 192
+    """Model width D."""
+    num_layers: int = 4
+    """Transformer blocks."""
+    num_heads: int = 6
+    """Attention heads; hidden_size / num_heads must be an even integer."""
+    intermediate_size: int | None = None
+    """SwiGLU hidden width; None = 4 * hidden_size."""
+    attention_kind: Literal["full", "block"] = "full"
+    """full: bidirectional (masked diffusion). block: block-causal (block diffusion)."""
+    block_size: int | None = None
+    """Block size S for attention_kind 'block'."""
+    init_from: str | None = None
+    """A saved model whose weights start the training (same sizes; the attention kind may
+    differ, e.g. a block model initialised from a full-attention one). None = random."""
+
+    def __post_init__(self) -> None:
+        check(self.hidden_size > 0 and self.num_layers > 0 and self.num_heads > 0,
+              "model.hidden_size, num_layers and num_heads must be positive")
+        check(self.hidden_size % self.num_heads == 0 and (self.hidden_size // self.num_heads) % 2 == 0,
+              f"model.hidden_size ({self.hidden_size}) / num_heads ({self.num_heads}) must be an even integer")
+        check(self.attention_kind == "full" or (self.block_size or 0) > 0,
+              "model.attention_kind 'block' needs model.block_size > 0")
+
+
+@dataclass
+class SFTConfig:
+    """`stabledrl sft`: train a tiny masked-diffusion LM from scratch on a task."""
+
+    output_dir: str = "runs/sft"
+    """Run directory: config, metrics, checkpoints, final model, eval JSON."""
+    task: TaskConfig = field(default_factory=TaskConfig)
+    model: TinyModelConfig = field(default_factory=TinyModelConfig)
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    """Sampling used by the evaluations."""
+    seed: int = 0
+    """Seeds initialisation, data order and masks."""
+    steps: int = 4000
+    """Optimizer steps."""
+    batch_size: int = 256
+    """Problems per step."""
+    lr: float = 1e-3
+    """Peak AdamW learning rate."""
+    min_lr_ratio: float = 0.1
+    """Final learning rate as a fraction of lr (cosine decay)."""
+    warmup_steps: int = 200
+    """Linear warmup steps."""
+    weight_decay: float = 0.01
+    """AdamW weight decay."""
+    grad_clip: float = 1.0
+    """Max global gradient norm."""
+    t_min: float = 1e-3
+    """Smallest masking level t, keeps the 1/t weight finite."""
+    stratified_t: bool = True
+    """Spread t evenly over the batch (same marginal, lower variance)."""
+    log_every: int = 20
+    """Steps between metric lines."""
+    eval_every: int = 1000
+    """Steps between held-out evaluations (0 = only at the end)."""
+    eval_n: int = 500
+    """Held-out problems per evaluation (test split, seed 0: the same set as `stabledrl eval`)."""
+    save_every: int = 500
+    """Steps between checkpoints."""
+    threads: int | None = None
+    """torch CPU threads; None = torch's default."""
+
+    def __post_init__(self) -> None:
+        check(self.steps > 0, f"steps must be positive, got {self.steps}")
+        check(self.batch_size > 0, f"batch_size must be positive, got {self.batch_size}")
+        check(self.lr > 0, f"lr must be positive, got {self.lr}")
+        check(0 <= self.min_lr_ratio <= 1, f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        check(0 < self.t_min < 1, f"t_min must be in (0, 1), got {self.t_min}")
+        check(self.warmup_steps >= 0 and self.eval_every >= 0, "warmup_steps and eval_every must be >= 0")
+        check(self.log_every > 0 and self.save_every > 0, "log_every and save_every must be positive")
+        check(self.eval_n > 0, f"eval_n must be positive, got {self.eval_n}")
+
+
+@dataclass
+class EstimatorConfig:
+    """The likelihood estimator ℓ (see stabledrl.likelihood)."""
+
+    method: Literal["mc", "sdmc", "mean_field", "exact", "blockwise", "path"] = "mc"
+    """mc (ELBO), sdmc (GDPO), mean_field (d1), exact (enumeration, tiny L only); blockwise
+    for block-diffusion models (per-block ELBO terms in one staircase pass); path (either
+    kind: the log-probability along the rollout's own decoding order, num_samples 1)."""
+    num_samples: int = 1
+    """K: masks per sequence (per node for sdmc)."""
+    options: dict[str, Any] = field(default_factory=dict)
+    """Method options: mc: masking, stratified, antithetic; sdmc: num_nodes; mean_field: p_prompt;
+    blockwise: inner (mc | sdmc | exact), num_nodes, stratified."""
+    reduction: Literal["sum", "mean"] = "sum"
+    """sum: a log-likelihood; mean: per scored token."""
+    max_views_per_forward: int | None = None
+    """Noised views per forward. None: all at once, one graph for the update. Set: the
+    update scores ℓ without a graph, takes ∂loss/∂ℓ, and back-propagates one micro-batch
+    of views at a time (one extra no-grad forward; memory independent of the views)."""
+
+    def __post_init__(self) -> None:
+        check(self.method in METHODS, f"estimator.method must be one of {METHODS}")
+        check(self.num_samples >= 1, f"estimator.num_samples must be >= 1, got {self.num_samples}")
+        check(self.method != "path" or (self.num_samples == 1 and not self.options),
+              "estimator.method 'path' is deterministic and takes no options: set num_samples: 1 and no options")
+
+
+@dataclass
+class ObjectiveConfig:
+    """The policy-gradient objective (see stabledrl.objectives)."""
+
+    name: Literal["grpo", "stabledrl"] = "stabledrl"
+    """grpo: conditional clip, 1/G. stabledrl: unconditional clip, self-normalised."""
+    ratio_level: Literal["sequence", "sequence_normalized", "token"] = "sequence"
+    """sequence: exp(ℓ−ℓ_old); sequence_normalized: divided by |y| (GDPO); token: per token (d1, mean_field)."""
+    clip_eps: float = 0.2
+    """ε of the [1−ε, 1+ε] clip (grpo, stabledrl two_sided) and of the diagnostics."""
+    clip: Literal["upper", "two_sided"] = "upper"
+    """stabledrl: upper min(ρ, clip_max) (authors' code) or two-sided (paper)."""
+    clip_max: float = 5.0
+    """stabledrl upper clip c."""
+    beta: float = 0.0
+    """Weight of the k3 KL to the initial policy (grpo only)."""
+    advantage_scale: Literal["none", "std"] = "none"
+    """none: r − mean (StableDRL, d1); std: divided by the group std (original GRPO)."""
+    separate_weight_masks: bool = False
+    """stabledrl: compute the weights' likelihoods on a separate mask draw (SPEC §9)."""
+
+    def __post_init__(self) -> None:
+        check(0 < self.clip_eps < 1, f"objective.clip_eps must be in (0, 1), got {self.clip_eps}")
+        check(self.clip_max > 1, f"objective.clip_max must be > 1, got {self.clip_max}")
+        check(self.beta >= 0, f"objective.beta must be >= 0, got {self.beta}")
+        check(self.name == "grpo" or self.beta == 0,
+              "objective.beta > 0 is for grpo; stabledrl has no KL term (set beta: 0)")
+        check(self.name == "stabledrl" or not self.separate_weight_masks,
+              "objective.separate_weight_masks is a stabledrl option")
+        check(self.name == "grpo" or self.ratio_level != "token",
+              "stabledrl weights sequences: ratio_level must be sequence or sequence_normalized")
+
+
+@dataclass
+class TrainConfig:
+    """`stabledrl train`: RL from a saved policy."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """The initial policy (also the KL reference and drift baseline); `model: dir` is short for `model: {path: dir}`."""
+    lora: LoraSettings | None = None
+    """Train LoRA adapters instead of every weight; the reference is then the base model (adapters off)."""
+    output_dir: str = "runs/train"
+    """Run directory: config, metrics.jsonl, TensorBoard, checkpoints, final model."""
+    task: TaskConfig = field(default_factory=TaskConfig)
+    objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
+    estimator: EstimatorConfig = field(default_factory=EstimatorConfig)
+    rollout: SamplingConfig = field(default_factory=lambda: SamplingConfig(temperature=1.0))
+    """Sampling of the rollouts (temperature > 0 for diverse groups)."""
+    eval_sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    """Sampling of the held-out evaluation (greedy by default, as `stabledrl eval`)."""
+    masks: Literal["shared", "independent"] = "shared"
+    """shared: ℓ_θ on ℓ_old's masks (common random numbers); independent: fresh masks."""
+    zero_variance_groups: Literal["keep", "skip", "resample"] = "skip"
+    """Groups whose rewards are all equal (zero advantage, no signal): keep them, skip them,
+    or skip them and roll out fresh prompts to refill the step (up to max_resample_rounds).
+    Counters: `zero_variance_groups` counts every such group rolled out, in every round;
+    `resampled_groups` counts the groups rolled out in extra rounds (kept or not); the
+    step's `zero_variance_fraction` and reward statistics describe the first round only."""
+    max_resample_rounds: int = 2
+    """resample: extra rollout rounds per step at most (each costs a rollout of the missing groups)."""
+    seed: int = 0
+    """Seeds the prompts, rollouts and masks of every step (a step's draws depend only on (seed, step))."""
+    steps: int = 100
+    """RL steps (each: rollouts + mu optimizer updates)."""
+    prompts_per_step: int = 16
+    """Distinct training problems per step."""
+    group_size: int = 8
+    """G: completions per prompt."""
+    mu: int = 1
+    """Inner optimizer iterations per batch of rollouts."""
+    optimizer: Literal["adamw", "sgd"] = "adamw"
+    """adamw, or plain sgd (no momentum: the update is −lr·g, which makes updates easy to compare)."""
+    lr: float = 1e-5
+    """Learning rate."""
+    min_lr_ratio: float = 1.0
+    """Final lr / lr (cosine); 1.0 = constant."""
+    warmup_steps: int = 0
+    """Linear warmup steps."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    grad_clip: float = 1.0
+    """Max global gradient norm (the norm before clipping is logged)."""
+    eval_every: int = 0
+    """Steps between held-out evaluations (0: start and end only)."""
+    eval_n: int = 500
+    """Held-out problems (test split, seed 0: the set `stabledrl eval` uses)."""
+    save_every: int = 50
+    """Steps between checkpoints (and at the end)."""
+    log_every: int = 1
+    """Steps between metric lines (JSONL and TensorBoard)."""
+    threads: int | None = None
+    """torch CPU threads; None = torch's default."""
+    drift_kl: bool = True
+    """Score the rollouts under the initial policy each step for the `drift_kl` diagnostic. Costs
+    a forward and, without LoRA, a second copy of the model: turn it off for large models
+    when beta is 0 (a KL term needs the reference anyway)."""
+
+    def __post_init__(self) -> None:
+        check(0 <= self.max_resample_rounds <= 63,  # _resample_seed keeps 64 streams per step
+              f"max_resample_rounds must be in [0, 63], got {self.max_resample_rounds}")
+        for name in ("steps", "prompts_per_step", "group_size", "mu", "eval_n", "save_every", "log_every"):
+            check(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}")
+        check(self.mu <= MAX_MU, f"mu must be at most {MAX_MU} (each inner iteration has its own seed slot)")
+        check(self.group_size >= 2, "group_size must be >= 2: advantages compare completions of one prompt")
+        check(self.lr > 0, f"lr must be positive, got {self.lr}")
+        check(self.optimizer == "adamw" or self.weight_decay == 0, "weight_decay is an adamw option; set it to 0")
+        check(self.rollout.temperature > 0 or self.rollout.remasking == "random",
+              "rollout.temperature is 0 with low_confidence remasking: every completion of a group would be "
+              "identical; set rollout.temperature > 0")

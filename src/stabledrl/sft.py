@@ -34,9 +34,8 @@ from __future__ import annotations
 import json
 import math
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -59,7 +58,7 @@ from stabledrl.models.attention import staircase_attention_mask, staircase_posit
 from stabledrl.models.policy import Policy, TinyPolicy
 from stabledrl.models.tiny import TinyDiffusionConfig, TinyDiffusionLM
 from stabledrl.sampling import SamplingConfig
-from stabledrl.settings import TaskConfig  # defined without torch, for the command line
+from stabledrl.settings import SFTConfig, TaskConfig, TinyModelConfig as ModelConfig  # no torch: for the CLI
 from stabledrl.tasks import Task, get_task
 from stabledrl.tokenizer import build_char_tokenizer
 
@@ -72,87 +71,6 @@ __all__ = [
     "block_diffusion_loss",
     "run_sft",
 ]
-
-
-@dataclass
-class ModelConfig:
-    """Size and attention of a new `TinyDiffusionLM`."""
-
-    hidden_size: int = 192
-    """Model width D."""
-    num_layers: int = 4
-    """Transformer blocks."""
-    num_heads: int = 6
-    """Attention heads; hidden_size / num_heads must be an even integer."""
-    intermediate_size: int | None = None
-    """SwiGLU hidden width; None = 4 * hidden_size."""
-    attention_kind: Literal["full", "block"] = "full"
-    """full: bidirectional (masked diffusion). block: block-causal (block diffusion)."""
-    block_size: int | None = None
-    """Block size S for attention_kind 'block'."""
-    init_from: str | None = None
-    """A saved model whose weights start the training (same sizes; the attention kind may
-    differ, e.g. a block model initialised from a full-attention one). None = random."""
-
-    def __post_init__(self) -> None:
-        check(self.hidden_size > 0 and self.num_layers > 0 and self.num_heads > 0,
-              "model.hidden_size, num_layers and num_heads must be positive")
-        check(self.hidden_size % self.num_heads == 0 and (self.hidden_size // self.num_heads) % 2 == 0,
-              f"model.hidden_size ({self.hidden_size}) / num_heads ({self.num_heads}) must be an even integer")
-        check(self.attention_kind == "full" or (self.block_size or 0) > 0,
-              "model.attention_kind 'block' needs model.block_size > 0")
-
-
-@dataclass
-class SFTConfig:
-    """`stabledrl sft`: train a tiny masked-diffusion LM from scratch on a task."""
-
-    output_dir: str = "runs/sft"
-    """Run directory: config, metrics, checkpoints, final model, eval JSON."""
-    task: TaskConfig = field(default_factory=TaskConfig)
-    model: ModelConfig = field(default_factory=ModelConfig)
-    sampling: SamplingConfig = field(default_factory=SamplingConfig)
-    """Sampling used by the evaluations."""
-    seed: int = 0
-    """Seeds initialisation, data order and masks."""
-    steps: int = 4000
-    """Optimizer steps."""
-    batch_size: int = 256
-    """Problems per step."""
-    lr: float = 1e-3
-    """Peak AdamW learning rate."""
-    min_lr_ratio: float = 0.1
-    """Final learning rate as a fraction of lr (cosine decay)."""
-    warmup_steps: int = 200
-    """Linear warmup steps."""
-    weight_decay: float = 0.01
-    """AdamW weight decay."""
-    grad_clip: float = 1.0
-    """Max global gradient norm."""
-    t_min: float = 1e-3
-    """Smallest masking level t, keeps the 1/t weight finite."""
-    stratified_t: bool = True
-    """Spread t evenly over the batch (same marginal, lower variance)."""
-    log_every: int = 20
-    """Steps between metric lines."""
-    eval_every: int = 1000
-    """Steps between held-out evaluations (0 = only at the end)."""
-    eval_n: int = 500
-    """Held-out problems per evaluation (test split, seed 0: the same set as `stabledrl eval`)."""
-    save_every: int = 500
-    """Steps between checkpoints."""
-    threads: int | None = None
-    """torch CPU threads; None = torch's default."""
-
-    def __post_init__(self) -> None:
-        check(self.steps > 0, f"steps must be positive, got {self.steps}")
-        check(self.batch_size > 0, f"batch_size must be positive, got {self.batch_size}")
-        check(self.lr > 0, f"lr must be positive, got {self.lr}")
-        check(0 <= self.min_lr_ratio <= 1, f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
-        check(0 < self.t_min < 1, f"t_min must be in (0, 1), got {self.t_min}")
-        check(self.warmup_steps >= 0 and self.eval_every >= 0, "warmup_steps and eval_every must be >= 0")
-        check(self.log_every > 0 and self.save_every > 0, "log_every and save_every must be positive")
-        check(self.eval_n > 0, f"eval_n must be positive, got {self.eval_n}")
 
 
 def sample_mask_levels(

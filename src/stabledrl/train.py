@@ -46,9 +46,8 @@ import json
 import math
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from tqdm.auto import tqdm
@@ -66,20 +65,19 @@ from stabledrl.checkpoint import (
 from stabledrl.config import ConfigError, check, to_dict
 from stabledrl.data import decode_completions, encode_prompts
 from stabledrl.evaluate import evaluate
-from stabledrl.likelihood import METHODS, backward_views, plan_views, score_views
+from stabledrl.likelihood import backward_views, plan_views, score_views
 from stabledrl.metrics import metrics_line
-from stabledrl.models.lora import LoraSettings, add_lora, base_policy
-from stabledrl.models.policy import ModelConfig, load_policy
+from stabledrl.models.lora import add_lora, base_policy
+from stabledrl.models.policy import load_policy
 from stabledrl.objectives import LossOutput, group_advantages, grpo_loss, stabledrl_loss
 from stabledrl.sampling import SamplingConfig, generate
-from stabledrl.sft import TaskConfig
+from stabledrl.settings import MAX_MU, EstimatorConfig, ObjectiveConfig, TrainConfig  # no torch: for the CLI
 from stabledrl.tasks import get_task
 
 __all__ = ["EstimatorConfig", "ObjectiveConfig", "TrainConfig", "run_train"]
 
 
-_SEED_SLOTS = 16  # per step: 0 unused (rollouts draw per row, `_row_generators`), 1 ℓ_old masks, 2 weight masks, 3.. inner-iteration masks
-MAX_MU = _SEED_SLOTS - 3
+_SEED_SLOTS = MAX_MU + 3  # per step: 0 unused (rollouts draw per row, `_row_generators`), 1 ℓ_old masks, 2 weight masks, 3.. inner-iteration masks
 
 
 def _seeded(seed: int, step: int, purpose: int) -> torch.Generator:
@@ -87,144 +85,6 @@ def _seeded(seed: int, step: int, purpose: int) -> torch.Generator:
     if not 0 <= purpose < _SEED_SLOTS:
         raise ValueError(f"seed slot {purpose} out of range")
     return torch.Generator().manual_seed(seed * 1_000_003 + step * _SEED_SLOTS + purpose)
-
-
-@dataclass
-class EstimatorConfig:
-    """The likelihood estimator ℓ (see stabledrl.likelihood)."""
-
-    method: Literal["mc", "sdmc", "mean_field", "exact", "blockwise", "path"] = "mc"
-    """mc (ELBO), sdmc (GDPO), mean_field (d1), exact (enumeration, tiny L only); blockwise
-    for block-diffusion models (per-block ELBO terms in one staircase pass); path (either
-    kind: the log-probability along the rollout's own decoding order, num_samples 1)."""
-    num_samples: int = 1
-    """K: masks per sequence (per node for sdmc)."""
-    options: dict[str, Any] = field(default_factory=dict)
-    """Method options: mc: masking, stratified, antithetic; sdmc: num_nodes; mean_field: p_prompt;
-    blockwise: inner (mc | sdmc | exact), num_nodes, stratified."""
-    reduction: Literal["sum", "mean"] = "sum"
-    """sum: a log-likelihood; mean: per scored token."""
-    max_views_per_forward: int | None = None
-    """Noised views per forward. None: all at once, one graph for the update. Set: the
-    update scores ℓ without a graph, takes ∂loss/∂ℓ, and back-propagates one micro-batch
-    of views at a time (one extra no-grad forward; memory independent of the views)."""
-
-    def __post_init__(self) -> None:
-        check(self.method in METHODS, f"estimator.method must be one of {METHODS}")
-        check(self.num_samples >= 1, f"estimator.num_samples must be >= 1, got {self.num_samples}")
-        check(self.method != "path" or (self.num_samples == 1 and not self.options),
-              "estimator.method 'path' is deterministic and takes no options: set num_samples: 1 and no options")
-
-
-@dataclass
-class ObjectiveConfig:
-    """The policy-gradient objective (see stabledrl.objectives)."""
-
-    name: Literal["grpo", "stabledrl"] = "stabledrl"
-    """grpo: conditional clip, 1/G. stabledrl: unconditional clip, self-normalised."""
-    ratio_level: Literal["sequence", "sequence_normalized", "token"] = "sequence"
-    """sequence: exp(ℓ−ℓ_old); sequence_normalized: divided by |y| (GDPO); token: per token (d1, mean_field)."""
-    clip_eps: float = 0.2
-    """ε of the [1−ε, 1+ε] clip (grpo, stabledrl two_sided) and of the diagnostics."""
-    clip: Literal["upper", "two_sided"] = "upper"
-    """stabledrl: upper min(ρ, clip_max) (authors' code) or two-sided (paper)."""
-    clip_max: float = 5.0
-    """stabledrl upper clip c."""
-    beta: float = 0.0
-    """Weight of the k3 KL to the initial policy (grpo only)."""
-    advantage_scale: Literal["none", "std"] = "none"
-    """none: r − mean (StableDRL, d1); std: divided by the group std (original GRPO)."""
-    separate_weight_masks: bool = False
-    """stabledrl: compute the weights' likelihoods on a separate mask draw (SPEC §9)."""
-
-    def __post_init__(self) -> None:
-        check(0 < self.clip_eps < 1, f"objective.clip_eps must be in (0, 1), got {self.clip_eps}")
-        check(self.clip_max > 1, f"objective.clip_max must be > 1, got {self.clip_max}")
-        check(self.beta >= 0, f"objective.beta must be >= 0, got {self.beta}")
-        check(self.name == "grpo" or self.beta == 0,
-              "objective.beta > 0 is for grpo; stabledrl has no KL term (set beta: 0)")
-        check(self.name == "stabledrl" or not self.separate_weight_masks,
-              "objective.separate_weight_masks is a stabledrl option")
-        check(self.name == "grpo" or self.ratio_level != "token",
-              "stabledrl weights sequences: ratio_level must be sequence or sequence_normalized")
-
-
-@dataclass
-class TrainConfig:
-    """`stabledrl train`: RL from a saved policy."""
-
-    model: ModelConfig = field(default_factory=ModelConfig)
-    """The initial policy (also the KL reference and drift baseline); `model: dir` is short for `model: {path: dir}`."""
-    lora: LoraSettings | None = None
-    """Train LoRA adapters instead of every weight; the reference is then the base model (adapters off)."""
-    output_dir: str = "runs/train"
-    """Run directory: config, metrics.jsonl, TensorBoard, checkpoints, final model."""
-    task: TaskConfig = field(default_factory=TaskConfig)
-    objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
-    estimator: EstimatorConfig = field(default_factory=EstimatorConfig)
-    rollout: SamplingConfig = field(default_factory=lambda: SamplingConfig(temperature=1.0))
-    """Sampling of the rollouts (temperature > 0 for diverse groups)."""
-    eval_sampling: SamplingConfig = field(default_factory=SamplingConfig)
-    """Sampling of the held-out evaluation (greedy by default, as `stabledrl eval`)."""
-    masks: Literal["shared", "independent"] = "shared"
-    """shared: ℓ_θ on ℓ_old's masks (common random numbers); independent: fresh masks."""
-    zero_variance_groups: Literal["keep", "skip", "resample"] = "skip"
-    """Groups whose rewards are all equal (zero advantage, no signal): keep them, skip them,
-    or skip them and roll out fresh prompts to refill the step (up to max_resample_rounds).
-    Counters: `zero_variance_groups` counts every such group rolled out, in every round;
-    `resampled_groups` counts the groups rolled out in extra rounds (kept or not); the
-    step's `zero_variance_fraction` and reward statistics describe the first round only."""
-    max_resample_rounds: int = 2
-    """resample: extra rollout rounds per step at most (each costs a rollout of the missing groups)."""
-    seed: int = 0
-    """Seeds the prompts, rollouts and masks of every step (a step's draws depend only on (seed, step))."""
-    steps: int = 100
-    """RL steps (each: rollouts + mu optimizer updates)."""
-    prompts_per_step: int = 16
-    """Distinct training problems per step."""
-    group_size: int = 8
-    """G: completions per prompt."""
-    mu: int = 1
-    """Inner optimizer iterations per batch of rollouts."""
-    optimizer: Literal["adamw", "sgd"] = "adamw"
-    """adamw, or plain sgd (no momentum: the update is −lr·g, which makes updates easy to compare)."""
-    lr: float = 1e-5
-    """Learning rate."""
-    min_lr_ratio: float = 1.0
-    """Final lr / lr (cosine); 1.0 = constant."""
-    warmup_steps: int = 0
-    """Linear warmup steps."""
-    weight_decay: float = 0.0
-    """AdamW weight decay."""
-    grad_clip: float = 1.0
-    """Max global gradient norm (the norm before clipping is logged)."""
-    eval_every: int = 0
-    """Steps between held-out evaluations (0: start and end only)."""
-    eval_n: int = 500
-    """Held-out problems (test split, seed 0: the set `stabledrl eval` uses)."""
-    save_every: int = 50
-    """Steps between checkpoints (and at the end)."""
-    log_every: int = 1
-    """Steps between metric lines (JSONL and TensorBoard)."""
-    threads: int | None = None
-    """torch CPU threads; None = torch's default."""
-    drift_kl: bool = True
-    """Score the rollouts under the initial policy each step for the `drift_kl` diagnostic. Costs
-    a forward and, without LoRA, a second copy of the model: turn it off for large models
-    when beta is 0 (a KL term needs the reference anyway)."""
-
-    def __post_init__(self) -> None:
-        check(0 <= self.max_resample_rounds <= 63,  # _resample_seed keeps 64 streams per step
-              f"max_resample_rounds must be in [0, 63], got {self.max_resample_rounds}")
-        for name in ("steps", "prompts_per_step", "group_size", "mu", "eval_n", "save_every", "log_every"):
-            check(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}")
-        check(self.mu <= MAX_MU, f"mu must be at most {MAX_MU} (each inner iteration has its own seed slot)")
-        check(self.group_size >= 2, "group_size must be >= 2: advantages compare completions of one prompt")
-        check(self.lr > 0, f"lr must be positive, got {self.lr}")
-        check(self.optimizer == "adamw" or self.weight_decay == 0, "weight_decay is an adamw option; set it to 0")
-        check(self.rollout.temperature > 0 or self.rollout.remasking == "random",
-              "rollout.temperature is 0 with low_confidence remasking: every completion of a group would be "
-              "identical; set rollout.temperature > 0")
 
 
 class _ForwardClock:
