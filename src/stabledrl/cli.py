@@ -142,7 +142,7 @@ def _cmd_sample(args: argparse.Namespace) -> int:
     policy = load_policy(_model_config(args))
     gen_length = sampling.gen_length or task.completion_length
     prompts = [p for p in args.prompt for _ in range(args.num_samples)]
-    ids, mask = encode_prompts(policy.tokenizer, prompts)
+    ids, mask = encode_prompts(policy.tokenizer, prompts, strict=True)  # typed by hand: no silent UNK
     problems = {p: _problem_of(task, p) for p in args.prompt}  # None: no reward to show
     out = generate(
         policy, ids, mask, gen_length=gen_length, generator=torch.Generator().manual_seed(args.seed),

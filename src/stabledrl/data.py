@@ -18,12 +18,15 @@ from transformers import PreTrainedTokenizerBase
 __all__ = ["encode_prompts", "encode_completions", "completion_mask", "decode_completions", "position_ids"]
 
 
-def encode_prompts(tokenizer: PreTrainedTokenizerBase, prompts: Sequence[str]) -> tuple[torch.Tensor, torch.Tensor]:
+def encode_prompts(tokenizer: PreTrainedTokenizerBase, prompts: Sequence[str], *,
+                   strict: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Left-padded prompt ids (B, P) with BOS first, and their attention mask (B, P).
-    Raises if a prompt has characters the tokenizer does not know."""
+    `strict`: a ValueError naming the characters the tokenizer does not know (else they
+    become UNK, which a model never saw: its completion answers another prompt)."""
     if not prompts:
         raise ValueError("no prompts to encode")
-    rows = [[tokenizer.bos_token_id] + _encode(tokenizer, p, "prompt") for p in prompts]
+    rows = [[tokenizer.bos_token_id] + (_strict_encode(tokenizer, p, "prompt") if strict else
+                                        tokenizer.encode(p, add_special_tokens=False)) for p in prompts]
     width = max(map(len, rows))
     ids = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)
     mask = torch.zeros((len(rows), width), dtype=torch.long)
@@ -37,16 +40,15 @@ def encode_completions(tokenizer: PreTrainedTokenizerBase, answers: Sequence[str
     """Completion ids (B, L): answer, EOS, then PAD. Raises if an answer does not fit."""
     ids = torch.full((len(answers), length), tokenizer.pad_token_id, dtype=torch.long)
     for i, a in enumerate(answers):
-        r = _encode(tokenizer, a, "answer") + [tokenizer.eos_token_id]
+        r = tokenizer.encode(a, add_special_tokens=False) + [tokenizer.eos_token_id]
         if len(r) > length:
             raise ValueError(f"answer {a!r} needs {len(r)} slots with EOS; completion length is {length}")
         ids[i, : len(r)] = torch.tensor(r)
     return ids
 
 
-def _encode(tokenizer: PreTrainedTokenizerBase, text: str, what: str) -> list[int]:
-    """Token ids of `text`; a ValueError naming the characters that would become UNK (the
-    model never saw UNK: it would answer another prompt, or learn another answer)."""
+def _strict_encode(tokenizer: PreTrainedTokenizerBase, text: str, what: str) -> list[int]:
+    """Token ids of `text`; a ValueError naming the characters that would become UNK."""
     ids = tokenizer.encode(text, add_special_tokens=False)
     unk = tokenizer.unk_token_id
     if unk is not None and unk in ids:
