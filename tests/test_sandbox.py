@@ -7,12 +7,16 @@ tests that check a specific OS layer are skipped where it is not in force.
 import os
 import socket
 import textwrap
+import threading
+import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 
 import psutil
 import pytest
 
+import stabledrl.sandbox as sandbox
 from stabledrl.sandbox import UID_RANGE, run_python
 
 FAST = dict(timeout_s=1.5, memory_mb=256, max_processes=16)
@@ -47,8 +51,11 @@ def test_correct_program_passes():
 def test_every_layer_is_in_force_as_root():
     # Fails on purpose where root lacks CAP_SYS_ADMIN (e.g. an unprivileged container):
     # the sandbox then runs with fewer layers, which you should know about.
+    # The program's memory bound: a cgroup where one can be made here, else the monitor.
+    memory = {"memory-cgroup", "memory-monitor"} & set(LAYERS)
+    assert len(memory) == 1
     assert LAYERS == ("process-group", "net-ns", "pid-ns", "ipc-ns", "mount-ns", "readonly-fs", "private-tmpfs",
-                      "uid", "no-new-privs", "rlimits", "audit-hook")
+                      "uid", "no-new-privs", "rlimits", *memory, "audit-hook")
 
 
 def test_infinite_loop_is_killed_at_the_wall_time_limit(no_leftovers):
@@ -101,6 +108,185 @@ def test_a_daemon_that_escapes_the_process_group_dies_with_the_program(no_leftov
     """)
     r = run_python(code, **FAST)
     assert (r.ok, r.stdout) == (True, "parent done\n")
+
+
+def test_the_run_ends_when_the_main_process_exits():
+    # The documented semantics: a child still running when its parent (the program) exits is
+    # killed then. It sleeps first, so it is still asleep when the parent has gone.
+    r = run_python("import os, time\nif os.fork() == 0:\n    time.sleep(3)\n    print('late')", **FAST)
+    assert (r.ok, r.stdout) == (True, "")  # waiting for the child would have run into the time limit
+
+
+# --- one memory bound for the whole program ------------------------------------------
+# Each hostile program asks for far more than BOUND_MB in all. Pieces of 0.6 · BOUND_MB fit
+# under the per-process RLIMIT_AS (also BOUND_MB), so only the bound on the whole program
+# can stop their sum; 420 MB pieces are over RLIMIT_AS by themselves.
+BOUND_MB = 256
+PIECE_MB = int(0.6 * BOUND_MB)
+SLACK_MB = {"cgroup": 32, "monitor": 96}
+"""What the measured peak may exceed the bound by. Both: the samples of a program's processes
+are taken one after another, not at one instant (measured up to 11 MB over under the cgroup),
+and its first pages are shared with the bootstrap. The monitor: a program touches more
+memory within one 5 ms interval, or a longer one on a busy machine, before it is killed.
+Without the bound the peaks are 1.2 GB and more."""
+
+
+def _layers_without_cgroups() -> tuple[str, ...]:
+    before, sandbox._USE_CGROUPS = sandbox._USE_CGROUPS, False
+    try:
+        return run_python("pass", timeout_s=10).layers
+    finally:
+        sandbox._USE_CGROUPS = before
+
+
+MECHANISMS = [pytest.param("cgroup", marks=needs("memory-cgroup")),
+              pytest.param("monitor", marks=pytest.mark.skipif("memory-monitor" not in _layers_without_cgroups(),
+                                                               reason="the monitor needs root or a PID namespace"))]
+
+
+@pytest.fixture
+def mechanism(request, monkeypatch):
+    """Run the test under the memory cgroup, or under the monitor that replaces it where no cgroup can be made."""
+    monkeypatch.setattr(sandbox, "_USE_CGROUPS", request.param == "cgroup")
+    layers = run_python("pass", **FAST).layers
+    assert f"memory-{request.param}" in layers, layers
+    return request.param
+
+
+def _anon_and_shmem_pss(pid: int) -> int:
+    """Bytes of anonymous and shared memory of a process, shared pages split between their
+    sharers (Pss_Anon + Pss_Shmem); file pages (the interpreter's code) are left out."""
+    with open(f"/proc/{pid}/smaps_rollup") as f:
+        fields = dict(line.split(":", 1) for line in f.read().splitlines()[1:])
+    return sum(int(fields[k].split()[0]) for k in ("Pss_Anon", "Pss_Shmem")) * 1024
+
+
+@contextmanager
+def peak_program_memory():
+    """Yield a list whose [0] becomes the most memory the programs of our sandboxes held at
+    once while the block ran: the sum of `_anon_and_shmem_pss` of every process below our own
+    children (the sandboxes' bootstraps, which are the sandbox's, not the program's), sampled
+    every few ms. Host-wide memory (MemAvailable) would not do: other work on the machine
+    moves it by 100s of MB within a second."""
+    peak, stop = [0], threading.Event()
+
+    def sample():
+        me = psutil.Process()
+        while not stop.is_set():
+            total = 0
+            for child in me.children():
+                try:
+                    below = child.children(recursive=True)
+                except psutil.Error:
+                    continue
+                for p in below:
+                    try:
+                        total += _anon_and_shmem_pss(p.pid)
+                    except (OSError, KeyError):  # gone, or a zombie (no fields)
+                        pass
+            peak[0] = max(peak[0], total)
+            time.sleep(0.002)
+
+    thread = threading.Thread(target=sample)
+    thread.start()
+    try:
+        yield peak
+    finally:
+        stop.set()
+        thread.join()
+
+
+def assert_bounded(r, peak: int, mechanism: str) -> None:
+    assert (r.ok, r.reason) == (False, "memory"), (r.reason, r.stderr[-500:])
+    allowed = BOUND_MB + SLACK_MB[mechanism]
+    assert peak < allowed * 2**20, f"the program held {peak / 2**20:.0f} MB at once"
+
+
+@pytest.mark.parametrize("mechanism", MECHANISMS, indirect=True)
+@pytest.mark.parametrize("piece_mb", [PIECE_MB, 420])
+def test_forked_children_share_one_memory_bound(mechanism, piece_mb, no_leftovers):
+    code = textwrap.dedent(f"""
+        import os, time
+        children = []
+        for _ in range(8):
+            pid = os.fork()
+            if pid == 0:
+                x = bytearray({piece_mb} << 20)  # zero-filled: every page touched
+                time.sleep(4)
+                os._exit(0)
+            children.append(pid)
+        for pid in children:
+            os.waitpid(pid, 0)
+    """)
+    with peak_program_memory() as peak:
+        r = run_python(code, memory_mb=BOUND_MB, timeout_s=6)
+    assert_bounded(r, peak[0], mechanism)
+    assert r.seconds < 3  # stopped at the bound, not at the children's sleep or the time limit
+
+
+@pytest.mark.parametrize("mechanism", MECHANISMS, indirect=True)
+def test_threads_share_one_memory_bound(mechanism, no_leftovers):
+    # Threads share their process's address space, so RLIMIT_AS already bounds them together;
+    # what this checks is the verdict: the threads die of MemoryError, the main thread exits 0,
+    # and the reason is still "memory" (it was "ok").
+    code = textwrap.dedent("""
+        import threading
+        hold = []
+        threads = [threading.Thread(target=lambda: hold.append(bytearray(420 << 20))) for _ in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    """)
+    with peak_program_memory() as peak:
+        r = run_python(code, memory_mb=BOUND_MB, timeout_s=6)
+    assert_bounded(r, peak[0], mechanism)
+
+
+@pytest.mark.parametrize("mechanism", MECHANISMS, indirect=True)
+@pytest.mark.parametrize("code", [
+    # one anonymous map of 4 GiB, touched page by page (RLIMIT_AS refuses it, as it did)
+    "import mmap\nm = mmap.mmap(-1, 4 << 30)\nfor i in range(0, len(m), 4096):\n    m[i] = 1",
+    # 8 children with a shared anonymous map each (shmem: not in RssAnon), touched, kept
+    textwrap.dedent(f"""
+        import mmap, os, time
+        children = []
+        for _ in range(8):
+            pid = os.fork()
+            if pid == 0:
+                m = mmap.mmap(-1, {PIECE_MB} << 20, flags=mmap.MAP_SHARED)
+                for i in range(0, len(m), 4096):
+                    m[i] = 1
+                time.sleep(4)
+                os._exit(0)
+            children.append(pid)
+        for pid in children:
+            os.waitpid(pid, 0)
+    """),
+], ids=["one-4GiB-map", "8-children-shared-maps"])
+def test_mapped_memory_counts_against_the_bound(mechanism, code, no_leftovers):
+    with peak_program_memory() as peak:
+        r = run_python(code, memory_mb=BOUND_MB, timeout_s=6)
+    assert_bounded(r, peak[0], mechanism)
+    assert r.seconds < 3
+
+
+@pytest.mark.parametrize("mechanism", MECHANISMS, indirect=True)
+def test_a_program_under_the_bound_in_all_is_left_alone(mechanism, no_leftovers):
+    # 4 children × 0.15 · BOUND_MB, plus 5 interpreters: about 60% of the bound.
+    code = textwrap.dedent(f"""
+        import os
+        children = []
+        for _ in range(4):
+            pid = os.fork()
+            if pid == 0:
+                x = bytearray({int(0.15 * BOUND_MB)} << 20)
+                os._exit(0)
+            children.append(pid)
+        print(sum(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid in children))
+    """)
+    r = run_python(code, memory_mb=BOUND_MB, timeout_s=6)
+    assert (r.ok, r.reason, r.stdout) == (True, "ok", "0\n"), r.stderr
 
 
 @pytest.mark.parametrize("audit_hook", [True, False])
@@ -228,7 +414,10 @@ def test_unicode_output_round_trips():
 
 def test_concurrent_runs_do_not_interfere(no_leftovers):
     # A fork bomb next to ordinary programs: with a uid per run, its process count is its own.
-    codes = ["import os\nwhile True:\n    os.fork()"] + [f"import os\nos.fork() or print({i})" for i in range(5)]
+    # Each ordinary program forks a child that prints, and waits for it: the run ends when the
+    # main process exits, and a child still running then is killed, printed or not.
+    codes = ["import os\nwhile True:\n    os.fork()"] + [
+        f"import os\nif os.fork() == 0:\n    print({i})\nelse:\n    os.wait()" for i in range(5)]
     with ThreadPoolExecutor(3) as pool:
         results = list(pool.map(lambda c: run_python(c, **FAST), codes))
     assert results[0].reason == "process limit" or "uid" not in LAYERS

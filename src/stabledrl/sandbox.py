@@ -9,6 +9,11 @@
 `SandboxResult(ok=False, reason=...)`. It kills every process the program started and
 removes its directory before returning.
 
+The program is its main process: the run ends when that process exits, and whatever it
+leaves running is killed then, even a child that has not written its output yet: a
+program that forks must wait for its children. (Waiting for stray processes instead would
+let a daemon hold the run, and a rollout worker, until the time limit.)
+
 Each program runs under layers of protection. The OS layers are the boundary; the audit
 hook is a second layer that turns the common attempts into clear reasons:
 
@@ -31,13 +36,34 @@ hook is a second layer that turns the common attempts into clear reasons:
    kernel allows it) and the capabilities it grants are dropped before the program runs;
    the program keeps our uid, and without a user namespace RLIMIT_NPROC is not set (it
    would count all our processes).
-5. Resource limits: RLIMIT_AS (memory), RLIMIT_CPU, RLIMIT_FSIZE (largest file written),
-   RLIMIT_NPROC (processes and threads), RLIMIT_NOFILE, RLIMIT_CORE = 0.
-6. ``python -I`` (isolated: no PYTHON* variables, no user site, no script directory on
+5. Resource limits: RLIMIT_AS (address space of each process), RLIMIT_CPU, RLIMIT_FSIZE
+   (largest file written), RLIMIT_NPROC (processes and threads), RLIMIT_NOFILE, RLIMIT_CORE = 0.
+6. One memory bound for the whole program: its processes and threads together get
+   `memory_mb` (RLIMIT_AS alone would give each of up to `max_processes` processes that
+   much). Where we may create a memory cgroup under our own cgroup (v1's memory hierarchy,
+   e.g. as root where /sys/fs/cgroup/memory is writable; v2 where our cgroup has the memory
+   controller in its cgroup.subtree_control), each program gets its own, limited to
+   `memory_mb` (swap included: memsw / memory.swap.max = 0). The bootstrap joins it before it
+   forks anything, so no process of the program is outside it; the program can neither
+   leave it nor raise its limit (the mount is read-only in its namespace, and when we are
+   root the files are root's). It counts what the kernel charges:
+   anonymous and shared memory, tmpfs files, page cache, kernel memory such as pipe buffers.
+   At the bound the kernel's OOM killer kills a process, and we kill the rest at once (v2:
+   memory.oom.group; v1: an eventfd on memory.oom_control): reason "memory", layer
+   "memory-cgroup". Otherwise the namespace's init polls, every 5 ms, the resident anonymous
+   and shared memory (RssAnon + RssShmem in /proc/PID/status) of the program's processes and
+   kills them all when the sum passes the bound: layer "memory-monitor". Its limits: a
+   program can overshoot by what it touches within one interval (tens of MB), memory it
+   holds without mapping it (pipe and socket buffers, files in its tmpfs or a memfd it does
+   not map) is not counted (disk_mb and RLIMIT_FSIZE bound the files), and pages shared
+   between its processes count once per process (the sum errs high). It needs a PID
+   namespace or root (to tell the program's processes from ours); without either, only
+   RLIMIT_AS holds, per process.
+7. ``python -I`` (isolated: no PYTHON* variables, no user site, no script directory on
    sys.path), ``-S`` unless `site_packages`, ``-B``; an environment of PATH, HOME,
    TMPDIR and LANG only; stdin is /dev/null; at most `max_output_bytes` of stdout and
    stderr are read (more kills the program).
-7. A Python audit hook (PEP 578) that refuses, with a recognisable message, sockets of any
+8. A Python audit hook (PEP 578) that refuses, with a recognisable message, sockets of any
    family but AF_UNIX, name lookups, and opens for writing / file-system changes outside
    the program's directory. It only sees Python code in the program's own interpreter (not
    ctypes calls or child processes): the OS layers above are what hold.
@@ -60,6 +86,7 @@ reward-hacking programs, not a determined attacker with a kernel exploit. Linux 
 from __future__ import annotations
 
 import io
+import itertools
 import logging
 import math
 import os
@@ -83,7 +110,7 @@ _UIDS_PER_PROCESS = 64
 """Unprivileged uids/gids the sandbox runs programs as when started by root."""
 
 _ALL_LAYERS = ("process-group", "net-ns", "pid-ns", "ipc-ns", "mount-ns", "readonly-fs", "private-tmpfs",
-               "uid", "no-caps", "no-new-privs", "rlimits", "audit-hook")
+               "uid", "no-caps", "no-new-privs", "rlimits", "memory-cgroup", "memory-monitor", "audit-hook")
 
 
 @dataclass(frozen=True)
@@ -115,12 +142,12 @@ class SandboxResult:
 # module run as a script, because importing this module's dependencies (subprocess,
 # dataclasses, logging ...) would cost ~25 ms per program.
 # Protocol: argv carries the settings; the info pipe receives "pid N" (init's pid),
-# "layers a,b", "program-status S" and "status S" (init's) lines; EOF on the control
-# pipe means "kill everything now".
+# "layers a,b", "memory over" (the monitor killed the program), "program-status S" and
+# "status S" (init's) lines; EOF on the control pipe means "kill everything now".
 _BOOT = r'''
 import ctypes, os, resource, select, sys, types
 
-(home, uid, gid, info, ctl, memory_mb, cpu_s, file_mb, nproc, nofile, disk_mb, audit) = sys.argv[1:]
+(home, uid, gid, info, ctl, memory_mb, cpu_s, file_mb, nproc, nofile, disk_mb, audit, join) = sys.argv[1:]
 uid, gid, info, ctl, nproc, nofile, audit = map(int, (uid, gid, info, ctl, nproc, nofile, audit))
 memory_mb, cpu_s, file_mb, disk_mb = map(float, (memory_mb, cpu_s, file_mb, disk_mb))
 
@@ -131,10 +158,23 @@ KEEP = {"nosuid": NOSUID, "nodev": NODEV, "noexec": NOEXEC, "noatime": NOATIME, 
         "relatime": RELATIME, "strictatime": STRICTATIME}
 PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS, SIGKILL = 1, 4, 36, 38, 9
 
-libc = ctypes.CDLL(None, use_errno=True)
-libc.mount.argtypes = (ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p)
+MONITOR_S = 0.005  # the memory monitor's polling interval
+
 root = os.geteuid() == 0
 layers = []
+cgroup = False
+if join:  # first of all: everything forked from here on is in the program's memory cgroup
+    try:  # the file that moves the writer in ("0": ourselves, our only thread)
+        fd = os.open(join, os.O_WRONLY)
+        try:
+            os.write(fd, b"0")
+        finally:
+            os.close(fd)
+        cgroup = True
+    except OSError as e:
+        sys.stderr.write(f"stabledrl sandbox: could not join the memory cgroup: {e}\n")
+libc = ctypes.CDLL(None, use_errno=True)
+libc.mount.argtypes = (ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p)
 
 
 def say(line):
@@ -251,6 +291,30 @@ def tasks_of(owner):
         if f"\nUid:\t{owner}\t" in text:
             n += int(text.split("\nThreads:\t", 1)[1].split("\n", 1)[0])
     return n
+
+
+def tree_memory():
+    """Bytes of anonymous and shared memory resident in the program's processes: RssAnon +
+    RssShmem of each (kB in /proc/PID/status, readable even for an undumpable process).
+    /proc is the PID namespace's (our own processes only) or, without one, the host's,
+    where the sandbox uid picks out the program's. Pages shared between processes count
+    once per process: the sum errs high."""
+    me, mine, total = str(os.getpid()), f"\nUid:\t{uid}\t".encode(), 0
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit() or pid == me:
+            continue
+        try:
+            with open(f"/proc/{pid}/status", "rb") as f:
+                text = f.read()
+        except OSError:
+            continue
+        if root and mine not in text:
+            continue
+        for key in (b"\nRssAnon:", b"\nRssShmem:"):
+            at = text.find(key)
+            if at >= 0:
+                total += int(text[at + len(key):].split(None, 1)[0]) * 1024
+    return total
 
 
 def children():
@@ -398,13 +462,22 @@ if child:
 # It reaps orphans and reports the program's status. The program is not PID 1 itself,
 # because the kernel shields PID 1 from its own namespace's signals: os.kill(os.getpid(),
 # SIGTERM) would be ignored.
+proc_ns = False
 if spaces:
     try:
         mount("proc", "/proc", "proc", NOSUID | NODEV | NOEXEC)  # shows only the sandbox's processes
+        proc_ns = True
     except OSError:
         pass
 set_limits()
 layers.append("rlimits")
+# Without a cgroup, init watches the program's memory itself: it can tell the program's
+# processes from ours in its own PID namespace, or by the sandbox uid when we are root.
+monitor = not cgroup and (root or proc_ns)
+if cgroup:
+    layers.append("memory-cgroup")
+elif monitor:
+    layers.append("memory-monitor")
 if root:
     os.setgroups([])
     os.setresgid(gid, gid, gid)
@@ -422,14 +495,26 @@ say("layers " + ",".join(layers))
 os.close(ctl)
 program = os.fork()
 if program:
-    status = None
-    while status is None:
-        try:
-            pid, st = os.waitpid(-1, 0)
-        except ChildProcessError:
-            break
-        if pid == program:
-            status = st
+    status, over, done = None, False, False
+    pidfd = os.pidfd_open(program) if monitor else None
+    limit = memory_mb * (1 << 20)
+    while status is None and not done:
+        if monitor:  # wake when the program exits, or after one interval to look at its memory
+            select.select([pidfd], [], [], MONITOR_S)
+            if not over and tree_memory() > limit:
+                over = True
+                say("memory over")
+                os.kill(-1, SIGKILL)  # every process of the namespace (or of the sandbox uid) but init
+        while True:  # reap what has exited; without the monitor, block until something has
+            try:
+                pid, st = os.waitpid(-1, os.WNOHANG if monitor else 0)
+            except ChildProcessError:
+                done = True
+                break
+            if pid == program:
+                status = st
+            if pid == 0 or status is not None or not monitor:
+                break
     if status is not None:
         say(f"program-status {status}")
     os._exit(0)  # in a PID namespace, the kernel now kills whatever the program left running
@@ -478,6 +563,199 @@ class _UidPool:
 
 _UIDS = _UidPool()
 
+
+# --- the memory cgroup of one program (module docstring, layer 6) --------------------
+@dataclass(frozen=True)
+class _Flavour:
+    """Where a cgroup version keeps what we need."""
+
+    join: str
+    """The file the bootstrap writes "0" to, to move itself in. v1: "tasks", which moves one
+    thread (its only one) and skips the lock that "cgroup.procs" takes for a whole thread
+    group, whose release waits for an RCU grace period: 10-20 ms a program here. v2 has
+    only "cgroup.procs" for a domain cgroup."""
+    limits: tuple[str, ...]
+    """Files that take the bound in bytes, in order; the first must exist, the others may not."""
+    settings: tuple[tuple[str, str], ...]
+    """(file, value) written where the file exists."""
+    events: str
+    """The file with an "oom_kill N" line."""
+
+
+_V1 = _Flavour("tasks", ("memory.limit_in_bytes", "memory.memsw.limit_in_bytes"), (("memory.swappiness", "0"),),
+               "memory.oom_control")
+_V2 = _Flavour("cgroup.procs", ("memory.max",), (("memory.swap.max", "0"), ("memory.oom.group", "1")),
+               "memory.events")
+
+_USE_CGROUPS = True
+"""False: bound memory with the monitor even where a cgroup would work (tests of the monitor)."""
+_cgroup_parent: tuple[str, _Flavour] | None | bool = False  # False: not looked for yet
+_cgroup_names = itertools.count()
+_cgroup_lock = threading.Lock()
+
+
+def _write(path: str, text: str) -> None:
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        os.write(fd, text.encode())
+    finally:
+        os.close(fd)
+
+
+def _find_cgroup_parent() -> tuple[str, _Flavour] | None:
+    """Our own memory cgroup, if we may create children there (v2 first, then v1's memory
+    hierarchy); None where neither works. Never a cgroup above ours: a child of ours stays
+    under every limit that we are under."""
+    try:
+        with open("/proc/self/cgroup") as f:
+            ours = {}  # controller ("" for v2) -> our path in its hierarchy
+            for line in f.read().splitlines():
+                _, controllers, path = line.split(":", 2)
+                for c in controllers.split(","):
+                    ours[c] = path
+        with open("/proc/self/mountinfo") as f:
+            mounts = [line.split() for line in f.read().splitlines()]
+    except (OSError, ValueError):
+        return None
+    found = []
+    for fields in mounts:
+        tail = fields[fields.index("-") + 1:]  # fstype, source, super options
+        fstype, root, point = tail[0], fields[3], fields[4].replace("\\040", " ")
+        if fstype == "cgroup2" and "" in ours:
+            flavour, path = _V2, ours[""]
+        elif fstype == "cgroup" and "memory" in tail[2].split(",") and "memory" in ours:
+            flavour, path = _V1, ours["memory"]
+        else:
+            continue
+        if path != root and not path.startswith(root.rstrip("/") + "/"):
+            continue  # our cgroup is not below this mount's root
+        here = os.path.normpath(os.path.join(point, os.path.relpath(path, root)))
+        if flavour is _V2:
+            try:
+                with open(os.path.join(here, "cgroup.subtree_control")) as f:
+                    if "memory" not in f.read().split():
+                        continue  # children of ours would have no memory controller
+            except OSError:
+                continue
+        found.append((here, flavour))
+    found.sort(key=lambda hf: hf[1] is _V1)  # v2 first
+    for here, flavour in found:
+        try:  # can we make one here?
+            probe = os.path.join(here, f"stabledrl-{os.getpid()}-probe")
+            os.mkdir(probe)
+            os.rmdir(probe)
+        except OSError:
+            continue
+        _remove_stale(here)
+        return here, flavour
+    return None
+
+
+def _remove_stale(parent: str) -> None:
+    """Remove the empty cgroups of sandbox processes that died before they could."""
+    try:
+        names = [n for n in os.listdir(parent) if n.startswith("stabledrl-")]
+    except OSError:
+        return
+    for name in names:
+        try:
+            os.kill(int(name.split("-")[1]), 0)
+            continue  # its process is alive (or the pid was reused): leave it
+        except (ValueError, IndexError, PermissionError):
+            continue
+        except ProcessLookupError:
+            pass
+        try:
+            os.rmdir(os.path.join(parent, name))
+        except OSError:
+            pass
+
+
+class _MemoryCgroup:
+    """One program's memory cgroup: made with the bound, read for OOM kills, removed."""
+
+    def __init__(self, parent: str, flavour: _Flavour, limit: int) -> None:
+        self.flavour = flavour
+        self.path = os.path.join(parent, f"stabledrl-{os.getpid()}-{next(_cgroup_names)}")
+        self.oom_fd: int | None = None
+        """v1: an eventfd the kernel signals at each OOM in the cgroup (v2 kills the group itself)."""
+        self._fds: list[int] = []
+        os.mkdir(self.path)
+        try:
+            for i, name in enumerate(flavour.limits):
+                try:
+                    _write(os.path.join(self.path, name), str(limit))
+                except OSError:
+                    if i == 0:
+                        raise
+            for name, value in flavour.settings:
+                try:
+                    _write(os.path.join(self.path, name), value)
+                except OSError:
+                    pass
+            if flavour is _V1:
+                efd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+                self._fds.append(efd)
+                ofd = os.open(os.path.join(self.path, "memory.oom_control"), os.O_RDONLY | os.O_CLOEXEC)
+                self._fds.append(ofd)
+                _write(os.path.join(self.path, "cgroup.event_control"), f"{efd} {ofd}")
+                self.oom_fd = efd
+        except BaseException:
+            self.remove()
+            raise
+
+    def oom_kills(self) -> int:
+        try:
+            with open(os.path.join(self.path, self.flavour.events)) as f:
+                for line in f:
+                    if line.startswith("oom_kill "):
+                        return int(line.split()[1])
+        except (OSError, ValueError):
+            pass
+        return 0
+
+    def remove(self) -> None:
+        """Kill whatever is left in it (nothing, normally: the PID namespace is gone) and remove it."""
+        for fd in self._fds:
+            os.close(fd)
+        self._fds = []
+        for _ in range(200):
+            try:
+                os.rmdir(self.path)
+                return
+            except FileNotFoundError:
+                return
+            except OSError:  # EBUSY: processes still in it
+                try:
+                    with open(os.path.join(self.path, "cgroup.procs")) as f:
+                        for pid in f.read().split():
+                            os.kill(int(pid), 9)  # SIGKILL
+                except (OSError, ValueError):
+                    pass
+                time.sleep(0.005)
+        logger.warning("could not remove the sandbox's memory cgroup %s", self.path)
+
+
+def _memory_cgroup(memory_mb: float) -> _MemoryCgroup | None:
+    """A new cgroup for one program, or None where we cannot make one (then the monitor bounds it)."""
+    global _cgroup_parent
+    if not _USE_CGROUPS:
+        return None
+    with _cgroup_lock:
+        if _cgroup_parent is False:
+            _cgroup_parent = _find_cgroup_parent()
+            if _cgroup_parent is None:
+                logger.info("no memory cgroup can be made here: the sandbox's memory monitor bounds programs")
+        parent = _cgroup_parent
+    if not parent:
+        return None
+    try:
+        return _MemoryCgroup(*parent, limit=int(memory_mb * (1 << 20)))
+    except OSError as e:
+        logger.warning("could not make a memory cgroup (%s): the monitor bounds this program", e)
+        return None
+
+
 # (text, reason, also anywhere in stderr): the final error line is matched first; the
 # whole of stderr only for the limits and refusals, whose tracebacks may come from any of
 # several processes and end up interleaved.
@@ -502,6 +780,11 @@ _SIGNAL_REASONS = {24: "cpu time", 25: "file size"}  # SIGXCPU, SIGXFSZ
 
 def _reason(returncode: int | None, stderr: str) -> str:
     if returncode == 0:
+        # A thread or child process died of MemoryError (or ENOMEM) and the main thread went
+        # on to exit 0: the program hit its memory bound all the same.
+        for line in stderr.splitlines():
+            if line.startswith("MemoryError") or (": [Errno 12]" in line and not line[:1].isspace()):
+                return "memory"  # the last line of a traceback: MemoryError, or ENOMEM from mmap, fork ...
         return "ok"
     if returncode is not None and returncode < 0:
         return _SIGNAL_REASONS.get(-returncode, f"killed by signal {-returncode}")
@@ -533,7 +816,8 @@ def run_python(
     """Run `code` as the main module of a sandboxed Python and report what happened.
 
     timeout_s: wall time for the whole run, after which every process is killed.
-    memory_mb: address-space limit of each process (RLIMIT_AS).
+    memory_mb: memory of the whole program, all its processes and threads together (layer 6 of
+        the module docstring), and address-space limit of each process (RLIMIT_AS).
     cpu_s: CPU-time limit of each process; default ceil(timeout_s) + 1.
     max_output_bytes: stdout and stderr together; the program is killed beyond it.
     max_processes: processes and threads of the program together (RLIMIT_NPROC).
@@ -554,12 +838,14 @@ def run_python(
     # Pipes as unbuffered file objects: closing one twice is harmless, unlike os.close.
     info_r, info_w = (os.fdopen(fd, mode, buffering=0) for fd, mode in zip(os.pipe(), ("rb", "wb")))
     ctl_r, ctl_w = (os.fdopen(fd, mode, buffering=0) for fd, mode in zip(os.pipe(), ("rb", "wb")))
-    proc = None
+    proc = cgroup = None
     try:
         with open(os.path.join(home, "main.py"), "wb") as f:
             f.write(code.encode("utf-8", errors="replace"))  # lone surrogates cannot be encoded
+        cgroup = _memory_cgroup(memory_mb)
+        join = os.path.join(cgroup.path, cgroup.flavour.join) if cgroup else ""  # the file to move in with
         args = [home, uid, gid, info_w.fileno(), ctl_r.fileno(), memory_mb, cpu_s, max_file_mb, max_processes,
-                max_open_files, disk_mb, int(audit_hook)]
+                max_open_files, disk_mb, int(audit_hook), join]
         flags = ["-I", "-B"] + ([] if site_packages else ["-S"])
         env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": home, "TMPDIR": home, "LANG": "C.UTF-8"}
         proc = subprocess.Popen(
@@ -568,7 +854,8 @@ def run_python(
             pass_fds=(info_w.fileno(), ctl_r.fileno()))
         info_w.close()
         ctl_r.close()
-        out, err, info, killed_for = _collect(proc, info_r, ctl_w, t0 + timeout_s, max_output_bytes)
+        out, err, info, killed_for = _collect(proc, info_r, ctl_w, t0 + timeout_s, max_output_bytes,
+                                              cgroup.oom_fd if cgroup else None)
     except OSError as e:  # could not start the sandbox at all
         logger.error("sandbox failed to start: %s", e)
         return SandboxResult(False, None, "sandbox error", "", str(e), time.perf_counter() - t0)
@@ -577,6 +864,9 @@ def run_python(
             f.close()
         if proc is not None:
             _reap(proc)
+        over_memory = cgroup is not None and cgroup.oom_kills() > 0
+        if cgroup is not None:
+            cgroup.remove()
         shutil.rmtree(home, ignore_errors=True)
         if root:
             _UIDS.give(uid)
@@ -587,7 +877,9 @@ def run_python(
     layers = ["process-group"] + said.get("layers", "").split(",")
     returncode = None if status is None else os.waitstatus_to_exitcode(status)
     stdout, stderr = out.decode("utf-8", "replace"), err.decode("utf-8", "replace")
-    if killed_for:
+    if over_memory or "memory" in said:  # the cgroup's OOM killer or the monitor stopped it
+        reason = "memory"
+    elif killed_for:
         reason = killed_for
     elif status is None:
         reason = "sandbox error"
@@ -599,9 +891,10 @@ def run_python(
 
 
 def _collect(proc: subprocess.Popen, info: io.RawIOBase, ctl: io.RawIOBase, deadline: float,
-             cap: int) -> tuple[bytes, bytes, list[str], str | None]:
+             cap: int, oom_fd: int | None) -> tuple[bytes, bytes, list[str], str | None]:
     """Read stdout, stderr and the info pipe until the bootstrap exits, the deadline
-    passes or the output exceeds `cap`; close `ctl` (kill) in every case."""
+    passes, the output exceeds `cap` or `oom_fd` (the memory cgroup's OOM eventfd) fires;
+    close `ctl` (kill) in every case."""
     assert proc.stdout is not None and proc.stderr is not None
     out, err, inf = proc.stdout.fileno(), proc.stderr.fileno(), info.fileno()
     bufs = {out: bytearray(), err: bytearray(), inf: bytearray()}
@@ -609,10 +902,13 @@ def _collect(proc: subprocess.Popen, info: io.RawIOBase, ctl: io.RawIOBase, dead
     for fd in bufs:
         os.set_blocking(fd, False)
         sel.register(fd, selectors.EVENT_READ)
+    if oom_fd is not None:
+        sel.register(oom_fd, selectors.EVENT_READ)
+    reading = set(bufs)
     killed_for = None
     grace_until = None  # after the bootstrap exits, stray writers get a moment, not the deadline
     try:
-        while sel.get_map():
+        while reading:
             now = time.perf_counter()
             if now >= deadline:
                 killed_for = "timeout"
@@ -620,26 +916,35 @@ def _collect(proc: subprocess.Popen, info: io.RawIOBase, ctl: io.RawIOBase, dead
             if grace_until is not None and now >= grace_until:
                 break
             for key, _ in sel.select(timeout=min(deadline, grace_until or deadline) - now):
+                if key.fd == oom_fd:  # the kernel killed a process at the bound: stop the rest now
+                    killed_for = "memory"
+                    break
                 try:
                     chunk = os.read(key.fd, 65536)
                 except BlockingIOError:
                     continue
                 if not chunk:
                     sel.unregister(key.fd)
+                    reading.discard(key.fd)
                     if key.fd == inf:
                         grace_until = time.perf_counter() + 0.2
                 bufs[key.fd] += chunk
+            if killed_for:
+                break
             if len(bufs[out]) + len(bufs[err]) > cap:
                 killed_for = "output cap"
                 break
     finally:
         sel.close()
         ctl.close()  # EOF: the bootstrap kills everything (a no-op if it has exited)
-    if killed_for:  # read the bootstrap's last words: the status after the kill
+    if killed_for:  # let the bootstrap finish: its last words are the status after the kill
         _wait_exited(proc, 2.0)
+    # What is still in the pipes: all of it, once the bootstrap has exited (every process of a
+    # PID namespace is gone by then), however late this thread got to run after the EOF.
+    for fd in (inf, out, err):
         try:
-            while chunk := os.read(inf, 65536):
-                bufs[inf] += chunk
+            while (fd == inf or len(bufs[out]) + len(bufs[err]) <= cap) and (chunk := os.read(fd, 65536)):
+                bufs[fd] += chunk
         except BlockingIOError:
             pass
     stdout = bytes(bufs[out][:cap])

@@ -92,7 +92,8 @@ class CodeTask(DatasetTask):
     timeout_s: float = 5.0
     """Wall time per program."""
     memory_mb: float = 512
-    """Address-space limit of each process of the program."""
+    """Memory of the whole program, its processes and threads together (and the address-space
+    limit of each process); `workers` programs run at once, so at most workers × memory_mb in all."""
     max_processes: int = 16
     """Processes and threads a program may run at once."""
     max_output_bytes: int = 1 << 16
@@ -156,6 +157,8 @@ class CodeTask(DatasetTask):
             return 0.0, "sandbox error"
         if not self._warned_layers:
             missing = {"net-ns", "pid-ns", "readonly-fs", "rlimits"} - set(result.layers)
+            if not {"memory-cgroup", "memory-monitor"} & set(result.layers):
+                missing.add("memory-cgroup (or -monitor)")  # each process is bounded, not the program
             if missing:
                 logger.warning("the sandbox runs without %s on this machine (layers: %s)",
                                sorted(missing), ",".join(result.layers))
