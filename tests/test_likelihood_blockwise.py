@@ -64,7 +64,8 @@ def test_one_pass_exact_equals_separate_passes(S, L):
     policy, p_ids, p_mask, c_ids, c_mask = setup
     with torch.no_grad():
         est = estimate(policy, p_ids, c_ids, c_mask, prompt_mask=p_mask, method="blockwise", inner="exact")
-    assert torch.allclose(est.sequence.double(), exact_blockwise(*setup), atol=1e-5, rtol=0)
+    # float32 sums of |ELBO| ≈ 22 (ulp 1.9e-6): relative 1e-5, far above rounding on any CPU
+    assert torch.allclose(est.sequence.double(), exact_blockwise(*setup), rtol=1e-5, atol=0)
 
 
 def test_one_pass_equals_separate_passes_on_random_masks():

@@ -77,7 +77,7 @@ def test_path_equals_the_samplers_own_log_probabilities(kind, gen_kw):
         with torch.no_grad():
             got = estimate(policy, ids, out.completion_ids, out.completion_mask, prompt_mask=mask, method="path",
                            unmask_step=out.unmask_step)
-        assert float(got.sequence[0]) == pytest.approx(want, abs=1e-5)
+        assert float(got.sequence[0]) == pytest.approx(want, rel=1e-5, abs=1e-5)  # float32 sums up to ≈ 22
         checked += 1
         ended += int(out.completion_mask.sum()) < L
     assert checked >= 6 and ended >= 3  # enough rollouts without the approximation, some ending early

@@ -58,7 +58,7 @@ def test_grpo_gradient_grows_with_rho_while_stabledrl_stays_bounded(rho):
     # |∂loss/∂ℓ_i| = w_i |A_i| ≤ max |A| = 1, whatever ρ is
     assert s.grad.abs().max() <= 1.0
     # upper clip c = 5: ρ̃ = (1, 1, 5, 1), w = ρ̃/8; the bypassed sample's weight is 5/8
-    assert s.grad.tolist() == pytest.approx([-1 / 8, -1 / 8, 5 / 8, 1 / 8])
+    assert s.grad.tolist() == pytest.approx([-1 / 8, -1 / 8, 5 / 8, 1 / 8], abs=1e-6)  # float32 exp/log
 
 
 def test_stabledrl_weights_are_a_softmax_of_clipped_log_ratios_summing_to_one():
@@ -97,8 +97,8 @@ def test_separate_weight_draw_changes_only_the_weights():
     out = stabledrl_loss(logp, old, adv, group_size=2, weight_logp=torch.tensor([math.log(3), 0.0]),
                          weight_old_logp=torch.zeros(2))
     out.loss.backward()
-    assert logp.grad.tolist() == pytest.approx([-3 / 4, 1 / 4])
-    assert out.metrics["ess"] == pytest.approx(1 / (9 / 16 + 1 / 16))
+    assert logp.grad.tolist() == pytest.approx([-3 / 4, 1 / 4], abs=1e-6)  # float32 exp(log 3)
+    assert out.metrics["ess"] == pytest.approx(1 / (9 / 16 + 1 / 16), rel=1e-5)
 
 
 def test_ratio_levels_and_overflow():
@@ -112,7 +112,8 @@ def test_ratio_levels_and_overflow():
     out = grpo_loss(logp, torch.zeros(2, 4), torch.tensor([1.0, -1.0]), group_size=2, ratio_level="token",
                     completion_mask=mask, clip_eps=0.2)
     # row 0 (A=+1): min(2, 1.2), 1, 1 -> mean 3.2/3; row 1 (A=−1): −1, −1 -> −1; loss = −(3.2/3 − 1)/2
-    assert out.loss.item() == pytest.approx(-(3.2 / 3 - 1) / 2)
+    # = −0.0333: float32 terms of size 1 leave ~3e-8 of rounding, at the edge of the default rel 1e-6
+    assert out.loss.item() == pytest.approx(-(3.2 / 3 - 1) / 2, abs=1e-6)
 
 
 def test_kl_k3_by_hand():
