@@ -222,7 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(p)
     p.add_argument("--task", default="countdown")
     p.add_argument("--task-option", action="append", default=[], metavar="KEY=VALUE", help="e.g. num_numbers=4")
-    p.add_argument("--split", choices=["train", "test"], default="test")
+    p.add_argument("--split", choices=["train", "validation", "test"], default="test")
     p.add_argument("--n", type=int, default=500, help="number of problems")
     p.add_argument("--seed", type=int, default=0, help="selects the problems and the sampling noise")
     p.add_argument("--batch-size", type=int, default=256)

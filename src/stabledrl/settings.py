@@ -184,7 +184,9 @@ class SFTConfig:
     eval_every: int = 1000
     """Steps between held-out evaluations (0 = only at the end)."""
     eval_n: int = 500
-    """Held-out problems per evaluation (test split, seed 0: the same set as `stabledrl eval`)."""
+    """Held-out problems per evaluation (seed 0 of `eval_split`: the set `stabledrl eval` uses)."""
+    eval_split: Literal["validation", "test"] = "test"
+    """Split of the evaluations: validation when you choose a checkpoint or a setting by them."""
     save_every: int = 500
     """Steps between checkpoints."""
     threads: int | None = None
@@ -320,6 +322,12 @@ class TrainConfig:
     """Steps between metric lines (JSONL and TensorBoard)."""
     threads: int | None = None
     """torch CPU threads; None = torch's default."""
+    grad_agreement: bool = False
+    """Log `grad_agreement`, the cosine between the policy gradients of the two halves of the
+    step's kept groups (first inner iteration; README "RL that learns"): near 0, the batch is
+    too small to learn from. Costs a second backward pass; one process, no view budget."""
+    eval_split: Literal["validation", "test"] = "test"
+    """Split of the held-out evaluations: validation while choosing settings, test to report."""
     drift_kl: bool = True
     """Score the rollouts under the initial policy each step for the `drift_kl` diagnostic. Costs
     a forward and, without LoRA, a second copy of the model: turn it off for large models
@@ -334,6 +342,8 @@ class TrainConfig:
         check(self.group_size >= 2, "group_size must be >= 2: advantages compare completions of one prompt")
         check(self.lr > 0, f"lr must be positive, got {self.lr}")
         check(self.optimizer == "adamw" or self.weight_decay == 0, "weight_decay is an adamw option; set it to 0")
+        check(not (self.grad_agreement and self.estimator.max_views_per_forward is not None),
+              "grad_agreement needs the one-graph update: leave estimator.max_views_per_forward unset")
         check(self.rollout.temperature > 0 or self.rollout.remasking == "random",
               "rollout.temperature is 0 with low_confidence remasking: every completion of a group would be "
               "identical; set rollout.temperature > 0")

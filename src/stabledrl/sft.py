@@ -203,7 +203,7 @@ def run_sft(cfg: SFTConfig, *, resume: bool = False, progress: bool = True) -> d
         start = state["step"]
         rewind_metrics(out / "metrics.jsonl", ckpt)
 
-    eval_problems = task.generate(cfg.eval_n, split="test", seed=0)
+    eval_problems = task.generate(cfg.eval_n, split=cfg.eval_split, seed=0)
     loss_fn = block_diffusion_loss if cfg.model.attention_kind == "block" else masked_diffusion_loss
     metrics_file = open(out / "metrics.jsonl", "a")
     tokens = 0

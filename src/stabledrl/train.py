@@ -44,6 +44,7 @@ import dataclasses
 import hashlib
 import json
 import math
+import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -64,6 +65,7 @@ from stabledrl.checkpoint import (
 )
 from stabledrl.config import ConfigError, check, to_dict
 from stabledrl.data import decode_completions, encode_prompts
+from stabledrl.diagnostics import CollapseMonitor, flat_grad_cosine
 from stabledrl.evaluate import evaluate
 from stabledrl.likelihood import backward_views, plan_views, score_views
 from stabledrl.metrics import metrics_line
@@ -262,6 +264,28 @@ def _objective(cfg: TrainConfig, logp, old, advantages, batch: Rollouts, ref, we
                           **weight_kw)
 
 
+def _first_half_loss(cfg: TrainConfig, logp, old, advantages, batch: Rollouts, ref, weight_kw: dict,
+                     num_groups: int) -> torch.Tensor:
+    """The part of the step's loss that comes from its first ⌊n/2⌋ groups: both objectives
+    are means over groups, so loss = Σ_g c_g / n and this is Σ_{g < n/2} c_g / n."""
+    half = num_groups // 2
+    rows = half * cfg.group_size
+    part = Rollouts(*(x[:rows] for x in batch))
+    kw = {k: v[:rows] for k, v in weight_kw.items()}
+    res = _objective(cfg, logp[:rows], old[:rows], advantages[:rows], part, None if ref is None else ref[:rows], kw)
+    return res.loss * (half / num_groups)
+
+
+def _backward_in_halves(loss: torch.Tensor, part: torch.Tensor, params: list, backward) -> float:
+    """Back-propagate `loss` as `part` + (loss − part), leaving ∇loss in the parameters'
+    .grad; returns the cosine between the two parts' gradients (one extra backward)."""
+    backward(part, retain_graph=True)
+    g_a = [None if p.grad is None else p.grad.clone() for p in params]
+    backward(loss - part)
+    g_b = [None if p.grad is None else (p.grad if a is None else p.grad - a) for p, a in zip(params, g_a)]
+    return flat_grad_cosine(g_a, g_b)
+
+
 def _check_estimator_fits_model(cfg: TrainConfig, policy) -> None:
     """At start-up, not mid-run: block models need the blockwise (or path) estimator and
     only they take blockwise."""
@@ -278,6 +302,7 @@ def _check_processes(cfg: TrainConfig, world: int) -> None:
         check(cfg.group_size >= world, f"group_size ({cfg.group_size}) must be >= the number of processes "
               f"({world}): a step may keep a single group, and every process needs a row of it")
         check(cfg.eval_n >= world, f"eval_n ({cfg.eval_n}) must be >= the number of processes ({world})")
+        check(not cfg.grad_agreement, "grad_agreement runs in one process only")
 
 
 def _evaluate(policy, task, problems: list, sampling: SamplingConfig, procs: _Procs) -> dict[str, float]:
@@ -360,6 +385,7 @@ def run_train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) 
     sched = get_cosine_with_min_lr_schedule_with_warmup(opt, cfg.warmup_steps, cfg.steps, min_lr_rate=cfg.min_lr_ratio)
     start = 0
     counters = {"skipped_steps": 0, "zero_variance_groups": 0, "resampled_groups": 0}
+    monitor = CollapseMonitor()
     history: dict[str, Any] = {}
     if ckpt is not None:
         state = load_trainer_state(ckpt)
@@ -367,17 +393,19 @@ def run_train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) 
         sched.load_state_dict(state["scheduler"])
         start, history = state["step"], state["history"]
         counters.update(state["counters"])
+        monitor = state.get("collapse", monitor)
         if main:
             rewind_metrics(out / "metrics.jsonl", ckpt)
 
-    eval_problems = task.generate(cfg.eval_n, split="test", seed=0)
+    eval_problems = task.generate(cfg.eval_n, split=cfg.eval_split, seed=0)
     if "eval_initial" not in history:
         history["eval_initial"] = _evaluate(policy, task, eval_problems, cfg.eval_sampling, procs)
     metrics_file = open(out / "metrics.jsonl", "a") if main else None
     tb = SummaryWriter(str(out / "tensorboard")) if main else None
     if start == 0:
+        monitor.update({"eval_accuracy": history["eval_initial"]["accuracy"]})
         _log(metrics_file, tb, {"step": 0, "eval_accuracy": history["eval_initial"]["accuracy"],
-                                "eval_reward": history["eval_initial"]["mean_reward"]})
+                                "eval_reward": history["eval_initial"]["mean_reward"], "collapse": False})
     forward_clock = _ForwardClock(policy.model, *([reference.model] if reference is not None else []))
     gen_length = cfg.rollout.gen_length or task.completion_length
     G = cfg.group_size
@@ -491,6 +519,10 @@ def run_train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) 
                                                max_views_per_forward=cfg.estimator.max_views_per_forward,
                                                backward=accelerator.backward,
                                                no_sync=lambda: accelerator.no_sync(model))
+                            elif cfg.grad_agreement and it == 0 and len(groups.problems) >= 2:
+                                part = _first_half_loss(cfg, full, old, b_adv, batch, ref, w_kw, len(groups.problems))
+                                row["grad_agreement"] = _backward_in_halves(res.loss, part, params,
+                                                                            accelerator.backward)
                             else:  # DDP averages the processes' gradients: × N makes their sum
                                 accelerator.backward(res.loss * world)
                         norm = accelerator.clip_grad_norm_(params, cfg.grad_clip)
@@ -526,23 +558,27 @@ def run_train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) 
         if cfg.eval_every and done % cfg.eval_every == 0 and done != cfg.steps:
             res_e = _evaluate(policy, task, eval_problems, cfg.eval_sampling, procs)
             row.update({"eval_accuracy": res_e["accuracy"], "eval_reward": res_e["mean_reward"]})
+        _flag_collapse(monitor, row, bar, main)
         if done % cfg.log_every == 0 or "eval_accuracy" in row:
             _log(metrics_file, tb, row)
         bar.set_postfix(reward=f"{row['reward_mean']:.3f}", gnorm=f"{row.get('grad_norm', 0):.2g}",
-                        ratio_max=f"{row.get('ratio_max', 1):.3g}", skipped=counters["skipped_steps"])
+                        ratio_max=f"{row.get('ratio_max', 1):.3g}", skipped=counters["skipped_steps"],
+                        **({"COLLAPSE": ",".join(monitor.reasons)} if monitor.collapsed else {}))
         if done % cfg.save_every == 0 or done == cfg.steps:
             state = {"optimizer": opt.state_dict(), "scheduler": sched.state_dict(), "step": done,
-                     "counters": counters, "history": history}
+                     "counters": counters, "history": history, "collapse": monitor}
             if main:
                 save_checkpoint(out, done, _unwrapped(policy, accelerator), state)
             accelerator.wait_for_everyone()
     bar.close()
 
     history["eval_final"] = _evaluate(policy, task, eval_problems, cfg.eval_sampling, procs)
-    _log(metrics_file, tb, {"step": cfg.steps, "eval_accuracy": history["eval_final"]["accuracy"],
-                            "eval_reward": history["eval_final"]["mean_reward"]})
+    final_row = {"step": cfg.steps, "eval_accuracy": history["eval_final"]["accuracy"],
+                 "eval_reward": history["eval_final"]["mean_reward"]}
+    _flag_collapse(monitor, final_row, bar, main)
+    _log(metrics_file, tb, final_row)
     policy.model.eval()
-    summary = {**history, **counters, "processes": world}
+    summary = {**history, **counters, "processes": world, "collapse": list(monitor.reasons)}
     if main:
         metrics_file.close()
         tb.close()
@@ -550,6 +586,15 @@ def run_train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) 
         write_atomic(out / "summary.json", json.dumps(summary, indent=2))
     accelerator.wait_for_everyone()
     return summary
+
+
+def _flag_collapse(monitor: CollapseMonitor, row: dict[str, Any], bar, main: bool) -> None:
+    """Feed the row to the collapse monitor; write `collapse` into it; say so once per reason."""
+    new = monitor.update(row)
+    row["collapse"] = monitor.collapsed
+    if new and main:
+        bar.write(f"step {row['step']}: the run looks collapsed ({', '.join(new)}; "
+                  "see stabledrl.diagnostics.CollapseMonitor)", file=sys.stderr)
 
 
 def _log(f, tb, row: dict[str, Any]) -> None:

@@ -1,0 +1,139 @@
+"""Does the main command make the model better? Held-out accuracy, pass@k and the
+difficulty-controlled training reward, over seeds.
+
+    python benchmarks/rl_learns.py passk --model checkpoints/countdown-tiny-diverse --split test --n 1000
+    python benchmarks/rl_learns.py main --seeds 0 1 2            # the README's main command, 3 seeds (~30 min)
+
+`passk`: greedy accuracy, and at temperature 1 pass@1 (the mean over k samples) and
+pass@k (any of k samples right), on `n` problems of a split (seed 0, as `stabledrl eval`).
+
+`main`: runs `--config` (default: configs/countdown-stabledrl.yaml) for each seed with
+`eval_split` and `eval_n` set from `--split` / `--n`, then measures on the final model:
+the above before and after, and the training reward with the difficulty of each step's
+prompts controlled for: the step's prompts are drawn again and scored under the initial
+model with the same G samples per prompt, so that `reward − reward_initial` per step
+shows learning, not easier prompts. Writes benchmarks/results/rl_learns-<tag>.json.
+
+Choose settings with `--split validation`; report `--split test` (the test split has
+1,592 Countdown-3 problems; `--n 1000` draws 1,000 of them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from stabledrl.config import load_config
+from stabledrl.evaluate import evaluate
+from stabledrl.models import load_policy
+from stabledrl.report import load_metrics
+from stabledrl.sampling import SamplingConfig
+from stabledrl.tasks import get_task
+from stabledrl.train import TrainConfig, run_train
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def pass_at_k(model: str | Path, task, problems: list, k: int = 8, seed: int = 0) -> dict[str, float]:
+    """Greedy accuracy; pass@1 and pass@k at temperature 1 from k samples per problem."""
+    policy = load_policy(model)
+    greedy = evaluate(policy, task, problems, SamplingConfig(), progress=False)
+    sampled = evaluate(policy, task, [p for p in problems for _ in range(k)], SamplingConfig(temperature=1.0),
+                       seed=seed, progress=False)
+    right = torch.tensor([s["correct"] for s in sampled.samples], dtype=torch.float64).view(len(problems), k)
+    return {"greedy": greedy.accuracy, "greedy_reward": greedy.mean_reward, "pass@1": float(right.mean()),
+            f"pass@{k}": float(right.max(1).values.mean()), "n": len(problems), "k": k}
+
+
+def training_reward_controlled(cfg: TrainConfig, initial: str | Path, run_dir: Path, every: int = 5) -> dict:
+    """Each `every`-th step: the run's reward on its step prompts minus the initial model's
+    reward on the same prompts (G samples each, temperature as in the rollouts)."""
+    task = get_task(cfg.task.name, **cfg.task.options)
+    policy = load_policy(initial)
+    rows = {r["step"]: r for r in load_metrics(run_dir) if "reward_mean" in r}
+    gaps = {}
+    for step in range(0, cfg.steps, every):
+        problems = task.generate(cfg.prompts_per_step, split="train", seed=cfg.seed * 1_000_003 + step)
+        res = evaluate(policy, task, [p for p in problems for _ in range(cfg.group_size)], cfg.rollout,
+                       seed=10_000 + step, progress=False)
+        gaps[step + 1] = rows[step + 1]["reward_mean"] - res.mean_reward
+    steps = sorted(gaps)
+    sixth = max(1, len(steps) // 6)
+    return {"every": every, "gap_by_step": gaps,
+            "gap_first_sixth": statistics.mean(gaps[s] for s in steps[:sixth]),
+            "gap_last_sixth": statistics.mean(gaps[s] for s in steps[-sixth:])}
+
+
+def cmd_passk(args) -> dict:
+    task = get_task(args.task, **json.loads(args.task_options))
+    problems = task.generate(args.n, split=args.split, seed=0)
+    res = pass_at_k(args.model, task, problems, k=args.k)
+    print(json.dumps(res))
+    return {"model": args.model, "split": args.split, **res}
+
+
+def cmd_main(args) -> dict:
+    runs = []
+    for seed in args.seeds:
+        out = Path(args.runs_dir) / f"seed{seed}"
+        cfg = load_config(TrainConfig, args.config, [f"seed={seed}", f"output_dir={out}", f"eval_split={args.split}",
+                                                     f"eval_n={args.n}", *args.set])
+        t0 = time.perf_counter()
+        summary = json.loads((out / "summary.json").read_text()) if (out / "summary.json").is_file() \
+            else run_train(cfg, progress=False)
+        seconds = time.perf_counter() - t0
+        task = get_task(cfg.task.name, **cfg.task.options)
+        problems = task.generate(args.n, split=args.split, seed=0)
+        run = {"seed": seed, "seconds": seconds, "eval_initial": summary["eval_initial"],
+               "eval_final": summary["eval_final"], "collapse": summary.get("collapse"),
+               "final": pass_at_k(out / "final", task, problems, k=args.k),
+               "training_reward": training_reward_controlled(cfg, cfg.model.path, out)}
+        runs.append(run)
+        print(f"seed {seed}: held-out {run['eval_initial']['accuracy']:.4f} -> {run['eval_final']['accuracy']:.4f}, "
+              f"pass@1 {run['final']['pass@1']:.4f}, pass@{args.k} {run['final'][f'pass@{args.k}']:.4f}, "
+              f"reward gap first/last sixth {run['training_reward']['gap_first_sixth']:+.3f} / "
+              f"{run['training_reward']['gap_last_sixth']:+.3f} ({seconds:.0f} s)", flush=True)
+    initial = pass_at_k(cfg.model.path, task, problems, k=args.k)
+    gains = [r["eval_final"]["accuracy"] - r["eval_initial"]["accuracy"] for r in runs]
+    print(f"initial: {json.dumps(initial)}")
+    print(f"gain (points): {', '.join(f'{100 * g:+.1f}' for g in gains)}; mean {100 * statistics.mean(gains):+.1f}")
+    return {"config": args.config, "set": args.set, "split": args.split, "n": args.n, "initial": initial,
+            "runs": runs, "gain_mean": statistics.mean(gains), "gain_min": min(gains)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("passk")
+    p.add_argument("--model", required=True)
+    p.add_argument("--task", default="countdown")
+    p.add_argument("--task-options", default='{"num_numbers": 3}', help="JSON")
+    p.set_defaults(func=cmd_passk)
+    p = sub.add_parser("main")
+    p.add_argument("--config", default=str(ROOT / "configs" / "countdown-stabledrl.yaml"))
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--set", action="append", default=[], help="config override, as `stabledrl train --set`")
+    p.add_argument("--runs-dir", default="runs/rl-learns")
+    p.set_defaults(func=cmd_main)
+    for p in sub.choices.values():
+        p.add_argument("--split", choices=["validation", "test"], default="validation")
+        p.add_argument("--n", type=int, default=1000)
+        p.add_argument("--k", type=int, default=8)
+        p.add_argument("--threads", type=int, default=2)
+        p.add_argument("--tag", default="default")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    result = {"args": {k: v for k, v in vars(args).items() if k != "func"}, **args.func(args)}
+    out = ROOT / "benchmarks" / "results" / f"rl_learns-{args.cmd}-{args.tag}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
