@@ -271,6 +271,20 @@ def test_mapped_memory_counts_against_the_bound(mechanism, code, no_leftovers):
     assert r.seconds < 3
 
 
+@needs("memory-cgroup")
+def test_the_cgroup_also_counts_memory_that_no_process_maps(no_leftovers):
+    # 40 memfd files of 15 MB, written, never mapped: the kernel charges the program's cgroup
+    # for them. (The monitor, which sums its processes' resident memory, does not see them.)
+    code = textwrap.dedent("""
+        import os
+        files = [os.memfd_create(f"m{i}") for i in range(40)]
+        for fd in files:
+            os.write(fd, bytes(15 << 20))
+    """)
+    r = run_python(code, memory_mb=BOUND_MB, timeout_s=6)
+    assert (r.ok, r.reason) == (False, "memory"), r.stderr[-500:]
+
+
 @pytest.mark.parametrize("mechanism", MECHANISMS, indirect=True)
 def test_a_program_under_the_bound_in_all_is_left_alone(mechanism, no_leftovers):
     # 4 children × 0.15 · BOUND_MB, plus 5 interpreters: about 60% of the bound.

@@ -36,8 +36,9 @@ hook is a second layer that turns the common attempts into clear reasons:
    kernel allows it) and the capabilities it grants are dropped before the program runs;
    the program keeps our uid, and without a user namespace RLIMIT_NPROC is not set (it
    would count all our processes).
-5. Resource limits: RLIMIT_AS (address space of each process), RLIMIT_CPU, RLIMIT_FSIZE
-   (largest file written), RLIMIT_NPROC (processes and threads), RLIMIT_NOFILE, RLIMIT_CORE = 0.
+5. Resource limits: RLIMIT_AS (address space of each process; its threads share one malloc
+   arena, so they do not reserve 64 MB each), RLIMIT_CPU, RLIMIT_FSIZE (largest file
+   written), RLIMIT_NPROC (processes and threads), RLIMIT_NOFILE, RLIMIT_CORE = 0.
 6. One memory bound for the whole program: its processes and threads together get
    `memory_mb` (RLIMIT_AS alone would give each of up to `max_processes` processes that
    much). Where we may create a memory cgroup under our own cgroup (v1's memory hierarchy,
@@ -53,12 +54,12 @@ hook is a second layer that turns the common attempts into clear reasons:
    "memory-cgroup". Otherwise the namespace's init polls, every 5 ms, the resident anonymous
    and shared memory (RssAnon + RssShmem in /proc/PID/status) of the program's processes and
    kills them all when the sum passes the bound: layer "memory-monitor". Its limits: a
-   program can overshoot by what it touches within one interval (tens of MB), memory it
-   holds without mapping it (pipe and socket buffers, files in its tmpfs or a memfd it does
-   not map) is not counted (disk_mb and RLIMIT_FSIZE bound the files), and pages shared
-   between its processes count once per process (the sum errs high). It needs a PID
-   namespace or root (to tell the program's processes from ours); without either, only
-   RLIMIT_AS holds, per process.
+   program can overshoot by what it touches within one interval (tens of MB; more when the
+   machine is so busy that init is not scheduled); memory it holds without mapping it is not
+   counted: pipe and socket buffers, files in its tmpfs (disk_mb bounds them) and memfd
+   files (RLIMIT_FSIZE each, as many as it may open); pages shared between its processes
+   count once per process (the sum errs high). It needs a PID namespace or root (to tell
+   the program's processes from ours); without either, only RLIMIT_AS holds, per process.
 7. ``python -I`` (isolated: no PYTHON* variables, no user site, no script directory on
    sys.path), ``-S`` unless `site_packages`, ``-B``; an environment of PATH, HOME,
    TMPDIR and LANG only; stdin is /dev/null; at most `max_output_bytes` of stdout and
@@ -493,6 +494,10 @@ if audit:
     layers.append("audit-hook")
 say("layers " + ",".join(layers))
 os.close(ctl)
+# One malloc arena for all the program's threads (inherited through fork): glibc would
+# reserve 64 MB of address space for each thread's own, and under RLIMIT_AS a few threads
+# then fail to start ("can't start new thread": a process limit in name only).
+libc.mallopt(-8, 1)  # M_ARENA_MAX
 program = os.fork()
 if program:
     status, over, done = None, False, False
