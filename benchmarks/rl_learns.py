@@ -58,6 +58,8 @@ def training_reward_controlled(cfg: TrainConfig, initial: str | Path, run_dir: P
     rows = {r["step"]: r for r in load_metrics(run_dir) if "reward_mean" in r}
     gaps = {}
     for step in range(0, cfg.steps, every):
+        if step + 1 not in rows:  # not logged (log_every > 1) or a step without rows
+            continue
         problems = task.generate(cfg.prompts_per_step, split="train", seed=cfg.seed * 1_000_003 + step)
         res = evaluate(policy, task, [p for p in problems for _ in range(cfg.group_size)], cfg.rollout,
                        seed=10_000 + step, progress=False)

@@ -73,12 +73,18 @@ def test_a_malformed_override_names_it(override, message):
     ({"estimator": {"num_samples": True}}, "estimator.num_samples"),
     ({"lr": True}, "lr"),
     ({"rollout": {"temperature": True}}, "rollout.temperature"),
+    ({"lora": {"r": True}}, "lora.r"),  # inside an optional section (LoraSettings | None) too
 ])
 def test_a_bool_is_not_a_number(data, field):
     with pytest.raises(ConfigError, match=rf"config field '{field}': expected .*, got True|got False"):
         load_config(TrainConfig, data)
     with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
         load_config(TrainConfig, {}, [f"{field}={str(next(iter(_leaves(data))))}"])
+
+
+def test_an_unknown_key_in_an_optional_section_is_named_with_its_path():
+    with pytest.raises(ConfigError, match=r"unknown config key lora\.rr; section 'lora' accepts \['r'"):
+        load_config(TrainConfig, {"lora": {"rr": 2}})
 
 
 def _leaves(d):

@@ -123,12 +123,14 @@ def test_the_run_ends_when_the_main_process_exits():
 # can stop their sum; 420 MB pieces are over RLIMIT_AS by themselves.
 BOUND_MB = 256
 PIECE_MB = int(0.6 * BOUND_MB)
-SLACK_MB = {"cgroup": 32, "monitor": 96}
+SLACK_MB = {"cgroup": 32, "monitor": 256}
 """What the measured peak may exceed the bound by. Both: the samples of a program's processes
 are taken one after another, not at one instant (measured up to 11 MB over under the cgroup),
 and its first pages are shared with the bootstrap. The monitor: a program touches more
-memory within one 5 ms interval, or a longer one on a busy machine, before it is killed.
-Without the bound the peaks are 1.2 GB and more."""
+memory within one 5 ms interval, or a longer one on a busy machine (init not scheduled for
+tens of ms while a child zero-fills 150 MB at GB/s), before it is killed: measured 217-236 MB
+when idle, the slack keeps the verdict load-independent. Without the bound the peaks are
+1.2 GB and more."""
 
 
 def _layers_without_cgroups() -> tuple[str, ...]:
@@ -212,7 +214,7 @@ def test_forked_children_share_one_memory_bound(mechanism, piece_mb, no_leftover
             pid = os.fork()
             if pid == 0:
                 x = bytearray({piece_mb} << 20)  # zero-filled: every page touched
-                time.sleep(4)
+                time.sleep(10)
                 os._exit(0)
             children.append(pid)
         for pid in children:
@@ -221,7 +223,7 @@ def test_forked_children_share_one_memory_bound(mechanism, piece_mb, no_leftover
     with peak_program_memory() as peak:
         r = run_python(code, memory_mb=BOUND_MB, timeout_s=6)
     assert_bounded(r, peak[0], mechanism)
-    assert r.seconds < 3  # stopped at the bound, not at the children's sleep or the time limit
+    assert r.seconds < 6  # stopped at the bound, not at the children's 10 s sleep or the time limit
 
 
 @pytest.mark.parametrize("mechanism", MECHANISMS, indirect=True)
@@ -257,7 +259,7 @@ def test_threads_share_one_memory_bound(mechanism, no_leftovers):
                 m = mmap.mmap(-1, {PIECE_MB} << 20, flags=mmap.MAP_SHARED)
                 for i in range(0, len(m), 4096):
                     m[i] = 1
-                time.sleep(4)
+                time.sleep(10)
                 os._exit(0)
             children.append(pid)
         for pid in children:
@@ -268,7 +270,7 @@ def test_mapped_memory_counts_against_the_bound(mechanism, code, no_leftovers):
     with peak_program_memory() as peak:
         r = run_python(code, memory_mb=BOUND_MB, timeout_s=6)
     assert_bounded(r, peak[0], mechanism)
-    assert r.seconds < 3
+    assert r.seconds < 6
 
 
 @needs("memory-cgroup")

@@ -41,6 +41,14 @@ _OLD = ".old-"  # a checkpoint (or final model) being replaced
 
 
 def _umask() -> int:
+    """The process umask, read without setting it (setting it, even briefly, races with
+    other threads creating files) where /proc says it; else the set-and-restore way."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except OSError:
+        pass
     mask = os.umask(0)
     os.umask(mask)
     return mask

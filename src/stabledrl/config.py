@@ -128,7 +128,7 @@ def _expand_shorthands(cls: Any, data: Any) -> None:
         return
     hints = typing.get_type_hints(cls)
     for key, value in data.items():
-        sub = hints.get(key)
+        sub = _section(hints.get(key))
         if dataclasses.is_dataclass(sub):
             short = getattr(sub, "__shorthand__", None)
             if short is not None and not isinstance(value, Mapping):
@@ -150,7 +150,16 @@ def _reject_unknown(cls: Any, data: Any, path: str) -> None:
         field_path = f"{path}.{key}" if path else key
         if isinstance(value, bool) and _is_number(hints[key]):
             raise ConfigError(f"config field {field_path!r}: expected {_type_name(hints[key])}, got {value!r}")
-        _reject_unknown(hints[key], value, field_path)
+        _reject_unknown(_section(hints[key]), value, field_path)
+
+
+def _section(t: Any) -> Any:
+    """The dataclass of an optional section (``LoraSettings | None`` -> LoraSettings), else t."""
+    if typing.get_origin(t) in (typing.Union, types.UnionType):
+        classes = [a for a in typing.get_args(t) if dataclasses.is_dataclass(a)]
+        if len(classes) == 1:
+            return classes[0]
+    return t
 
 
 def _is_number(t: Any) -> bool:

@@ -9,15 +9,17 @@ has fallen far below its own best or its gradient norm keeps spiking:
 - held-out: an evaluation's accuracy has fallen below `drop` × the best evaluation so far
   (the initial one included);
 - spikes: `spikes` or more of the last `window` steps had a gradient norm above
-  `spike_factor` × the running median of the norms before them, or a non-finite one.
+  `spike_factor` × the running median of the last 50 norms before them, an infinite one,
+  or were skipped (a non-finite loss or gradient: `skipped_steps` grew). A NaN norm of a
+  step that was not skipped (DeepSpeed may report none) is no spike.
 
 The flag is sticky once raised (a collapsed run that recovers a little is still one to
 look at) and names its reasons. It is a diagnostic, not a stopping rule.
 
-`gradient_agreement` is the cosine between the policy gradients of two disjoint halves
-of a step's groups: near 1 the halves agree on a direction (the step generalises across
-prompts), near 0 the step's update is mostly about its own prompts (the batch is too
-small to learn from). See README, "RL that learns".
+`flat_grad_cosine` computes the trainer's `grad_agreement`: the cosine between the policy
+gradients of two disjoint halves of a step's groups. Near 1 the halves agree on a
+direction (the step generalises across prompts); near 0 the step's update is mostly about
+its own prompts (the batch is too small to learn from). See README, "RL that learns".
 """
 
 from __future__ import annotations
@@ -48,7 +50,8 @@ class CollapseMonitor:
     _rewards: deque = field(default_factory=deque, repr=False)
     _best_reward: float = -math.inf
     _best_eval: float = -math.inf
-    _norms: list[float] = field(default_factory=list, repr=False)
+    _norms: deque = field(default_factory=lambda: deque(maxlen=50), repr=False)
+    _skipped: int = 0
     _spike_steps: deque = field(default_factory=deque, repr=False)
     _steps: int = 0
 
@@ -66,10 +69,14 @@ class CollapseMonitor:
                 if self._best_reward > 0 and mean < self.drop * self._best_reward:
                     new.append("reward")
         norm = row.get("grad_norm_max", row.get("grad_norm"))
+        skipped = "skipped_steps" in row and int(row["skipped_steps"]) > self._skipped
+        if "skipped_steps" in row:
+            self._skipped = int(row["skipped_steps"])
         if norm is not None:
             norm = float(norm)
             history = [n for n in self._norms if math.isfinite(n)]
-            spike = not math.isfinite(norm) or (len(history) >= 3 and norm > self.spike_factor * statistics.median(history))
+            spike = skipped or math.isinf(norm) or (
+                len(history) >= 3 and norm > self.spike_factor * statistics.median(history))
             if spike:
                 self._spike_steps.append(self._steps)
             self._norms.append(norm)

@@ -315,7 +315,7 @@ class TrainConfig:
     eval_every: int = 0
     """Steps between held-out evaluations (0: start and end only)."""
     eval_n: int = 500
-    """Held-out problems (test split, seed 0: the set `stabledrl eval` uses)."""
+    """Held-out problems (seed 0 of `eval_split`: the set `stabledrl eval` uses)."""
     save_every: int = 50
     """Steps between checkpoints (and at the end)."""
     log_every: int = 1

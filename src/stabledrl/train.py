@@ -351,6 +351,7 @@ def run_train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) 
         # gradient_clipping): one backward per optimizer step only.
         check(cfg.estimator.max_views_per_forward is None,
               "under DeepSpeed leave estimator.max_views_per_forward unset (its backward steps the optimizer)")
+        check(not cfg.grad_agreement, "under DeepSpeed leave grad_agreement off (its backward steps the optimizer)")
     main = accelerator.is_main_process
     _check_processes(cfg, procs.world)
     task = get_task(cfg.task.name, **cfg.task.options)
@@ -546,7 +547,8 @@ def run_train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) 
             for k in inner_rows[0]:
                 vals = [r[k] for r in inner_rows]
                 row[k] = max(vals) if k.endswith("_max") else sum(vals) / len(vals)
-            row["grad_norm_max"] = max(r["grad_norm"] for r in inner_rows)
+            # NaN (a skipped inner iteration) wins: the step's largest norm is then not a number
+            row["grad_norm_max"] = max((r["grad_norm"] for r in inner_rows), key=lambda v: (math.isnan(v), v))
         sched.step()
         row.update(counters)
         row["seconds"] = time.perf_counter() - t_step

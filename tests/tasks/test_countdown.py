@@ -109,7 +109,8 @@ def test_the_validation_split_is_disjoint_from_train_and_test_by_multiset():
     assert 0.05 < len(sets["validation"]) / 1540 < 0.15
     # The test split is the one of a task without a validation split: unchanged by it.
     assert set(get_task("countdown", validation_fraction=0.0)._multisets("test")) == sets["test"]
-    assert not set(get_task("countdown", validation_fraction=0.0)._multisets("validation"))
+    with pytest.raises(ValueError, match="validation split of countdown is empty: set validation_fraction"):
+        get_task("countdown", validation_fraction=0.0).generate(1, split="validation")
     drawn = {s: task.generate(300, split=s, seed=0) for s in sets}
     for s, problems in drawn.items():
         assert {p.meta["numbers"] for p in problems} <= sets[s]

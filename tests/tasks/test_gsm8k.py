@@ -131,8 +131,10 @@ def test_generation_is_reproducible_and_the_splits_come_from_their_files(task):
     assert {p.answer for p in test} == {r["answer"] for r in TEST}
     with pytest.raises(ValueError, match="asked for 3 problems but the test split"):
         task.generate(3, split="test")
-    with pytest.raises(ValueError, match="split"):
+    with pytest.raises(ValueError, match="no validation split.*eval_split: test"):
         task.generate(1, split="validation")
+    with pytest.raises(ValueError, match="split"):
+        task.generate(1, split="dev")
 
 
 def test_prompt_template_and_length(tmp_path, task):

@@ -227,6 +227,8 @@ class Countdown:
         check_split(split)
         rng = random.Random(f"countdown-{split}-{seed}")
         pool = self._multisets(split)
+        if not pool:
+            raise ValueError(f"the {split} split of countdown is empty: set validation_fraction > 0 to have one")
         seen: set[tuple[tuple[int, ...], int]] = set()
         problems: list[Problem] = []
         attempts = 0

@@ -53,6 +53,9 @@ class DatasetSplits:
     _rows: dict[str, list[dict[str, Any]]] = field(default_factory=dict, init=False, repr=False)
 
     def split_name(self, split: Split) -> str:
+        if split == "validation":
+            raise ValueError("a task read from data has no validation split (only train and test): "
+                             "set eval_split: test, or hold out rows of the train file in a file of their own")
         if split not in ("train", "test"):
             raise ValueError(f"split must be 'train' or 'test', got {split!r}")
         return self.train_split if split == "train" else self.test_split
