@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from stabledrl.data import decode_completions, encode_prompts
-from stabledrl.sampling import generate
+from stabledrl.sampling import generate, generate_micro_batched, micro_batch_calls, row_generators
 from tests.conftest import ScriptedPolicy, make_tiny_policy
 
 PROMPTS = ["3,5,7=22", "12,13,5,6=99", "1=1"]
@@ -192,17 +192,17 @@ def test_with_one_generator_per_row_a_row_samples_the_same_in_any_batch(block):
 
 
 class _EosEager:
-    """A tiny policy whose EOS logit is raised by 3, so completions end early."""
+    """A tiny policy whose EOS logit is raised by `boost` (3), so completions end early."""
 
-    def __init__(self, policy):
-        self._policy = policy
+    def __init__(self, policy, boost: float = 3.0):
+        self._policy, self._boost = policy, boost
 
     def __getattr__(self, name):
         return getattr(self._policy, name)
 
     def logits(self, *args, **kwargs):
         out = self._policy.logits(*args, **kwargs).clone()
-        out[..., self._policy.eos_token_id] += 3.0
+        out[..., self._policy.eos_token_id] += self._boost
         return out
 
 
@@ -218,3 +218,65 @@ def test_synced_sampling_makes_every_call_of_the_schedule_and_the_same_tokens(kw
     expected = 9 + (3 if kw else 0)
     assert free.forward_passes < expected  # this batch does end early: the synced path is exercised
     assert synced.forward_passes == expected
+
+
+PROMPTS_7 = PROMPTS + ["4,4=16", "9,2,3=7", "100,1=99", "2,2,2,2=8"]
+
+
+@pytest.mark.parametrize("block", [None, 3])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_micro_batches_write_the_same_tokens_as_one_call(block, temperature):
+    # 7 rows in micro-batches of 1, 2 and 3 (the last one short): row i draws from its own
+    # generator, so every row writes what it writes in one call of all 7, token for token.
+    kw = dict(attention_kind="block", block_size=block) if block else {}
+    policy = make_tiny_policy(seed=23, **kw)
+    if temperature > 0:  # EOS raised by 2: the sampled rows end at different steps
+        policy = _EosEager(policy, boost=2.0)
+    ids, mask = encode_prompts(policy.tokenizer, PROMPTS_7)
+    common = dict(gen_length=9, temperature=temperature)
+    whole = generate_micro_batched(policy, ids, mask, micro_batch=None,
+                                   generator=row_generators("t", 0, 7), **common)
+    if temperature > 0:
+        assert len(set(whole.completion_mask.sum(1).tolist())) > 1
+    for mb in (1, 2, 3):
+        part = generate_micro_batched(policy, ids, mask, micro_batch=mb, generator=row_generators("t", 0, 7), **common)
+        for f in ("sequences", "completion_ids", "completion_mask", "unmask_step"):
+            assert torch.equal(getattr(part, f), getattr(whole, f)), (mb, f)
+        torch.testing.assert_close(part.entropy, whole.entropy, rtol=0, atol=1e-5)
+        assert part.forward_passes > whole.forward_passes  # it did make several calls
+    if temperature > 0:
+        other = generate_micro_batched(policy, ids, mask, micro_batch=2, generator=row_generators("u", 0, 7), **common)
+        assert not torch.equal(other.completion_ids, whole.completion_ids)  # the noise does matter
+        with pytest.raises(ValueError, match="one generator per row"):
+            generate_micro_batched(policy, ids, mask, micro_batch=2, generator=torch.Generator().manual_seed(0),
+                                   **common)
+
+
+class _Counting:
+    """A policy that counts its model calls."""
+
+    def __init__(self, policy):
+        self._policy, self.calls = policy, 0
+
+    def __getattr__(self, name):
+        return getattr(self._policy, name)
+
+    def logits(self, *args, **kwargs):
+        self.calls += 1
+        return self._policy.logits(*args, **kwargs)
+
+
+def test_synced_micro_batches_make_the_calls_of_the_largest_share():
+    # 3 rows in micro-batches of 2 make 2 generate calls; a process whose share needs 3
+    # (micro_batch_calls(5, 2) = 3) makes every process make 3, of 9 model calls each
+    # (synced: one per step), and the spare call changes no token.
+    policy = _Counting(_EosEager(make_tiny_policy(seed=22)))
+    ids, mask = encode_prompts(policy.tokenizer, PROMPTS)
+    alone = generate_micro_batched(policy, ids, mask, micro_batch=2, gen_length=9, synced=True)
+    assert policy.calls == 2 * 9
+    policy.calls = 0
+    assert micro_batch_calls(5, 2) == 3 and micro_batch_calls(5, None) == 1
+    padded = generate_micro_batched(policy, ids, mask, micro_batch=2, gen_length=9, synced=True,
+                                    num_calls=micro_batch_calls(5, 2))
+    assert policy.calls == 3 * 9
+    assert torch.equal(padded.completion_ids, alone.completion_ids)

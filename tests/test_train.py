@@ -331,3 +331,191 @@ def test_a_run_killed_before_its_first_checkpoint_or_in_its_final_save_reruns_cl
     assert [(r["step"], "loss" in r, "eval_accuracy" in r) for r in rows] == [
         (0, False, True), (1, True, False), (2, True, False), (2, False, True)]
     assert not [p.name for p in run.iterdir() if p.name.startswith(".")]
+
+
+def _metric_rows(run_dir) -> list[dict]:
+    """metrics.jsonl without the timings (which differ between identical runs)."""
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in r.items() if not (k.startswith("time_") or k in ("seconds", "framework_share"))}
+            for r in rows]
+
+
+def test_micro_batched_rollouts_and_evaluation_and_a_chunked_optimizer_step_change_nothing(init_model, tmp_path,
+                                                                                           monkeypatch):
+    # Run A samples a step's 8 rollouts and the 5 held-out problems in one call each and
+    # steps AdamW on all parameters at once; run B samples 3 rows at a time, evaluates 2 at
+    # a time and steps the parameters in chunks of at most 3,000 elements. Same weights,
+    # bit for bit, and the same metrics.
+    kw = dict(steps=2, mu=1, eval_n=5, eval_every=1, drift_kl=False, zero_variance_groups="keep")
+    run_train(_cfg(init_model, tmp_path / "a", **kw), progress=False)
+    monkeypatch.setattr(train_mod, "_UPDATE_CHUNK", 3000)
+    run_train(_cfg(init_model, tmp_path / "b", rollout={"temperature": 1.0, "micro_batch": 3},
+                   eval_sampling={"micro_batch": 2}, **kw), progress=False)
+    a = load_file(tmp_path / "a" / "final" / "model.safetensors")
+    b = load_file(tmp_path / "b" / "final" / "model.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert _metric_rows(tmp_path / "a") == _metric_rows(tmp_path / "b")
+
+
+def test_the_optimizer_steps_in_chunks_and_reports_the_norm_of_the_change(monkeypatch):
+    # The update is measured without a copy of all parameters: AdamW steps chunks of at
+    # most _UPDATE_CHUNK elements (a larger parameter alone), and the weights and states
+    # are those of one ordinary step, bit for bit.
+    import copy
+
+    policy = make_tiny_policy(seed=3)
+    model = policy.model
+    twin = copy.deepcopy(model)
+    x = torch.randint(5, 20, (4, 12))
+    for m in (model, twin):
+        m.logits_sum = m(input_ids=x).logits.square().mean()
+        m.logits_sum.backward()
+    params, twin_params = list(model.parameters()), list(twin.parameters())
+    opt = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.1)
+    twin_opt = torch.optim.AdamW(twin_params, lr=1e-3, weight_decay=0.1)
+    before = [p.detach().clone().double() for p in params]
+    twin_opt.step()
+
+    stepped = []  # elements handed a gradient at each optimizer step
+    hook = register_optimizer_step_pre_hook(
+        lambda o, a, k: stepped.append(sum(p.numel() for g in o.param_groups for p in g["params"]
+                                           if p.grad is not None)) if o is opt else None)
+    monkeypatch.setattr(train_mod, "_UPDATE_CHUNK", 5000)
+    try:
+        norm = train_mod._step_measuring_update(opt, params)
+    finally:
+        hook.remove()
+    largest = max(p.numel() for p in params)  # 8,192 (gate_up): a chunk of its own
+    assert len(stepped) > 3 and max(stepped) <= max(5000, largest) and sum(stepped) == sum(p.numel() for p in params)
+    assert all(p.grad is not None for p in params)  # the gradients are given back
+    for p, q in zip(params, twin_params):
+        assert torch.equal(p, q)
+        assert torch.equal(opt.state[p]["exp_avg_sq"], twin_opt.state[q]["exp_avg_sq"])
+    # the norm of the change, computed independently in float64
+    expected = sum(float((p.detach().double() - b).square().sum()) for p, b in zip(params, before)) ** 0.5
+    assert expected > 0
+    assert norm == pytest.approx(expected, rel=1e-5)
+
+
+def test_the_logged_update_norm_is_the_norm_of_the_change_of_the_weights(init_model, tmp_path, monkeypatch):
+    # One step, μ = 1: the logged update_norm is ‖θ_final − θ_init‖, here with the step in chunks.
+    monkeypatch.setattr(train_mod, "_UPDATE_CHUNK", 4000)
+    run_train(_cfg(init_model, tmp_path / "r", steps=1, mu=1, drift_kl=False, zero_variance_groups="keep"),
+              progress=False)
+    row = next(r for r in _metric_rows(tmp_path / "r") if "update_norm" in r)
+    before = load_file(init_model / "model.safetensors")
+    after = load_file(tmp_path / "r" / "final" / "model.safetensors")
+    expected = sum(float((after[k].double() - before[k].double()).square().sum()) for k in before) ** 0.5
+    assert expected > 0
+    assert row["update_norm"] == pytest.approx(expected, rel=1e-5)
+
+
+def test_bf16_mixed_precision_computes_in_bf16_and_keeps_a_1e_6_step(init_model, tmp_path, monkeypatch):
+    # mixed_precision: bf16 with float32 weights (the recommended precision): the matmuls of
+    # the policy and of its reference copy run in bfloat16 (so the drift from the reference
+    # is exactly 0 at the first step, as in float32), and one AdamW step at lr 1e-6 (≈ 1e-6
+    # on every weight whose gradient is not ~0) changes every element of every matrix.
+    dtypes = set()
+    real = train_mod.load_policy
+
+    def spying(*a, **k):
+        policy = real(*a, **k)
+        policy.model.blocks[0].qkv.register_forward_hook(lambda m, i, o: dtypes.add(o.dtype))
+        return policy
+
+    monkeypatch.setattr(train_mod, "load_policy", spying)
+    run_train(_cfg(init_model, tmp_path / "r", steps=1, mu=1, lr=1e-6, mixed_precision="bf16",
+                   zero_variance_groups="keep"), progress=False)
+    assert dtypes == {torch.bfloat16}
+    assert next(r for r in _metric_rows(tmp_path / "r") if "drift_kl" in r)["drift_kl"] == 0.0
+    before = load_file(init_model / "model.safetensors")
+    after = load_file(tmp_path / "r" / "final" / "model.safetensors")
+    for k in before:
+        if before[k].dim() == 2 and k != "embed.weight":  # embedding rows of unseen tokens get no gradient
+            assert after[k].dtype == torch.float32
+            assert (after[k] != before[k]).float().mean() == 1.0, k
+
+
+def test_a_1e_6_step_on_bf16_weights_is_mostly_lost_and_that_precision_is_refused(init_model, tmp_path):
+    # What the check above guards against: AdamW at lr 1e-6 on bfloat16 weights (size
+    # ~0.02, rounding step ~1e-4) leaves most of them as they were.
+    params = [p.detach().to(torch.bfloat16).requires_grad_() for p in make_tiny_policy(seed=3).model.parameters()]
+    before = [p.detach().clone() for p in params]
+    gen = torch.Generator().manual_seed(0)
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=gen).to(torch.bfloat16)
+    torch.optim.AdamW(params, lr=1e-6, weight_decay=0).step()
+    changed = sum(int((p != b).sum()) for p, b in zip(params, before))
+    assert changed < 0.1 * sum(b.numel() for b in before)
+    with pytest.raises(ConfigError, match="mixed_precision: bf16"):
+        _cfg(init_model, tmp_path / "x", model={"path": str(init_model), "dtype": "bfloat16"})
+    # with LoRA only the adapters train (peft keeps them in float32): a bfloat16 base is fine
+    _cfg(init_model, tmp_path / "x", model={"path": str(init_model), "dtype": "bfloat16"}, lora={"r": 4})
+
+
+class _Sleepy(torch.nn.Module):
+    """A forward that takes `ms` milliseconds of a fake GPU clock."""
+
+    def __init__(self, clock_ms: list[float], ms: float) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(1))
+        self.clock_ms, self.ms = clock_ms, ms
+
+    def forward(self, x):
+        self.clock_ms[0] += self.ms
+        return x
+
+
+def test_the_forward_clock_reads_gpu_time_from_events_with_one_synchronisation(monkeypatch):
+    # On a GPU a forward returns once its kernels are queued, so host time misses the work:
+    # the clock records an event before and after each forward (no synchronisation there)
+    # and, when read, synchronises once and sums the events' elapsed times (ms -> s).
+    clock_ms, syncs = [0.0], []
+
+    class FakeEvent:
+        def __init__(self, enable_timing):
+            assert enable_timing
+
+        def record(self):
+            self.t = clock_ms[0]
+
+        def synchronize(self):
+            syncs.append(self.t)
+
+        def elapsed_time(self, end):
+            return end.t - self.t
+
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    model = _Sleepy(clock_ms, 250.0)
+    clock = train_mod._ForwardClock(model, model)
+    assert not clock.cuda  # a CPU model: host time, no events
+    clock._cuda = True  # as for a model on a GPU
+    for _ in range(3):
+        model(torch.zeros(1))
+        clock_ms[0] += 1000.0  # host work between forwards is not counted
+    assert syncs == []
+    assert clock.seconds == pytest.approx(0.75)
+    assert len(syncs) == 1
+    clock.seconds = 0.0
+    model(torch.zeros(1))
+    assert clock.seconds == pytest.approx(0.25)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_on_a_gpu_the_forward_clock_counts_the_kernels_time():
+    import time
+
+    model = torch.nn.Sequential(*[torch.nn.Linear(4096, 4096) for _ in range(8)]).cuda()
+    x = torch.randn(4096, 4096, device="cuda")
+    clock = train_mod._ForwardClock(model)
+    assert clock.cuda
+    with torch.no_grad():
+        model(x)  # warm-up
+        torch.cuda.synchronize()
+        clock.seconds = 0.0
+        t0 = time.perf_counter()
+        for _ in range(5):
+            model(x)
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    assert 0.8 * wall <= clock.seconds <= 1.05 * wall

@@ -7,14 +7,13 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
-from tqdm.auto import tqdm
 
 from stabledrl.data import decode_completions, encode_prompts
 from stabledrl.models.policy import Policy
-from stabledrl.sampling import SamplingConfig, generate
+from stabledrl.sampling import SamplingConfig, generate_micro_batched, row_generators
 from stabledrl.tasks.base import Problem, Task
 
-__all__ = ["EvalResult", "evaluate"]
+__all__ = ["EVAL_MICRO_BATCH", "EvalResult", "evaluate"]
 
 
 @dataclass
@@ -30,6 +29,10 @@ class EvalResult:
         return {k: v for k, v in self.__dict__.items() if k != "samples"}
 
 
+EVAL_MICRO_BATCH = 256
+"""Rows per sampler call of an evaluation whose sampling settings leave micro_batch unset."""
+
+
 @torch.no_grad()
 def evaluate(
     policy: Policy,
@@ -37,30 +40,35 @@ def evaluate(
     problems: Sequence[Problem],
     sampling: SamplingConfig | None = None,
     *,
-    batch_size: int = 256,
+    batch_size: int | None = None,
     seed: int = 0,
     progress: bool = True,
     synced: bool = False,
+    first_index: int = 0,
+    num_calls: int | None = None,
 ) -> EvalResult:
     """Accuracy (share of fully correct completions) and mean reward on `problems`.
-    `synced`: see `stabledrl.sampling.generate` (processes with sharded parameters)."""
+
+    The problems are decoded `batch_size` at a time (None: `sampling.micro_batch`, else
+    `EVAL_MICRO_BATCH`); problem i draws its noise from its own generator, seeded by
+    (`seed`, `first_index` + i), so the completions do not depend on the batch size, nor
+    on how processes split the problems (each passes the index of its first).
+    `synced`, `num_calls`: see `stabledrl.sampling.generate_micro_batched` (processes with
+    sharded parameters)."""
     if not problems:
         raise ValueError("no problems to evaluate")
     sampling = sampling or SamplingConfig()
     gen_length = sampling.gen_length or task.completion_length
-    generator = torch.Generator(device="cpu").manual_seed(seed)
+    micro_batch = batch_size or sampling.micro_batch or EVAL_MICRO_BATCH
+    generators = row_generators(f"eval/{seed}", first_index, first_index + len(problems))
     was_training = policy.model.training
     policy.model.eval()
-    texts: list[str] = []
     t0 = time.perf_counter()
-    for i in tqdm(range(0, len(problems), batch_size), desc="eval", disable=not progress, leave=False):
-        chunk = problems[i : i + batch_size]
-        ids, mask = encode_prompts(policy.tokenizer, [p.prompt for p in chunk])
-        out = generate(
-            policy, ids.to(policy.device), mask.to(policy.device),
-            gen_length=gen_length, generator=generator, synced=synced, **sampling.generate_kwargs(),
-        )
-        texts.extend(decode_completions(policy.tokenizer, out.completion_ids.cpu()))
+    ids, mask = encode_prompts(policy.tokenizer, [p.prompt for p in problems])  # (n, P): one padding for all
+    out = generate_micro_batched(policy, ids.to(policy.device), mask.to(policy.device), micro_batch=micro_batch,
+                                 generator=generators, synced=synced, num_calls=num_calls, progress=progress,
+                                 gen_length=gen_length, **sampling.generate_kwargs())
+    texts = decode_completions(policy.tokenizer, out.completion_ids.cpu())
     seconds = time.perf_counter() - t0
     policy.model.train(was_training)
     rewards = task.reward(texts, problems)

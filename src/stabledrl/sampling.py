@@ -25,11 +25,13 @@ Shapes: B batch, P prompt columns, L completion length, V vocabulary.
 
 from __future__ import annotations
 
+import hashlib
 import math
 from dataclasses import dataclass
 from typing import Literal, Sequence
 
 import torch
+from tqdm.auto import tqdm
 
 from stabledrl.data import completion_mask as _completion_mask
 from stabledrl.data import position_ids
@@ -37,7 +39,8 @@ from stabledrl.models.attention import block_causal_attention_mask, block_slices
 from stabledrl.models.policy import Policy
 from stabledrl.settings import SamplingConfig  # defined without torch, for the command line
 
-__all__ = ["SamplingConfig", "GenerationOutput", "generate"]
+__all__ = ["SamplingConfig", "GenerationOutput", "generate", "generate_micro_batched", "micro_batch_calls",
+           "row_generators"]
 
 
 @dataclass
@@ -276,3 +279,71 @@ def _decode_blocks(policy, dec: _Decoding, prompt_ids, prompt_mask, S, per_block
             mask = keys[:, None, : P + hi].expand(B, hi - lo, P + hi)
             policy.logits(dec.comp[:, cols], mask, pos[:, P + lo : P + hi], cache=cache, extend_cache=True)
             dec.passes += 1
+
+
+def row_generators(tag: str, lo: int, hi: int) -> list[torch.Generator]:
+    """One generator per row lo..hi-1 of a batch named `tag`: a row's draws depend on the
+    tag and its index only, not on the batch, micro-batch or process it is sampled in."""
+    def seed(row: int) -> int:
+        return int.from_bytes(hashlib.sha256(f"{tag}/{row}".encode()).digest()[:8], "big") >> 1
+    return [torch.Generator().manual_seed(seed(r)) for r in range(lo, hi)]
+
+
+def micro_batch_calls(rows: int, micro_batch: int | None) -> int:
+    """`generate` calls that `generate_micro_batched` makes for `rows` rows."""
+    return 1 if micro_batch is None else max(1, math.ceil(rows / micro_batch))
+
+
+def generate_micro_batched(
+    policy: Policy,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor | None = None,
+    *,
+    micro_batch: int | None,
+    generator: Generators = None,
+    synced: bool = False,
+    num_calls: int | None = None,
+    progress: bool = False,
+    **kwargs,
+) -> GenerationOutput:
+    """`generate` on at most `micro_batch` rows at a time (None: all at once), the outputs
+    concatenated; `forward_passes` is the sum over the calls. The rows keep their padding
+    (P columns for all), and with one generator per row (or with no randomness) each row
+    writes the same tokens as in a single call: a row's tokens do not depend on the others
+    in its batch (tests/test_sampling.py). A single generator would be consumed in another
+    order, so it is refused when there is more than one micro-batch.
+
+    `synced` with `num_calls`: processes with sharded parameters must make the same model
+    calls, so a process with fewer micro-batches than `num_calls` (those of the largest
+    share, `micro_batch_calls`) makes the missing ones on its first row and discards them.
+    `progress`: a progress bar over the micro-batches."""
+    B = prompt_ids.size(0)
+    if prompt_mask is None:
+        prompt_mask = torch.ones_like(prompt_ids)
+    if micro_batch is not None and micro_batch < 1:
+        raise ValueError(f"micro_batch must be >= 1 or None, got {micro_batch}")
+    size = B if micro_batch is None else micro_batch
+    starts = list(range(0, B, size))
+    one_generator = isinstance(generator, torch.Generator)
+    if len(starts) > 1 and one_generator:
+        raise ValueError("micro-batches need one generator per row (stabledrl.sampling.row_generators): "
+                         "a single generator would give other draws than one call")
+    outs = []
+    for s in tqdm(starts, desc="sampling", disable=not progress, leave=False):
+        gens = generator if generator is None or one_generator else generator[s : s + size]
+        outs.append(generate(policy, prompt_ids[s : s + size], prompt_mask[s : s + size], generator=gens,
+                             synced=synced, **kwargs))
+    if synced and num_calls is not None:
+        for _ in range(num_calls - len(starts)):  # the calls of a larger share; output discarded
+            spare = [torch.Generator().manual_seed(0)]
+            generate(policy, prompt_ids[:1], prompt_mask[:1], generator=spare, synced=True, **kwargs)
+    if len(outs) == 1:
+        return outs[0]
+    return GenerationOutput(
+        sequences=torch.cat([o.sequences for o in outs]),
+        completion_ids=torch.cat([o.completion_ids for o in outs]),
+        completion_mask=torch.cat([o.completion_mask for o in outs]),
+        unmask_step=torch.cat([o.unmask_step for o in outs]),
+        forward_passes=sum(o.forward_passes for o in outs),
+        entropy=torch.cat([o.entropy for o in outs]),
+    )

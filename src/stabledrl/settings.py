@@ -51,6 +51,10 @@ class ModelConfig:
     process uses the device accelerate assigns it, on CPUs when this is cpu."""
     trust_remote_code: bool | None = None
     """Run the checkpoint's own modelling code; None: true for llada and dream only."""
+    gradient_checkpointing: bool = False
+    """Recompute each transformer block's activations in the backward instead of keeping them
+    (memory of the update: one block's activations per view plus the blocks' inputs; one more
+    forward of compute). stabledrl's tiny models only, for now."""
 
     def __post_init__(self) -> None:
         check(bool(self.path), "model.path is empty: name a model directory")
@@ -97,6 +101,9 @@ class SamplingConfig:
     """Which masked slots to commit each step."""
     kv_cache: bool = True
     """Block models: keep the keys/values of the prompt and finished blocks (same tokens, faster)."""
+    micro_batch: int | None = None
+    """Rows per sampler call, to bound its memory; the tokens are the same (every row draws from
+    its own generator). None: a process's rollouts of a step at once, evaluation 256 at a time."""
 
     def generate_kwargs(self) -> dict:
         """The keyword arguments of `generate` (all but gen_length and generator)."""
@@ -108,6 +115,8 @@ class SamplingConfig:
             v = getattr(self, name)
             check(v is None or v >= 1, f"sampling.{name} must be a positive integer or null, got {v}")
         check(self.temperature >= 0, f"sampling.temperature must be >= 0, got {self.temperature}")
+        check(self.micro_batch is None or self.micro_batch >= 1,
+              f"sampling.micro_batch must be a positive integer or null, got {self.micro_batch}")
 
 
 @dataclass
@@ -328,6 +337,11 @@ class TrainConfig:
     too small to learn from. Costs a second backward pass; one process, no view budget."""
     eval_split: Literal["validation", "test"] = "test"
     """Split of the held-out evaluations: validation while choosing settings, test to report."""
+    mixed_precision: Literal["no", "bf16"] = "no"
+    """bf16: the forward passes compute in bfloat16 (autocast, through accelerate; under FSDP
+    also the gathered parameters) while the weights, gradients and AdamW states stay in
+    model.dtype, float32: the recommended precision on GPUs, no update lost to rounding
+    (docs/scale-out.md). It overrides the accelerate config's mixed_precision."""
     drift_kl: bool = True
     """Score the rollouts under the initial policy each step for the `drift_kl` diagnostic. Costs
     a forward and, without LoRA, a second copy of the model: turn it off for large models
@@ -344,6 +358,11 @@ class TrainConfig:
         check(self.optimizer == "adamw" or self.weight_decay == 0, "weight_decay is an adamw option; set it to 0")
         check(not (self.grad_agreement and self.estimator.max_views_per_forward is not None),
               "grad_agreement needs the one-graph update: leave estimator.max_views_per_forward unset")
+        check(self.lora is not None or self.model.dtype == "float32",
+              f"model.dtype {self.model.dtype} trains the weights in {self.model.dtype}, where an update smaller "
+              "than half their rounding step is lost (an AdamW step at lr 1e-6 on every bfloat16 weight larger than "
+              "about 5e-4). Keep model.dtype: "
+              "float32 and set mixed_precision: bf16 to compute in bfloat16 (with LoRA the base may be bfloat16)")
         check(self.rollout.temperature > 0 or self.rollout.remasking == "random",
               "rollout.temperature is 0 with low_confidence remasking: every completion of a group would be "
               "identical; set rollout.temperature > 0")

@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import hashlib
 import json
 import math
 import sys
@@ -66,20 +65,20 @@ from stabledrl.checkpoint import (
 from stabledrl.config import ConfigError, check, to_dict
 from stabledrl.data import decode_completions, encode_prompts
 from stabledrl.diagnostics import CollapseMonitor, flat_grad_cosine
-from stabledrl.evaluate import evaluate
+from stabledrl.evaluate import EVAL_MICRO_BATCH, evaluate
 from stabledrl.likelihood import backward_views, plan_views, score_views
 from stabledrl.metrics import metrics_line
 from stabledrl.models.lora import add_lora, base_policy
 from stabledrl.models.policy import load_policy
 from stabledrl.objectives import LossOutput, group_advantages, grpo_loss, stabledrl_loss
-from stabledrl.sampling import SamplingConfig, generate
+from stabledrl.sampling import SamplingConfig, generate_micro_batched, micro_batch_calls, row_generators
 from stabledrl.settings import MAX_MU, EstimatorConfig, ObjectiveConfig, TrainConfig  # no torch: for the CLI
 from stabledrl.tasks import get_task
 
 __all__ = ["EstimatorConfig", "ObjectiveConfig", "TrainConfig", "run_train"]
 
 
-_SEED_SLOTS = MAX_MU + 3  # per step: 0 unused (rollouts draw per row, `_row_generators`), 1 ℓ_old masks, 2 weight masks, 3.. inner-iteration masks
+_SEED_SLOTS = MAX_MU + 3  # per step: 0 unused (rollouts draw per row: `row_generators`), 1 ℓ_old masks, 2 weight masks, 3.. inner-iteration masks
 
 
 def _seeded(seed: int, step: int, purpose: int) -> torch.Generator:
@@ -90,29 +89,64 @@ def _seeded(seed: int, step: int, purpose: int) -> torch.Generator:
 
 
 class _ForwardClock:
-    """Sums the wall time spent inside the models' forward passes (via hooks)."""
+    """Sums the wall time spent inside the models' forward passes (via hooks). On a GPU a
+    forward returns once its kernels are queued, so there each forward is timed by CUDA
+    events on the current stream instead, and `seconds` synchronises once to read them:
+    no synchronisation inside a step."""
 
     def __init__(self, *models: torch.nn.Module) -> None:
-        self.seconds = 0.0
+        self._seconds = 0.0
         self._t0 = 0.0
-        for m in {id(m): m for m in models}.values():  # a LoRA reference shares the policy's model
+        models = list({id(m): m for m in models}.values())  # a LoRA reference shares the policy's model
+        self._cuda = any(p.is_cuda for m in models for p in m.parameters())
+        self._events: list[tuple[Any, Any]] = []
+        for m in models:
             m.register_forward_pre_hook(self._start)
             m.register_forward_hook(self._stop)
 
     def _start(self, *args) -> None:
-        self._t0 = time.perf_counter()
+        if self._cuda:
+            self._t0 = torch.cuda.Event(enable_timing=True)
+            self._t0.record()
+        else:
+            self._t0 = time.perf_counter()
 
     def _stop(self, *args) -> None:
-        self.seconds += time.perf_counter() - self._t0
+        if self._cuda:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self._events.append((self._t0, end))
+        else:
+            self._seconds += time.perf_counter() - self._t0
+
+    @property
+    def seconds(self) -> float:
+        if self._events:
+            self._events[-1][1].synchronize()
+            self._seconds += sum(a.elapsed_time(b) for a, b in self._events) / 1000  # ms -> s
+            self._events.clear()
+        return self._seconds
+
+    @seconds.setter
+    def seconds(self, value: float) -> None:
+        self._events.clear()
+        self._seconds = value
+
+    @property
+    def cuda(self) -> bool:
+        return self._cuda
 
 
 @contextmanager
-def _timed(seconds: dict[str, float], name: str):
-    """Add the wall time of the block to seconds[name]."""
+def _timed(seconds: dict[str, float], name: str, *, cuda: bool = False):
+    """Add the wall time of the block to seconds[name]; `cuda`: until the GPU has finished
+    the work the block queued (one synchronisation at its end)."""
     t0 = time.perf_counter()
     try:
         yield
     finally:
+        if cuda:
+            torch.cuda.synchronize()
         seconds[name] = seconds.get(name, 0.0) + time.perf_counter() - t0
 
 
@@ -150,14 +184,6 @@ class _Procs:
         parts = [torch.empty_like(padded) for _ in range(self.world)]
         dist.all_gather(parts, padded.contiguous())
         return torch.cat([p[:k] for p, k in zip(parts, sizes)]).to(kind)
-
-
-def _row_generators(tag: str, lo: int, hi: int) -> list[torch.Generator]:
-    """One generator per row lo..hi-1 of a batch named `tag` (seed, step, round): a row's
-    draws do not depend on which process or batch it is in."""
-    def seed(row: int) -> int:
-        return int.from_bytes(hashlib.sha256(f"{tag}/{row}".encode()).digest()[:8], "big") >> 1
-    return [torch.Generator().manual_seed(seed(r)) for r in range(lo, hi)]
 
 
 class Rollouts(NamedTuple):
@@ -219,8 +245,11 @@ def _roll_groups(cfg: TrainConfig, policy, task, problems: list, tag: str, gen_l
     p_ids, p_mask = encode_prompts(policy.tokenizer, [p.prompt for p in group_problems])  # (n·G, P) all rows
     lo, hi = procs.bounds(n)
     dev = policy.device
-    roll = generate(policy, p_ids[lo:hi].to(dev), p_mask[lo:hi].to(dev), gen_length=gen_length,
-                    generator=_row_generators(tag, lo, hi), synced=procs.synced, **cfg.rollout.generate_kwargs())
+    mb = cfg.rollout.micro_batch
+    calls = micro_batch_calls(-(-n // procs.world), mb)  # those of the largest share (synced: collectives)
+    roll = generate_micro_batched(policy, p_ids[lo:hi].to(dev), p_mask[lo:hi].to(dev), gen_length=gen_length,
+                                  micro_batch=mb, generator=row_generators(tag, lo, hi), synced=procs.synced,
+                                  num_calls=calls, **cfg.rollout.generate_kwargs())
     texts = decode_completions(policy.tokenizer, roll.completion_ids.cpu())
     rewards = torch.tensor(task.reward(texts, group_problems[lo:hi]), dtype=torch.float32)  # (share,)
     full = [procs.gather(x.to(dev), n).cpu() for x in (roll.completion_ids, roll.completion_mask, roll.unmask_step,
@@ -307,8 +336,11 @@ def _check_processes(cfg: TrainConfig, world: int) -> None:
 
 def _evaluate(policy, task, problems: list, sampling: SamplingConfig, procs: _Procs) -> dict[str, float]:
     """Held-out accuracy and mean reward; each process decodes its share of the problems."""
-    lo, hi = procs.bounds(len(problems))
-    res = evaluate(policy, task, problems[lo:hi], sampling, progress=False, synced=procs.synced)
+    n = len(problems)
+    lo, hi = procs.bounds(n)
+    calls = micro_batch_calls(-(-n // procs.world), sampling.micro_batch or EVAL_MICRO_BATCH)
+    res = evaluate(policy, task, problems[lo:hi], sampling, progress=False, synced=procs.synced, first_index=lo,
+                   num_calls=calls)
     scores = torch.tensor([[float(s["correct"]), s["reward"]] for s in res.samples], device=policy.device)  # (share, 2)
     full = procs.gather(scores, len(problems)).double().mean(0)
     return {"accuracy": float(full[0]), "mean_reward": float(full[1])}
@@ -322,6 +354,43 @@ def _optimizer(cfg: TrainConfig, params: list[torch.nn.Parameter]) -> torch.opti
     if cfg.optimizer == "sgd":
         return torch.optim.SGD(params, lr=cfg.lr)
     return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+
+
+_UPDATE_CHUNK = 2**26
+"""Parameter elements copied at a time to measure the update (256 MB in float32)."""
+
+
+def _step_measuring_update(opt: torch.optim.Optimizer, params: list[torch.nn.Parameter]) -> float:
+    """opt.step(); returns the norm of the change it made to the parameters, without a copy
+    of all of them: the optimizer steps one chunk of about `_UPDATE_CHUNK` elements at a
+    time (torch's optimizers skip a parameter whose .grad is None, and their updates are
+    per parameter, so the weights and states are those of one step), and only that chunk
+    is copied to take the difference."""
+    grads = [p.grad for p in params]
+    chunks: list[list[int]] = [[]]
+    size = 0
+    for i, p in enumerate(params):
+        if grads[i] is None:
+            continue
+        if chunks[-1] and size + p.numel() > _UPDATE_CHUNK:
+            chunks.append([])
+            size = 0
+        chunks[-1].append(i)
+        size += p.numel()
+    total = 0.0
+    try:
+        for chunk in chunks:
+            for p in params:
+                p.grad = None
+            for i in chunk:
+                params[i].grad = grads[i]
+            before = [params[i].detach().clone() for i in chunk]
+            opt.step()
+            total += sum(float((params[i].detach() - b).float().square().sum()) for i, b in zip(chunk, before))
+    finally:
+        for p, g in zip(params, grads):
+            p.grad = g
+    return math.sqrt(total)
 
 
 def _unwrapped(policy, accelerator):
@@ -338,12 +407,16 @@ def run_train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) 
 
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
+    from accelerate.state import AcceleratorState
     from accelerate.utils import DistributedDataParallelKwargs
 
     # No buffer broadcast in forward: the models' buffers are constants, and a collective in
     # every forward would tie the processes' (data-dependent) numbers of model calls together.
     on_cpu = cfg.model.device == "cpu" or (cfg.model.device == "auto" and not torch.cuda.is_available())
-    accelerator = Accelerator(cpu=on_cpu,
+    # The precision is the run's (not the launcher's): a process may run several trainings
+    # (tests, benchmarks), so accelerate's per-process state is set afresh; the process group stays.
+    AcceleratorState._reset_state()
+    accelerator = Accelerator(cpu=on_cpu, mixed_precision=cfg.mixed_precision,  # autocast of the prepared model
                               kwargs_handlers=[DistributedDataParallelKwargs(broadcast_buffers=False)])
     procs = _Procs(accelerator)
     if accelerator.distributed_type.value == "DEEPSPEED":
@@ -475,7 +548,8 @@ def run_train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) 
                 old = scored(policy, plan_old)
                 ref = None
                 if reference is not None:
-                    ref = scored(reference, plan_old)
+                    with accelerator.autocast():  # a reference copy is not prepared: same precision as ℓ_old
+                        ref = scored(reference, plan_old)
                     # KL(π_old ‖ π_init) ≈ mean over π_old's own samples of ℓ_old − ℓ_init
                     gap = (old - ref).sum(-1) if need_tokens else old - ref  # (B',)
                     row["drift_kl"] = float(gap.mean())
@@ -511,7 +585,7 @@ def run_train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) 
                         res = _objective(cfg, full, old, b_adv, batch, ref, w_kw)
                     finite = bool(torch.isfinite(res.loss))
                     if finite:
-                        with _timed(times, "backward"):
+                        with _timed(times, "backward", cuda=forward_clock.cuda):
                             if two_pass:
                                 res.loss.backward()
                                 backward_views(policy, pl, mine.prompt_ids, mine.completion_ids, mine.completion_mask,
@@ -538,9 +612,7 @@ def run_train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) 
                         inner_rows.append({**res.metrics, "loss": float(res.loss.detach()), "grad_norm": grad_norm,
                                            "update_norm": 0.0})
                         continue
-                    before = [p.detach().clone() for p in params]
-                    opt.step()
-                    update = math.sqrt(sum(float((p.detach() - b).pow(2).sum()) for p, b in zip(params, before)))
+                    update = _step_measuring_update(opt, params)
                     inner_rows.append({**res.metrics, "loss": float(res.loss.detach()), "grad_norm": grad_norm,
                                        "update_norm": update})
             # Over the μ inner iterations: maxima of *_max metrics, means of the others.

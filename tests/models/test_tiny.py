@@ -107,3 +107,39 @@ def test_kv_cache_gives_the_same_logits_as_the_full_pass():
     assert torch.allclose(chunk, reference[:, Tp:], atol=1e-5)
     policy.logits(x[:, Tp:], full_mask[:, Tp:], pos[:, Tp:], cache=cache, extend_cache=True)
     assert len(cache) == Tp + T
+
+
+@pytest.mark.parametrize("kw", [{}, dict(attention_kind="block", block_size=3)])
+def test_gradient_checkpointing_gives_the_same_gradients_and_recomputes_each_block(tmp_path, kw):
+    # model.gradient_checkpointing: each block's activations are recomputed in the backward
+    # (so block 0 runs twice per forward and backward), in eval mode too, where the RL
+    # update runs; the gradients are those of the plain model, bit for bit. Under no_grad
+    # nothing is recomputed.
+    from stabledrl.models import ModelConfig
+    from stabledrl.models.attention import block_causal_attention_mask
+
+    make_tiny_policy(seed=4, **kw).save(tmp_path / "m")
+    x = torch.randint(5, 20, (3, 12))
+    mask = block_causal_attention_mask(torch.ones(3, 6, dtype=torch.long), 6, 3) if kw else torch.ones_like(x)
+    pos = torch.arange(12).expand(3, 12)
+    grads, calls = [], []
+    for ckpt in (False, True):
+        policy = load_policy(ModelConfig(path=str(tmp_path / "m"), gradient_checkpointing=ckpt))
+        assert not policy.model.training
+        n = [0]
+        policy.model.blocks[0].register_forward_pre_hook(lambda *a: n.__setitem__(0, n[0] + 1))
+        policy.logits(x, mask, pos).float().square().mean().backward()
+        grads.append([p.grad.clone() for p in policy.model.parameters()])
+        with torch.no_grad():
+            policy.logits(x, mask, pos)
+        calls.append(n[0])
+    assert calls == [2, 3]  # plain: 1 + 1 (no_grad); checkpointed: 2 + 1
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+    assert any(g.abs().sum() > 0 for g in grads[0])
+
+
+def test_gradient_checkpointing_is_refused_for_other_adapters_for_now(tmp_path):
+    from stabledrl.models import ModelConfig
+
+    with pytest.raises(ValueError, match="gradient_checkpointing is implemented for stabledrl's tiny models"):
+        load_policy(ModelConfig(path=str(tmp_path), adapter="masked_lm", gradient_checkpointing=True))

@@ -170,11 +170,16 @@ def _load_policy(model: str | Path | ModelConfig, *, device: str | torch.device 
         policy.model = PeftModel.from_pretrained(policy.model, str(path), is_trainable=trainable).to(device)
         return policy
     adapter = resolve_adapter(path, cfg.adapter)
+    if cfg.gradient_checkpointing and adapter != "tiny":
+        raise ValueError(f"model.gradient_checkpointing is implemented for stabledrl's tiny models, not yet for the "
+                         f"{adapter} adapter: transformers' layers checkpoint only in train mode, and the trainer "
+                         "updates in eval mode (no dropout)")
     if adapter == "tiny":
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"{path} is not a saved model directory (no config.json)")
         tiny = TinyDiffusionLM.from_pretrained(path, dtype=dtype).to(device)
         tiny.eval()
+        tiny.gradient_checkpointing = cfg.gradient_checkpointing
         _record_base_path(tiny, path)
         return TinyPolicy(tiny, PreTrainedTokenizerFast.from_pretrained(path))
     policy = load_hf_policy(path if path.exists() else cfg.path, adapter, mask_token_id=cfg.mask_token_id,

@@ -26,6 +26,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 from transformers import PretrainedConfig, PreTrainedModel
 from transformers.modeling_outputs import MaskedLMOutput
 
@@ -81,6 +82,9 @@ class TinyDiffusionConfig(PretrainedConfig):
         self.attention_kind = attention_kind
         self.block_size = block_size
         self.mask_token_id = mask_token_id
+        # The output head is its own matrix. transformers 4.x ties it to the embedding unless told
+        # not to (5.x ties only declared pairs): a checkpoint would then load one into the other.
+        kwargs.setdefault("tie_word_embeddings", False)
         super().__init__(
             pad_token_id=pad_token_id, bos_token_id=bos_token_id, eos_token_id=eos_token_id, **kwargs
         )
@@ -136,6 +140,7 @@ class TinyDiffusionLM(PreTrainedModel):
     config_class = TinyDiffusionConfig
     base_model_prefix = "model"
     _supports_sdpa = True
+    supports_gradient_checkpointing = True
 
     def __init__(self, config: TinyDiffusionConfig) -> None:
         super().__init__(config)
@@ -146,6 +151,7 @@ class TinyDiffusionLM(PreTrainedModel):
         half = config.hidden_size // config.num_attention_heads // 2
         inv_freq = 1.0 / config.rope_theta ** (torch.arange(half, dtype=torch.float32) / half)  # (Dh/2,)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.gradient_checkpointing = False  # True: recompute each block in the backward (ModelConfig)
         self.post_init()
 
     def get_input_embeddings(self) -> nn.Embedding:
@@ -229,7 +235,13 @@ class TinyDiffusionLM(PreTrainedModel):
         x = self.embed(input_ids)  # (B, T, D)
         new_layers = []
         for i, block in enumerate(self.blocks):
-            x, kv = block(x, cos, sin, mask, past_key_values.layers[i] if cached else None)
+            past = past_key_values.layers[i] if cached else None
+            if self.gradient_checkpointing and torch.is_grad_enabled():
+                # Keep only the block's input; its activations are recomputed in the backward.
+                # Unlike transformers' layers, also in eval mode: the RL update runs in eval mode.
+                x, kv = checkpoint(block, x, cos, sin, mask, past, use_reentrant=False)
+            else:
+                x, kv = block(x, cos, sin, mask, past)
             new_layers.append(kv)
         if extend_cache:
             if past_key_values is None:

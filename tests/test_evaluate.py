@@ -1,0 +1,45 @@
+import pytest
+
+import stabledrl.evaluate as evaluate_mod
+from stabledrl.evaluate import evaluate
+from stabledrl.sampling import SamplingConfig
+from stabledrl.tasks import get_task
+from tests.conftest import make_tiny_policy
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_completions_do_not_depend_on_the_micro_batch_or_the_split(temperature):
+    # Problem i draws from its own generator (seed, i): micro-batches of 1, 3 or all 9
+    # decode the same completions, and so does a process that evaluates problems 4..8
+    # and passes first_index=4 (the split of a multi-process evaluation).
+    policy = make_tiny_policy(seed=5)
+    task = get_task("countdown")
+    problems = task.generate(9, split="test", seed=0)
+    sampling = SamplingConfig(temperature=temperature)
+    texts = lambda res: [s["completion"] for s in res.samples]  # noqa: E731
+    whole = texts(evaluate(policy, task, problems, sampling, progress=False))
+    assert len(set(whole)) > 1
+    for mb in (1, 3):
+        assert texts(evaluate(policy, task, problems, SamplingConfig(temperature=temperature, micro_batch=mb),
+                              progress=False)) == whole
+        assert texts(evaluate(policy, task, problems, sampling, batch_size=mb, progress=False)) == whole
+    assert texts(evaluate(policy, task, problems[4:], sampling, first_index=4, progress=False)) == whole[4:]
+    if temperature > 0:
+        assert texts(evaluate(policy, task, problems, sampling, seed=1, progress=False)) != whole
+
+
+def test_the_micro_batch_comes_from_the_argument_then_the_sampling_settings_then_256(monkeypatch):
+    seen = []
+    real = evaluate_mod.generate_micro_batched
+
+    def spy(*args, micro_batch, **kw):
+        seen.append(micro_batch)
+        return real(*args, micro_batch=micro_batch, **kw)
+
+    monkeypatch.setattr(evaluate_mod, "generate_micro_batched", spy)
+    policy, task = make_tiny_policy(seed=5), get_task("countdown")
+    problems = task.generate(3, split="test", seed=0)
+    evaluate(policy, task, problems, SamplingConfig(micro_batch=2), batch_size=1, progress=False)
+    evaluate(policy, task, problems, SamplingConfig(micro_batch=2), progress=False)
+    evaluate(policy, task, problems, SamplingConfig(), progress=False)
+    assert seen == [1, 2, 256]
