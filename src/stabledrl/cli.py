@@ -182,7 +182,8 @@ def _model_config(args: argparse.Namespace):
     from stabledrl.settings import ModelConfig
 
     return ModelConfig(path=args.model, adapter=args.adapter, mask_token_id=args.mask_token_id,
-                       block_size=args.block_size, dtype=args.dtype, device=args.device)
+                       block_size=args.block_size, dtype=args.dtype, device=args.device,
+                       trust_remote_code=args.trust_remote_code)
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -192,6 +193,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="how to read the checkpoint (auto: from its config)")
     p.add_argument("--mask-token-id", type=int, help="the mask token (default: the checkpoint's or tokenizer's)")
     p.add_argument("--block-size", type=int, help="decoder adapter: block size S")
+    p.add_argument("--trust-remote-code", action=argparse.BooleanOptionalAction, default=None,
+                   help="run the checkpoint's own modelling code (default: on for llada and dream, for a checkpoint "
+                   "whose config.json names its code, and as a saved stabledrl model records it)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--device", default="auto", help="auto (a GPU if there is one), cpu, cuda, cuda:1 ...")
 

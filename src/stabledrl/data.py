@@ -1,9 +1,11 @@
 """Turning problems into tensors and completions back into text.
 
-Layout of every sequence: ``[PAD .. PAD, BOS, prompt ; completion]``. Prompts are
+Layout of every sequence: ``[PAD .. PAD, BOS, prompt ; completion]`` (no BOS when the
+tokenizer has none, as SDAR's and other Qwen-family tokenizers). Prompts are
 left-padded (attention mask 0 on padding) so that all completions start at the same
 column P. A completion is the answer, one EOS, then PAD up to its fixed length L; the
-*scored* positions (``completion_mask``) are those up to and including the first EOS.
+*scored* positions (``completion_mask``) are those up to and including the first EOS (or
+the first of several stop tokens, `stabledrl.models.HFPolicy.stop_token_ids`).
 
 Shapes: B batch, P prompt columns, L completion length.
 """
@@ -20,13 +22,14 @@ __all__ = ["encode_prompts", "encode_completions", "completion_mask", "decode_co
 
 def encode_prompts(tokenizer: PreTrainedTokenizerBase, prompts: Sequence[str], *,
                    strict: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """Left-padded prompt ids (B, P) with BOS first, and their attention mask (B, P).
+    """Left-padded prompt ids (B, P) with BOS first (if the tokenizer has one), and their attention mask (B, P).
     `strict`: a ValueError naming the characters the tokenizer does not know (else they
     become UNK, which a model never saw: its completion answers another prompt)."""
     if not prompts:
         raise ValueError("no prompts to encode")
-    rows = [[tokenizer.bos_token_id] + (_strict_encode(tokenizer, p, "prompt") if strict else
-                                        tokenizer.encode(p, add_special_tokens=False)) for p in prompts]
+    bos = [] if tokenizer.bos_token_id is None else [tokenizer.bos_token_id]
+    rows = [bos + (_strict_encode(tokenizer, p, "prompt") if strict else tokenizer.encode(p, add_special_tokens=False))
+            for p in prompts]
     width = max(map(len, rows))
     ids = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)
     mask = torch.zeros((len(rows), width), dtype=torch.long)
@@ -63,9 +66,12 @@ def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
-def completion_mask(completion_ids: torch.Tensor, eos_token_id: int) -> torch.Tensor:
-    """(B, L) bool: True up to and including the first EOS (everything if there is none)."""
-    is_eos = completion_ids == eos_token_id  # (B, L)
+def completion_mask(completion_ids: torch.Tensor, eos_token_id: int | Sequence[int]) -> torch.Tensor:
+    """(B, L) bool: True up to and including the first EOS (everything if there is none).
+    Several ids: the first of any of them ends the completion."""
+    stops = torch.as_tensor([eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id),
+                            device=completion_ids.device)
+    is_eos = torch.isin(completion_ids, stops)  # (B, L)
     eos_before = is_eos.long().cumsum(-1) - is_eos.long()  # EOS strictly before each slot
     return eos_before == 0
 

@@ -12,8 +12,10 @@ Deliberate choices:
   filled by the last step.
 - EOS: as soon as a slot decodes to EOS, every slot after it becomes PAD (decoded or not).
   The completion's text ends at its first EOS, and the model, trained on PAD after EOS,
-  sees the same layout in RL likelihoods. Special tokens other than EOS (MASK, PAD, BOS,
-  UNK) are never sampled.
+  sees the same layout in RL likelihoods. A policy with several stop tokens
+  (``stop_token_ids``: EOS and, for chat checkpoints, an end-of-turn such as SDAR's
+  ``<|im_end|>``) ends a completion at the first of any of them. Special tokens other than
+  those (MASK, PAD, BOS, UNK) are never sampled.
 - Temperature uses the Gumbel-max trick with noise from the explicit `generator`;
   temperature 0 is greedy and needs no generator. With one generator per row, each
   row's noise comes from its own generator, so a row's completion does not depend on
@@ -110,8 +112,9 @@ class _Decoding:
     """The completion being written and its bookkeeping, shared by both samplers."""
 
     def __init__(self, policy: Policy, B: int, L: int, device: torch.device) -> None:
-        self.mask_id, self.eos_id, self.pad_id = policy.mask_token_id, policy.eos_token_id, policy.pad_token_id
-        self.banned = sorted({self.mask_id, self.pad_id, *policy.tokenizer.all_special_ids} - {self.eos_id})
+        self.mask_id, self.pad_id = policy.mask_token_id, policy.pad_token_id
+        self.stop_ids = tuple(getattr(policy, "stop_token_ids", (policy.eos_token_id,)))  # ends a completion
+        self.banned = sorted({self.mask_id, self.pad_id, *policy.tokenizer.all_special_ids} - set(self.stop_ids))
         self.comp = torch.full((B, L), self.mask_id, dtype=torch.long, device=device)  # (B, L)
         self.unmask_step = torch.full((B, L), -1, dtype=torch.long, device=device)
         self.entropy_sum = torch.zeros(B, device=device)
@@ -125,7 +128,7 @@ class _Decoding:
         comp = self.comp[rows]  # (A, L)
         comp[:, cols] = torch.where(chosen, x0, comp[:, cols])
         # After the first EOS only PAD, whether those slots were decoded or not.
-        after_eos = ~_completion_mask(comp, self.eos_id)  # (A, L)
+        after_eos = ~_completion_mask(comp, self.stop_ids)  # (A, L)
         self.comp[rows] = comp.masked_fill(after_eos, self.pad_id)
         newly = after_eos.clone()
         newly[:, cols] |= chosen
@@ -138,7 +141,7 @@ class _Decoding:
         return GenerationOutput(
             sequences=torch.cat([prompt_ids, self.comp], dim=1),
             completion_ids=self.comp.clone(),
-            completion_mask=_completion_mask(self.comp, self.eos_id),
+            completion_mask=_completion_mask(self.comp, self.stop_ids),
             unmask_step=self.unmask_step,
             forward_passes=self.passes,
             entropy=self.entropy_sum / self.committed.clamp(min=1),

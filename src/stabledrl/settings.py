@@ -37,11 +37,12 @@ class ModelConfig:
     path: str = "checkpoints/countdown-tiny"
     """Model directory (a stabledrl model, a run's checkpoint, a `transformers` checkpoint or a Hub name)."""
     adapter: Literal["auto", "tiny", "llada", "dream", "masked_lm", "decoder"] = "auto"
-    """auto: from the checkpoint (stabledrl models, LLaDA, Dream); masked_lm and decoder must be named."""
+    """auto: from the checkpoint (stabledrl models, LLaDA, Dream, SDAR/TraDo: decoder); masked_lm and other
+    decoders must be named."""
     mask_token_id: int | None = None
     """The mask token; None: the checkpoint's config, then the tokenizer (an error if neither has one)."""
     block_size: int | None = None
-    """decoder only: the block size S of the block-diffusion reading."""
+    """decoder only: the block size S of the block-diffusion reading; None: the checkpoint's (SDAR's config)."""
     shift_logits: bool | None = None
     """True if the model's logits[:, i] predict token i+1; None: true for dream only."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
@@ -50,7 +51,8 @@ class ModelConfig:
     """auto (a GPU if there is one, else the CPU), cpu, cuda, cuda:1 ...; in a multi-process run each
     process uses the device accelerate assigns it, on CPUs when this is cpu."""
     trust_remote_code: bool | None = None
-    """Run the checkpoint's own modelling code; None: true for llada and dream only."""
+    """Run the checkpoint's own modelling code; None: true for llada and dream, for a local checkpoint whose
+    config.json names its code (auto_map, e.g. SDAR), and as saved with a stabledrl policy; else false."""
     gradient_checkpointing: bool = False
     """Recompute each transformer block's activations in the backward instead of keeping them
     (memory of the update: one block's activations per view plus the blocks' inputs; one more

@@ -1,100 +1,346 @@
-"""Stand-ins for LLaDA's and Dream's own modelling code, loaded as remote code in tests.
+"""Stand-ins for the published modelling code of LLaDA, Dream and SDAR, loaded as remote code.
 
 The real checkpoints ship their modelling files beside the weights and are loaded with
-``AutoModel.from_pretrained(dir, trust_remote_code=True)``; these tiny classes are saved
-the same way (config.json's ``auto_map`` names this file, copied into the directory), so
-the adapters' real loading path runs without the Hub. Their forward signatures mirror
-the originals:
+``trust_remote_code``; the tests save these tiny classes the same way (config.json's
+``auto_map`` names this file, copied into the directory), so the adapters' real loading path
+runs without the Hub. Each class reproduces the interface and the quirks of the file it
+stands for, read from the published code (GSAI-ML/LLaDA-8B-Instruct ``modeling_llada.py``,
+Dream-org/Dream-v0-Instruct-7B ``modeling_dream.py`` and ``generation_utils.py``, JetLM
+SDAR-*-Chat / TraDo ``modeling_sdar.py`` and SDAR's ``generate.py``); the arithmetic is
+written here, small.
 
-- LLaDA: ``forward(input_ids, attention_mask=None, attention_bias=None, ...)``, a (B, T)
-  padding mask, positions counted by the model; logits[:, i] predict token i.
-- Dream: ``forward(input_ids, attention_mask=None, position_ids=None, ...)``, a 4-D
-  boolean mask; logits[:, i] predict token i + 1 (the autoregressive head's shift).
+LLaDA (``LLaDAModelLM``, model_type ``llada``)
+  - ``forward(input_ids, inputs_embeds, attention_mask, attention_bias, past_key_values, labels,
+    use_cache, ...)``: a (B, T) key-padding mask, applied only when it holds a 0; a bool
+    ``attention_bias`` (True: may attend). No position ids: RoPE over columns 0..T-1.
+  - No KV cache: the inner model asserts ``not use_cache``, and ``use_cache`` defaults to the
+    config's. Logits unshifted. The mask id lives in the config, not in the tokenizer.
+  - Never calls ``post_init`` (the cause of its failure under transformers 5.x) and overrides
+    ``tie_weights(self)`` with no arguments; ``can_generate`` is an instance method.
+  - Activation checkpointing through its own ``model.set_activation_checkpointing(strategy)``;
+    the class does not declare ``supports_gradient_checkpointing``, so transformers'
+    ``gradient_checkpointing_enable()`` refuses it.
+Dream (``DreamModel``, model_type ``Dream``)
+  - ``forward(input_ids, attention_mask, position_ids, ...)``: the mask goes to SDPA as is
+    (a 4-D boolean mask, True: may attend; anything else that is not a tensor means none).
+  - Initialised from an AR model: logits[:, i] are read as predicting token i + 1.
+  - RoPE from ``ROPE_INIT_FUNCTIONS[rope_type]``, rope_type "default" when ``rope_scaling`` is
+    null (the key transformers 5.x removed).
+  - ``from_pretrained`` replaces the generation config by ``DreamGenerationConfig``, whose
+    ``validate(self, is_init=False)`` predates ``strict``: ``save_pretrained`` fails on it.
+SDAR / TraDo (``SDARForCausalLM``, model_type ``sdar``)
+  - Its module imports ``LossKwargs`` from ``transformers.utils`` (gone since 4.56).
+  - In eval mode the attention calls ``attention_mask.bool()`` and hands it to SDPA (an
+    all-True mask takes a no-mask path): an additive 0/-inf mask would be inverted.
+  - In train mode ``forward`` is its own block-diffusion SFT loss: it noises the input itself,
+    needs ``labels`` and returns no logits.
+  - Logits unshifted (its sampler reads position i for token i); ``position_ids`` default to
+    0..T-1.
 """
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import PretrainedConfig, PreTrainedModel
-from transformers.modeling_outputs import CausalLMOutputWithPast
+from torch.utils.checkpoint import checkpoint
+from transformers import GenerationConfig, GenerationMixin, PretrainedConfig, PreTrainedModel
+from transformers.modeling_flash_attention_utils import FlashAttentionKwargs
+from transformers.modeling_outputs import CausalLMOutputWithPast, MaskedLMOutput
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+from transformers.utils import LossKwargs  # as SDAR's file does: missing from transformers >= 4.56
 
 
-class FakeLLaDAConfig(PretrainedConfig):
+def _rotate(x, cos, sin):  # x: (B, H, T, Dh); cos/sin: (B, 1, T, Dh)
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+def _cos_sin(inv_freq, positions):  # (Dh/2,), (B, T) -> two (B, 1, T, Dh)
+    freqs = positions[:, :, None].float() * inv_freq[None, None, :]  # (B, T, Dh/2)
+    emb = torch.cat((freqs, freqs), dim=-1)[:, None]
+    return emb.cos(), emb.sin()
+
+
+class _Layer(nn.Module):
+    """Pre-norm attention + MLP; `mask` is whatever the owning model hands to SDPA."""
+
+    def __init__(self, d, heads):
+        super().__init__()
+        self.heads = heads
+        self.n1, self.n2 = nn.RMSNorm(d), nn.RMSNorm(d)
+        self.qkv = nn.Linear(d, 3 * d)
+        self.out = nn.Linear(d, d, bias=False)
+        self.mlp = nn.Sequential(nn.Linear(d, 2 * d), nn.SiLU(), nn.Linear(2 * d, d))
+
+    def forward(self, x, cos, sin, mask):
+        B, T, D = x.shape
+        q, k, v = self.qkv(self.n1(x)).view(B, T, 3, self.heads, -1).permute(2, 0, 3, 1, 4)  # 3 x (B, H, T, Dh)
+        a = F.scaled_dot_product_attention(_rotate(q, cos, sin), _rotate(k, cos, sin), v, attn_mask=mask)
+        x = x + self.out(a.transpose(1, 2).reshape(B, T, D))
+        return x + self.mlp(self.n2(x))
+
+
+# ----------------------------------------------------------------------------------- LLaDA
+class LLaDAConfig(PretrainedConfig):
     model_type = "llada"
 
-    def __init__(self, vocab_size=32, hidden_size=32, max_position_embeddings=128, **kwargs):
-        self.vocab_size = vocab_size
-        self.hidden_size = hidden_size
-        self.max_position_embeddings = max_position_embeddings
-        super().__init__(**kwargs)
+    def __init__(self, vocab_size=32, d_model=32, n_heads=2, n_layers=2, rope_theta=10000.0,
+                 max_sequence_length=128, mask_token_id=None, use_cache=False, weight_tying=False, **kwargs):
+        self.vocab_size, self.d_model, self.n_heads, self.n_layers = vocab_size, d_model, n_heads, n_layers
+        self.rope_theta, self.max_sequence_length = rope_theta, max_sequence_length
+        self.mask_token_id, self.weight_tying = mask_token_id, weight_tying
+        super().__init__(use_cache=use_cache, **kwargs)
 
 
-class FakeDreamConfig(FakeLLaDAConfig):
-    model_type = "Dream"
-
-    def __init__(self, **kwargs):  # transformers turns a config subclass without __init__ into a dataclass
-        super().__init__(**kwargs)
-
-
-class _Core(nn.Module):
-    """Embedding + learned positions, one bidirectional attention layer, an MLP, a head."""
-
-    def __init__(self, cfg):
-        super().__init__()
-        d = cfg.hidden_size
-        self.embed = nn.Embedding(cfg.vocab_size, d)
-        self.pos = nn.Embedding(cfg.max_position_embeddings, d)
-        self.qkv = nn.Linear(d, 3 * d)
-        self.proj = nn.Linear(d, d)
-        self.mlp = nn.Sequential(nn.Linear(d, 2 * d), nn.GELU(), nn.Linear(2 * d, d))
-        self.norm = nn.LayerNorm(d)
-        self.head = nn.Linear(d, cfg.vocab_size)
-
-    def forward(self, input_ids, allowed, position_ids):  # allowed: (B, T, T) bool
-        x = self.embed(input_ids) + self.pos(position_ids)  # (B, T, D)
-        q, k, v = self.qkv(x).chunk(3, dim=-1)
-        x = x + self.proj(F.scaled_dot_product_attention(q[:, None], k[:, None], v[:, None], attn_mask=allowed[:, None])[:, 0])
-        x = x + self.mlp(x)
-        return self.head(self.norm(x))  # (B, T, V), unshifted
-
-
-class _Base(PreTrainedModel):
-    base_model_prefix = "core"
+class LLaDAModel(nn.Module):
+    """The inner model (not a PreTrainedModel), with LLaDA's checkpointing hook."""
 
     def __init__(self, config):
-        super().__init__(config)
-        self.core = _Core(config)
-        self.post_init()
+        super().__init__()
+        self.config = config
+        self.transformer = nn.ModuleDict(dict(
+            wte=nn.Embedding(config.vocab_size, config.d_model),
+            blocks=nn.ModuleList(_Layer(config.d_model, config.n_heads) for _ in range(config.n_layers)),
+            ln_f=nn.RMSNorm(config.d_model),
+            ff_out=nn.Linear(config.d_model, config.vocab_size, bias=False)))
+        half = config.d_model // config.n_heads // 2
+        self.register_buffer("inv_freq", 1.0 / config.rope_theta ** (torch.arange(half).float() / half), persistent=False)
+        self.activation_checkpointing_strategy = None
+        self.checkpointed_calls = 0  # for the tests: blocks run through torch.utils.checkpoint
 
-    def _init_weights(self, module):
-        if isinstance(module, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(module.weight, std=0.2)
+    def set_activation_checkpointing(self, strategy):
+        if strategy not in (None, "whole_layer", "one_in_two", "one_in_three", "one_in_four", "fine_grained"):
+            raise ValueError(f"unknown activation checkpointing strategy {strategy!r}")
+        self.activation_checkpointing_strategy = strategy
+
+    def forward(self, input_ids, input_embeddings=None, attention_mask=None, attention_bias=None,
+                past_key_values=None, use_cache=False, output_hidden_states=None):
+        assert past_key_values is None and not use_cache, "The kvcache is not suppotred for MDM."
+        B, T = input_ids.shape
+        x = self.transformer.wte(input_ids) if input_embeddings is None else input_embeddings  # (B, T, D)
+        bias = torch.zeros(1, 1, T, T)
+        if attention_mask is not None and 0.0 in attention_mask:  # key padding only
+            keys = attention_mask.float().view(B, -1)[:, None, None, :]  # (B, 1, 1, T)
+            bias = bias + (1.0 - keys) * torch.finfo(torch.float32).min
+        if attention_bias is not None:
+            if attention_bias.dtype == torch.bool:
+                attention_bias = torch.zeros(attention_bias.shape).masked_fill(~attention_bias, torch.finfo(torch.float32).min)
+            bias = bias + attention_bias
+        bias = bias.clamp(min=torch.finfo(torch.float32).min)
+        cos, sin = _cos_sin(self.inv_freq, torch.arange(T).expand(B, T))  # columns, not real positions
+        for i, block in enumerate(self.transformer.blocks):
+            s = self.activation_checkpointing_strategy
+            if s == "whole_layer" or (s == "one_in_two" and i % 2 == 0):
+                self.checkpointed_calls += 1
+                x = checkpoint(block, x, cos, sin, bias, use_reentrant=False)
+            else:
+                x = block(x, cos, sin, bias)
+        return self.transformer.ff_out(self.transformer.ln_f(x))  # (B, T, V), unshifted
+
+
+class LLaDAModelLM(PreTrainedModel):
+    """Barebones wrapper, as LLaDA's: no post_init, its own tie_weights and can_generate."""
+
+    config_class = LLaDAConfig
+    base_model_prefix = "model"
+
+    def __init__(self, config, model=None, init_params=False):
+        super().__init__(config)
+        self.model = model or LLaDAModel(config)
+
+    def forward(self, input_ids=None, inputs_embeds=None, attention_mask=None, attention_bias=None,
+                past_key_values=None, labels=None, use_cache=None, output_attentions=None,
+                output_hidden_states=None, return_dict=None, cache_position=None):
+        if use_cache is None:
+            use_cache = self.config.use_cache
+        logits = self.model(input_ids, inputs_embeds, attention_mask, attention_bias, past_key_values, use_cache)
+        return CausalLMOutputWithPast(logits=logits)
+
+    def can_generate(self):
+        return True
 
     def get_input_embeddings(self):
-        return self.core.embed
+        return self.model.transformer.wte
+
+    def set_input_embeddings(self, value):
+        self.model.transformer.wte = value
+
+    def get_output_embeddings(self):
+        return self.model.transformer.ff_out
+
+    def tie_weights(self):
+        if self.config.weight_tying:
+            self.model.transformer.ff_out = self.model.transformer.wte
 
 
-class FakeLLaDAModelLM(_Base):
-    config_class = FakeLLaDAConfig
+# ----------------------------------------------------------------------------------- Dream
+class DreamConfig(PretrainedConfig):
+    model_type = "Dream"
 
-    def forward(self, input_ids, attention_mask=None, attention_bias=None, use_cache=None, **kwargs):
+    def __init__(self, vocab_size=32, hidden_size=32, num_attention_heads=2, num_hidden_layers=2,
+                 rope_theta=10000.0, rope_scaling=None, max_position_embeddings=128, mask_token_id=None, **kwargs):
+        self.vocab_size, self.hidden_size = vocab_size, hidden_size
+        self.num_attention_heads, self.num_hidden_layers = num_attention_heads, num_hidden_layers
+        self.rope_theta, self.rope_scaling, self.max_position_embeddings = rope_theta, rope_scaling, max_position_embeddings
+        self.mask_token_id = mask_token_id
+        kwargs.setdefault("tie_word_embeddings", False)
+        super().__init__(**kwargs)
+
+
+class DreamGenerationConfig(GenerationConfig):
+    def __init__(self, **kwargs):
+        self.temperature = kwargs.pop("temperature", 0.0)
+        self.steps = kwargs.pop("steps", 512)
+        self.alg = kwargs.pop("alg", "origin")
+        self.mask_token_id = kwargs.pop("mask_token_id", None)
+        self.pad_token_id = kwargs.pop("pad_token_id", None)
+        self.bos_token_id = kwargs.pop("bos_token_id", None)
+        self.eos_token_id = kwargs.pop("eos_token_id", None)
+        self._from_model_config = kwargs.pop("_from_model_config", False)
+        self._commit_hash = kwargs.pop("_commit_hash", None)
+        self.transformers_version = kwargs.pop("transformers_version", None)
+        for key, value in kwargs.items():
+            setattr(self, key, value)
+        self.validate(is_init=True)
+
+    def validate(self, is_init=False):  # Dream's signature: no `strict`
+        pass
+
+
+class DreamGenerationMixin:
+    """Dream's sampler lives here; the adapters never call it."""
+
+
+class DreamPreTrainedModel(PreTrainedModel):
+    config_class = DreamConfig
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = True
+    _supports_sdpa = True
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
+        model = super().from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
+        model.generation_config = DreamGenerationConfig.from_pretrained(pretrained_model_name_or_path)
+        return model
+
+
+class DreamBaseModel(DreamPreTrainedModel):
+    def __init__(self, config):
+        super().__init__(config)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(_Layer(config.hidden_size, config.num_attention_heads)
+                                    for _ in range(config.num_hidden_layers))
+        self.norm = nn.RMSNorm(config.hidden_size)
+        rope_type = "default" if config.rope_scaling is None else config.rope_scaling.get("rope_type")
+        inv_freq, self.attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](config, None)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.gradient_checkpointing = False
+        self.post_init()
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None):
         B, T = input_ids.shape
-        keys = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
-        allowed = keys[:, None, :].expand(B, T, T) | torch.eye(T, dtype=torch.bool)  # (B, T, T)
-        positions = torch.arange(T).expand(B, T)  # LLaDA counts positions itself
-        return CausalLMOutputWithPast(logits=self.core(input_ids, allowed, positions))
+        if position_ids is None:
+            position_ids = torch.arange(T).expand(B, T)
+        cos, sin = _cos_sin(self.inv_freq, position_ids)
+        x = self.embed_tokens(input_ids)
+        mask = attention_mask if isinstance(attention_mask, torch.Tensor) else None  # "full" -> none
+        for layer in self.layers:
+            x = layer(x, cos, sin, mask)
+        return self.norm(x)
 
 
-class FakeDreamModel(_Base):
-    config_class = FakeDreamConfig
+class DreamModel(DreamGenerationMixin, DreamPreTrainedModel):
+    def __init__(self, config):
+        super().__init__(config)
+        self.model = DreamBaseModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
 
-    def unshifted_logits(self, input_ids, attention_mask, position_ids):
-        """What position i predicts for token i (for the test's reference)."""
-        return self.core(input_ids, attention_mask[:, 0] | torch.eye(input_ids.size(1), dtype=torch.bool), position_ids)
+    def get_input_embeddings(self):
+        return self.model.embed_tokens
 
-    def forward(self, input_ids, attention_mask=None, position_ids=None, use_cache=None, **kwargs):
-        if attention_mask is None or attention_mask.dim() != 4:
-            raise ValueError("this stand-in takes a 4-D boolean attention mask, as Dream's sampler passes")
-        u = self.unshifted_logits(input_ids, attention_mask, position_ids)  # (B, T, V)
-        # Dream's head: column i holds the prediction of token i + 1.
-        return CausalLMOutputWithPast(logits=torch.cat([u[:, 1:], u[:, -1:]], dim=1))
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
+                inputs_embeds=None, labels=None, use_cache=None, output_attentions=None,
+                output_hidden_states=None, return_dict=None, cache_position=None, num_logits_to_keep=0):
+        return MaskedLMOutput(logits=self.lm_head(self.model(input_ids, attention_mask, position_ids)))
+
+
+# ----------------------------------------------------------------------------------- SDAR
+class KwargsForCausalLM(FlashAttentionKwargs, LossKwargs):
+    ...
+
+
+class SDARConfig(PretrainedConfig):
+    model_type = "sdar"
+
+    def __init__(self, vocab_size=32, hidden_size=32, num_attention_heads=2, num_hidden_layers=2,
+                 rope_theta=10000.0, rope_scaling=None, max_position_embeddings=128, block_size=4,
+                 fuse_cross_entropy=False, **kwargs):
+        self.vocab_size, self.hidden_size = vocab_size, hidden_size
+        self.num_attention_heads, self.num_hidden_layers = num_attention_heads, num_hidden_layers
+        self.rope_theta, self.rope_scaling, self.max_position_embeddings = rope_theta, rope_scaling, max_position_embeddings
+        self.block_size, self.fuse_cross_entropy = block_size, fuse_cross_entropy
+        kwargs.setdefault("tie_word_embeddings", False)
+        super().__init__(**kwargs)
+
+
+class _SDARLayer(_Layer):
+    def forward(self, x, cos, sin, mask):
+        if self.training:
+            raise RuntimeError("SDAR's training attention takes a flex-attention BlockMask built by its own "
+                               "SFT forward")
+        mask = mask.bool() if mask is not None else None  # SDAR's eval path
+        if mask is not None and torch.all(mask):
+            mask = None  # its flash-attention path: no mask at all
+        return super().forward(x, cos, sin, mask)
+
+
+class SDARPreTrainedModel(PreTrainedModel):
+    config_class = SDARConfig
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = True
+    _supports_sdpa = True
+
+
+class SDARModel(SDARPreTrainedModel):
+    def __init__(self, config):
+        super().__init__(config)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(_SDARLayer(config.hidden_size, config.num_attention_heads)
+                                    for _ in range(config.num_hidden_layers))
+        self.norm = nn.RMSNorm(config.hidden_size)
+        inv_freq, _ = ROPE_INIT_FUNCTIONS["default"](config, None)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.post_init()
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None):
+        B, T = input_ids.shape
+        if position_ids is None:
+            position_ids = torch.arange(T)[None]
+        cos, sin = _cos_sin(self.inv_freq, position_ids.expand(B, T))
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(x, cos, sin, attention_mask)  # passed on as given: no _update_causal_mask
+        return self.norm(x)
+
+
+class SDARForCausalLM(SDARPreTrainedModel, GenerationMixin):
+    def __init__(self, config):
+        super().__init__(config)
+        self.model = SDARModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.model.embed_tokens
+
+    def get_output_embeddings(self):
+        return self.lm_head
+
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
+                inputs_embeds=None, labels=None, use_cache=None, output_attentions=None, output_hidden_states=None,
+                cache_position=None, logits_to_keep=0, **kwargs):
+        if self.training:  # its block-diffusion SFT: noises input_ids itself, returns only a loss
+            assert labels is not None, "Labels must be provided for training."
+            raise NotImplementedError("the stand-in does not reproduce SDAR's SFT loss")
+        h = self.model(input_ids, attention_mask, position_ids)
+        return CausalLMOutputWithPast(logits=self.lm_head(h[:, -logits_to_keep:] if logits_to_keep else h))

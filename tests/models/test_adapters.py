@@ -1,40 +1,66 @@
 """Adapters for real checkpoints, each on a tiny randomly initialised config built here.
 
-LLaDA and Dream run their own modelling code (`trust_remote_code`); `fake_dllm.py` stands
-in for it with the same forward signatures, saved beside the weights as the real
-checkpoints are. BERT (masked LM) and Llama (causal decoder) are `transformers` classes.
+LLaDA, Dream and SDAR run their own modelling code (`trust_remote_code`); `fake_dllm.py`
+stands in for it, with each checkpoint's interface and quirks (its docstring lists them),
+saved beside the weights as the real checkpoints are. BERT (masked LM) and Llama (causal
+decoder) are `transformers` classes.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import (BertConfig, BertForMaskedLM, LlamaConfig, LlamaForCausalLM, RobertaConfig,
-                          RobertaForMaskedLM)
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from transformers import (BertConfig, BertForMaskedLM, GenerationConfig, LlamaConfig, LlamaForCausalLM,
+                          PreTrainedTokenizerFast, RobertaConfig, RobertaForMaskedLM)
 
+from stabledrl._compat import install_remote_code_shims
+from stabledrl.cli import main
 from stabledrl.config import load_config
 from stabledrl.data import completion_mask, encode_completions, encode_prompts, position_ids
 from stabledrl.likelihood import plan_views, score_views
 from stabledrl.models import HFPolicy, ModelConfig, load_policy
 from stabledrl.models.attention import block_causal_attention_mask
-from stabledrl.tokenizer import build_char_tokenizer
+from stabledrl.sampling import generate
+from stabledrl.tokenizer import CHARS, build_char_tokenizer
 from stabledrl.train import TrainConfig, run_train
-from tests.models import fake_dllm
 from tests.test_likelihood_blockwise import terms_by_separate_passes
 
+install_remote_code_shims()  # fake_dllm imports LossKwargs, as SDAR's file does
+from tests.models import fake_dllm  # noqa: E402
+
 PROMPTS = ["3,5,7=22", "12,4,6=9", "1=1"]  # unequal lengths: left padding
+SDAR_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|MASK|>", "[UNK]"]
 
 
-def _save_remote(path: Path, config_cls, model_cls, tok) -> Path:
-    cfg = config_cls(vocab_size=len(tok), pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
-    cfg.auto_map = {"AutoConfig": f"fake_dllm.{config_cls.__name__}", "AutoModel": f"fake_dllm.{model_cls.__name__}"}
-    torch.manual_seed(0)
-    model_cls(cfg).save_pretrained(path)
+def sdar_tokenizer() -> PreTrainedTokenizerFast:
+    """A character tokenizer with the special tokens of SDAR-Chat's (Qwen3's): no BOS, EOS and PAD
+    <|endoftext|>, the end-of-turn <|im_end|> (the generation config's EOS) and <|MASK|>."""
+    vocab = {t: i for i, t in enumerate(SDAR_SPECIALS + list(CHARS))}
+    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
+    core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    core.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=core, padding_side="left", eos_token="<|endoftext|>",
+                                   pad_token="<|endoftext|>", mask_token="<|MASK|>", unk_token="[UNK]",
+                                   additional_special_tokens=["<|im_start|>", "<|im_end|>"])
+
+
+def _save_remote(path: Path, model, tok, auto: str) -> Path:
+    # Weights spread enough that random completions differ in reward (RL needs mixed groups).
+    for m in model.modules():
+        if isinstance(m, (torch.nn.Linear, torch.nn.Embedding)):
+            torch.nn.init.normal_(m.weight, std=0.2)
+    cfg = model.config
+    cfg.auto_map = {"AutoConfig": f"fake_dllm.{type(cfg).__name__}", auto: f"fake_dllm.{type(model).__name__}"}
+    model.save_pretrained(path)
     tok.save_pretrained(path)
     shutil.copy(fake_dllm.__file__, path / "fake_dllm.py")
     return path
@@ -44,10 +70,23 @@ def _save_remote(path: Path, config_cls, model_cls, tok) -> Path:
 def dirs(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("adapters")
     tok = build_char_tokenizer()
-    out = {
-        "llada": _save_remote(root / "llada", fake_dllm.FakeLLaDAConfig, fake_dllm.FakeLLaDAModelLM, tok),
-        "dream": _save_remote(root / "dream", fake_dllm.FakeDreamConfig, fake_dllm.FakeDreamModel, tok),
-    }
+    ids = dict(vocab_size=len(tok), pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+    # LLaDA's tokenizer does not declare its mask token; its config does.
+    llada_tok = build_char_tokenizer()
+    llada_tok.mask_token = None
+    torch.manual_seed(0)
+    out = {"llada": _save_remote(root / "llada", fake_dllm.LLaDAModelLM(fake_dllm.LLaDAConfig(
+        mask_token_id=tok.mask_token_id, **ids)), llada_tok, "AutoModel")}
+    torch.manual_seed(0)
+    out["dream"] = _save_remote(root / "dream", fake_dllm.DreamModel(fake_dllm.DreamConfig(
+        mask_token_id=tok.mask_token_id, bos_token_id=tok.bos_token_id, **ids)), tok, "AutoModel")
+    stok = sdar_tokenizer()
+    torch.manual_seed(0)
+    sdar = fake_dllm.SDARForCausalLM(fake_dllm.SDARConfig(
+        vocab_size=len(stok), block_size=4, mask_token_id=stok.mask_token_id, pad_token_id=stok.pad_token_id,
+        eos_token_id=stok.eos_token_id))
+    sdar.generation_config = GenerationConfig(eos_token_id=[stok.convert_tokens_to_ids("<|im_end|>"), stok.eos_token_id])
+    out["sdar"] = _save_remote(root / "sdar", sdar, stok, "AutoModelForCausalLM")
     torch.manual_seed(0)
     bert = BertForMaskedLM(BertConfig(vocab_size=len(tok), hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
                                       intermediate_size=64, max_position_embeddings=64, pad_token_id=tok.pad_token_id))
@@ -64,11 +103,19 @@ def dirs(tmp_path_factory) -> dict[str, Path]:
     return out
 
 
-def _policy(dirs, adapter: str, **kw) -> HFPolicy:
-    if adapter == "decoder":
+ADAPTER_OF = {"llada": "llada", "dream": "dream", "sdar": "decoder", "masked_lm": "masked_lm", "decoder": "decoder"}
+
+
+def _policy(dirs, name: str, **kw) -> HFPolicy:
+    """llada, dream and sdar are recognised from config.json's model_type (sdar: decoder, its
+    block size, mask token and remote code from the checkpoint); the others are named."""
+    if name == "decoder":
         kw.setdefault("block_size", 4)
-    auto = adapter in ("llada", "dream")  # recognised from config.json's model_type
-    return load_policy(ModelConfig(path=str(dirs[adapter]), adapter="auto" if auto else adapter, **kw))
+    if kw.pop("explicit", False) and name == "sdar":  # every setting named: only the quirk under test differs
+        kw.update(adapter="decoder", block_size=4, trust_remote_code=True)
+        return load_policy(ModelConfig(path=str(dirs[name]), **kw))
+    auto = name in ("llada", "dream", "sdar")
+    return load_policy(ModelConfig(path=str(dirs[name]), adapter="auto" if auto else name, **kw))
 
 
 def _batch(policy, L=6):
@@ -77,17 +124,21 @@ def _batch(policy, L=6):
     return p_ids, p_mask, c_ids
 
 
-@pytest.mark.parametrize("adapter", ["llada", "dream", "masked_lm", "decoder"])
-def test_every_adapter_loads_with_its_mask_token_and_attention_kind(dirs, adapter):
-    policy = _policy(dirs, adapter)
+@pytest.mark.parametrize("name", ["llada", "dream", "sdar", "masked_lm", "decoder"])
+def test_every_adapter_loads_with_its_mask_token_and_attention_kind(dirs, name):
+    policy = _policy(dirs, name)
+    adapter = ADAPTER_OF[name]
     assert isinstance(policy, HFPolicy) and policy.adapter == adapter
-    assert policy.mask_token_id == policy.tokenizer.mask_token_id == 1  # from the tokenizer here
+    # The tokenizer's [MASK] (1), declared by LLaDA's config only; SDAR's <|MASK|> from its config.
+    assert policy.mask_token_id == (SDAR_SPECIALS.index("<|MASK|>") if name == "sdar" else 1)
     assert policy.attention_kind == ("block" if adapter == "decoder" else "full")
     assert policy.block_size == (4 if adapter == "decoder" else None)
+    assert policy.trust_remote_code == (name in ("llada", "dream", "sdar"))
 
 
 def test_llada_logits_are_its_own_unshifted_logits(dirs):
     policy = _policy(dirs, "llada")
+    assert policy.tokenizer.mask_token_id is None  # LLaDA's tokenizer does not name it
     ids, mask = encode_prompts(policy.tokenizer, PROMPTS)
     with torch.no_grad():
         out = policy.logits(ids, mask, position_ids(mask))
@@ -95,25 +146,53 @@ def test_llada_logits_are_its_own_unshifted_logits(dirs):
     assert torch.equal(out, native)
 
 
+def test_llada_checkpoints_activations_only_through_its_own_hook(dirs):
+    # The stand-in reproduces what a gradient-checkpointing setting must use for LLaDA.
+    policy = _policy(dirs, "llada")
+    with pytest.raises(ValueError, match="does not support gradient checkpointing"):
+        policy.model.gradient_checkpointing_enable()
+    ids, mask = encode_prompts(policy.tokenizer, PROMPTS)
+    grads = []
+    for strategy in (None, "whole_layer"):
+        policy.model.model.set_activation_checkpointing(strategy)
+        policy.model.zero_grad()
+        policy.logits(ids, mask).square().mean().backward()
+        grads.append(policy.model.get_input_embeddings().weight.grad.clone())
+    assert policy.model.model.checkpointed_calls == 2  # one per layer, in eval mode
+    assert torch.allclose(grads[0], grads[1], rtol=1e-5, atol=1e-7)
+
+
 def test_dream_logits_are_unshifted_by_one_position(dirs):
     policy = _policy(dirs, "dream")
     ids, mask = encode_prompts(policy.tokenizer, PROMPTS)
     pos = position_ids(mask)
-    keys = mask.bool()[:, None, None, :].expand(-1, 1, ids.size(1), -1)  # (B, 1, T, T)
+    keys = mask.bool()[:, None, None, :].expand(-1, 1, ids.size(1), -1)  # (B, 1, T, T), as Dream's sampler builds
     with torch.no_grad():
         out = policy.logits(ids, mask, pos)
         native = policy.model(input_ids=ids, attention_mask=keys, position_ids=pos).logits  # [:, i] predicts i+1
-        truth = policy.model.unshifted_logits(ids, keys, pos)  # what position i says about token i
-    # Hand-shifted reference: column i of the interface is native column i − 1.
+    # Hand-shifted reference: column i of the interface is native column i − 1; column 0 repeats column 0.
     assert torch.equal(out[:, 1:], native[:, :-1])
-    assert torch.allclose(out[:, 1:], truth[:, 1:], atol=1e-6)
-    assert not torch.allclose(native[:, 1:], truth[:, 1:], atol=1e-3)  # the shift is real, not a no-op
+    assert torch.equal(out[:, 0], native[:, 0])
+    assert not torch.allclose(out[:, 1:], native[:, 1:], atol=1e-3)  # the shift is real, not a no-op
 
 
-@pytest.mark.parametrize("adapter", ["dream", "masked_lm"])
-def test_left_padding_changes_nothing_for_adapters_with_positions(dirs, adapter):
+def test_a_dream_policy_saves_its_own_generation_config_and_loads_again(dirs, tmp_path):
+    # Dream's DreamGenerationConfig.validate() takes no `strict`, which save_pretrained passes.
+    policy = _policy(dirs, "dream")
+    assert type(policy.model.generation_config).__name__ == "DreamGenerationConfig"
+    policy.save(tmp_path / "saved")
+    gen = json.loads((tmp_path / "saved" / "generation_config.json").read_text())
+    assert (gen["steps"], gen["alg"]) == (512, "origin")  # Dream's own fields survive
+    again = load_policy(tmp_path / "saved")
+    ids, mask = encode_prompts(policy.tokenizer, PROMPTS)
+    with torch.no_grad():
+        assert torch.equal(again.logits(ids, mask), policy.logits(ids, mask))
+
+
+@pytest.mark.parametrize("name", ["dream", "masked_lm"])
+def test_left_padding_changes_nothing_for_adapters_with_positions(dirs, name):
     # Each prompt alone vs in a left-padded batch: the same logits on its real tokens.
-    policy = _policy(dirs, adapter)
+    policy = _policy(dirs, name)
     ids, mask = encode_prompts(policy.tokenizer, PROMPTS)
     with torch.no_grad():
         batch = policy.logits(ids, mask, position_ids(mask))
@@ -158,9 +237,28 @@ def test_decoder_with_a_causal_mask_reads_the_native_causal_logits(dirs):
         assert torch.allclose(shifted.logits(ids, causal, torch.arange(T)[None])[:, 1:], native[:, :-1], atol=1e-5)
 
 
+def test_sdar_reads_the_block_mask_as_true_where_a_query_may_attend(dirs):
+    # SDAR's eval attention calls attention_mask.bool(): the adapter must hand it True = attend.
+    # Reference: the native forward on a hand-built boolean (B, 1, T, T) block-causal mask.
+    policy = _policy(dirs, "sdar", explicit=True)
+    p_ids, p_mask, c_ids = _batch(policy, 8)
+    x = torch.cat([p_ids, c_ids], dim=1)
+    attn = block_causal_attention_mask(p_mask, 8, 4)  # (B, T, T) bool
+    pos = position_ids(torch.cat([p_mask, torch.ones_like(c_ids)], dim=1))
+    allowed = (attn | torch.eye(x.size(1), dtype=torch.bool))[:, None]  # (B, 1, T, T)
+    with torch.no_grad():
+        out = policy.logits(x, attn, pos)
+        native = policy.model(input_ids=x, attention_mask=allowed, position_ids=pos, use_cache=False).logits
+        inverted = policy.model(input_ids=x, attention_mask=torch.zeros(allowed.shape).masked_fill(
+            ~allowed, torch.finfo(torch.float32).min), position_ids=pos, use_cache=False).logits
+    assert torch.equal(out, native)
+    assert not torch.allclose(inverted, native, atol=1e-3)  # an additive mask is read inverted
+
+
+@pytest.mark.parametrize("name", ["decoder", "sdar"])
 @pytest.mark.parametrize("L", [8, 7])  # S = 4 divides L, or not
-def test_decoder_staircase_likelihood_equals_separate_passes(dirs, L):
-    policy = _policy(dirs, "decoder")
+def test_decoder_staircase_likelihood_equals_separate_passes(dirs, name, L):
+    policy = _policy(dirs, name, explicit=True)
     p_ids, p_mask, c_ids = _batch(policy, L)
     c_mask = completion_mask(c_ids, policy.eos_token_id)
     plan = plan_views("blockwise", c_mask, num_samples=3, block_size=4, generator=torch.Generator().manual_seed(0))
@@ -171,14 +269,15 @@ def test_decoder_staircase_likelihood_equals_separate_passes(dirs, L):
     assert torch.allclose(one, sep, atol=1e-5)
 
 
-def test_decoder_blocks_do_not_see_later_blocks(dirs):
-    policy = _policy(dirs, "decoder")
+@pytest.mark.parametrize("name", ["decoder", "sdar"])
+def test_decoder_blocks_do_not_see_later_blocks(dirs, name):
+    policy = _policy(dirs, name, explicit=True)
     p_ids, p_mask, c_ids = _batch(policy, 8)
     x = torch.cat([p_ids, c_ids], dim=1)
     attn = block_causal_attention_mask(p_mask, 8, 4)
     pos = position_ids(torch.cat([p_mask, torch.ones_like(c_ids)], dim=1))
     x2 = x.clone()
-    x2[:, -1] = 12  # a token of the last block
+    x2[:, -1] = policy.tokenizer.convert_tokens_to_ids("7")  # a token of the last block
     with torch.no_grad():
         a, b = policy.logits(x, attn, pos), policy.logits(x2, attn, pos)
     P = p_ids.size(1)
@@ -186,12 +285,54 @@ def test_decoder_blocks_do_not_see_later_blocks(dirs):
     assert not torch.equal(a[:, P + 4:], b[:, P + 4:])
 
 
+def test_sdar_prompts_start_without_bos(dirs):
+    # SDAR's (Qwen's) tokenizer has no BOS: the prompt is its own tokens, left-padded.
+    tok = _policy(dirs, "sdar", explicit=True).tokenizer
+    assert tok.bos_token_id is None
+    ids, mask = encode_prompts(tok, ["1=1", "12=3"])
+    assert ids[0].tolist() == [tok.pad_token_id] + tok.encode("1=1", add_special_tokens=False)
+    assert mask[0].tolist() == [0, 1, 1, 1]
+
+
+def test_sdar_completions_can_end_at_its_end_of_turn_token(dirs):
+    # <|im_end|> is a special token other than the tokenizer's EOS, named as EOS by the
+    # generation config: the sampler must let it be drawn, and a completion ends at it.
+    policy = _policy(dirs, "sdar", explicit=True)
+    im_end = policy.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert im_end != policy.eos_token_id
+    ids, mask = encode_prompts(policy.tokenizer, ["1,2=3"] * 256)
+    out = generate(policy, ids, mask, gen_length=4, temperature=1.0, remasking="random",
+                   generator=torch.Generator().manual_seed(0))
+    # ~1,000 draws from a near-uniform distribution over 29 tokens: never drawing <|im_end|>
+    # (if it were allowed) has probability about e^-30.
+    ends = out.completion_ids == im_end  # (B, L)
+    assert ends.any()
+    first = ends.float().argmax(1)
+    for b in ends.any(1).nonzero().squeeze(1).tolist():
+        j = int(first[b])
+        assert out.completion_mask[b].tolist() == [True] * (j + 1) + [False] * (3 - j)
+        assert (out.completion_ids[b, j + 1:] == policy.pad_token_id).all()
+    assert not (out.completion_ids == policy.mask_token_id).any()
+
+
+def test_sdar_code_loads_in_a_fresh_process(dirs):
+    # SDAR's file imports transformers.utils.LossKwargs, gone since transformers 4.56: the
+    # adapter installs the shim before loading (a fresh process, where nothing else has).
+    code = ("from stabledrl.models import ModelConfig, load_policy; "
+            f"p = load_policy(ModelConfig(path={str(dirs['sdar'])!r})); print(p.adapter, p.block_size)")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[2] / "src"),
+                                                        os.environ.get("PYTHONPATH", "")])}
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.split()[-2:] == ["decoder", "4"]
+
+
 def test_a_missing_or_colliding_mask_token_is_a_start_up_error(dirs, tmp_path):
     shutil.copytree(dirs["llada"], tmp_path / "llada")
-    tok_cfg = tmp_path / "llada" / "tokenizer_config.json"
-    cfg = json.loads(tok_cfg.read_text())
-    cfg.pop("mask_token", None)
-    tok_cfg.write_text(json.dumps(cfg))
+    cfg_file = tmp_path / "llada" / "config.json"
+    cfg = json.loads(cfg_file.read_text())
+    cfg.pop("mask_token_id")  # neither the config nor the tokenizer names it now
+    cfg_file.write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="126336"):  # LLaDA's own id is named in the message
         load_policy(ModelConfig(path=str(tmp_path / "llada")))
     with pytest.raises(ValueError, match="equals pad_token_id"):
@@ -202,10 +343,11 @@ def test_a_missing_or_colliding_mask_token_is_a_start_up_error(dirs, tmp_path):
         load_policy(ModelConfig(path=str(dirs["decoder"])))
 
 
-@pytest.mark.parametrize("adapter", ["llada", "dream", "masked_lm", "decoder"])
-def test_a_two_step_rl_run_trains_every_adapter(dirs, tmp_path, adapter):
-    model = {"path": str(dirs[adapter]), "adapter": adapter}
-    if adapter == "decoder":
+@pytest.mark.parametrize("name", ["llada", "dream", "sdar", "masked_lm", "decoder"])
+def test_a_two_step_rl_run_trains_every_adapter(dirs, tmp_path, name):
+    adapter = ADAPTER_OF[name]
+    model = {"path": str(dirs[name]), "adapter": "auto" if name == "sdar" else adapter}
+    if name == "decoder":
         model["block_size"] = 4
     method = "blockwise" if adapter == "decoder" else "mc"
     cfg = load_config(TrainConfig, {
@@ -213,11 +355,24 @@ def test_a_two_step_rl_run_trains_every_adapter(dirs, tmp_path, adapter):
         "prompts_per_step": 2, "group_size": 4, "mu": 1, "lr": 1e-3, "eval_n": 2, "save_every": 2,
         "zero_variance_groups": "keep", "estimator": {"method": method, "num_samples": 2}})
     run_train(cfg, progress=False)
-    before = load_file(dirs[adapter] / "model.safetensors")
+    before = load_file(dirs[name] / "model.safetensors")
     after = load_file(tmp_path / "run" / "final" / "model.safetensors")
     assert any(not torch.equal(before[k], after[k]) for k in before)
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert sum("loss" in r for r in rows) == 2
-    # The run's final model loads again with its adapter, mask token and block size.
+    # The run's final model loads again with its adapter, mask token, block size and remote code.
     again = load_policy(tmp_path / "run" / "final")
-    assert (again.adapter, again.mask_token_id, again.block_size) == (adapter, 1, model.get("block_size"))
+    mask_id = SDAR_SPECIALS.index("<|MASK|>") if name == "sdar" else 1
+    assert (again.adapter, again.mask_token_id, again.block_size) == (adapter, mask_id, 4 if adapter == "decoder" else None)
+    remote = name in ("llada", "dream", "sdar")
+    assert again.trust_remote_code == remote
+    assert json.loads((tmp_path / "run" / "final" / "stabledrl_adapter.json").read_text())["trust_remote_code"] == remote
+
+
+def test_eval_reloads_a_remote_code_model_and_can_refuse_its_code(dirs, tmp_path, capsys):
+    args = ["eval", "--model", str(dirs["sdar"]), "--task", "sudoku", "--n", "2", "--device", "cpu",
+            "--out", str(tmp_path / "eval.json")]
+    assert main(args + ["--trust-remote-code"]) == 0
+    assert json.loads((tmp_path / "eval.json").read_text())["n"] == 2
+    assert main(args + ["--no-trust-remote-code"]) == 2  # transformers refuses to run the code
+    assert "trust_remote_code" in capsys.readouterr().err

@@ -16,11 +16,26 @@ Every adapter answers ``logits(input_ids, attention_mask, position_ids)`` with
 - ``masked_lm`` — any ``AutoModelForMaskedLM`` (BERT, RoBERTa, ModernBERT ...) used as a
   masked diffusion model (unshifted logits, the tokenizer's ``[MASK]``).
 - ``decoder`` — a causal decoder (Llama / Qwen family, ``AutoModelForCausalLM``) used as a
-  block-diffusion model, SDAR style: every call brings a boolean (B, T, T) block mask
-  (block-causal for sampling, the staircase for the likelihood) that is passed on as a
-  4-D additive mask, which `transformers` hands to the attention kernel as is. Its
-  logits are read unshifted by default (position i predicts token i, as in SDAR's
-  block-diffusion fine-tuning); ``shift_logits: true`` reads them as next-token logits.
+  block-diffusion model, SDAR style, or SDAR / TraDo themselves (their own code: set
+  ``trust_remote_code``, or keep the checkpoint's ``auto_map``, which turns it on). Every
+  call brings a boolean (B, T, T) block mask (block-causal for sampling, the staircase for
+  the likelihood) that is passed on as a 4-D boolean mask, True where a query may attend:
+  what SDPA reads, and what SDAR's own attention expects (it calls ``attention_mask.bool()``
+  in eval mode, which would invert an additive 0/−inf mask). Only a model loaded with
+  ``attn_implementation="eager"``, which adds its mask to the scores, gets the additive form.
+  Its logits are read unshifted by default (position i predicts token i, as SDAR's sampler
+  reads them); ``shift_logits: true`` reads them as next-token logits. SDAR's tokenizer has
+  no BOS (prompts then start without one).
+
+A completion ends at the first of the model's stop tokens (``stop_token_ids``): the
+tokenizer's EOS and the EOS ids of the checkpoint's generation config (SDAR-Chat and Dream
+name their end-of-turn ``<|im_end|>`` there, as their samplers read it); the sampler never
+bans them.
+
+``trust_remote_code`` (the checkpoint's own modelling code) is on for llada and dream, and
+for any local checkpoint whose config.json names its code (``auto_map``); a saved policy
+records it, so that a run's final model loads again. Workarounds for that code (SDAR's
+``LossKwargs`` import, Dream's generation config at save time) are in `stabledrl._compat`.
 
 The mask token id is required: from `ModelConfig.mask_token_id`, else the checkpoint's
 config, else the tokenizer. Missing, or equal to the pad id, is an error at start-up.
@@ -38,6 +53,8 @@ from typing import Any, Literal
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from stabledrl import _compat
 
 __all__ = ["ADAPTERS", "HFPolicy", "load_hf_policy", "ADAPTER_FILE"]
 
@@ -62,8 +79,12 @@ class HFPolicy:
     block_size: int | None = None
     shift_logits: bool = False
     """True when the model's logits[:, i] predict token i + 1 (Dream; a decoder read AR style)."""
+    trust_remote_code: bool = False
+    """The model runs its checkpoint's own code; saved with the policy so that it loads again."""
     pad_token_id: int = field(init=False)
     eos_token_id: int = field(init=False)
+    stop_token_ids: tuple[int, ...] = field(init=False)
+    """Tokens that end a completion: EOS first, then the generation config's EOS ids."""
     attention_kind: Literal["full", "block"] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -79,12 +100,16 @@ class HFPolicy:
             tok.pad_token = tok.eos_token
         self.pad_token_id = int(tok.pad_token_id)
         self.eos_token_id = int(tok.eos_token_id)
+        self.stop_token_ids = _stop_ids(self.eos_token_id, getattr(self.model, "generation_config", None))
+        if self.mask_token_id in self.stop_token_ids:
+            raise ValueError(f"mask_token_id {self.mask_token_id} is one of the stop tokens {self.stop_token_ids}")
         if self.mask_token_id == self.pad_token_id:
             raise ValueError(f"mask_token_id {self.mask_token_id} equals pad_token_id: they must differ")
         vocab = self.model.get_input_embeddings().num_embeddings
         if not 0 <= self.mask_token_id < vocab:
             raise ValueError(f"mask_token_id {self.mask_token_id} is outside the model's vocabulary of {vocab}")
         self._dtype = self.model.get_input_embeddings().weight.dtype  # before any DDP/FSDP wrapping
+        self._additive_mask = getattr(self.model.config, "_attn_implementation", None) == "eager"
         # RoBERTa-style embeddings count positions from padding_idx + 1, BERT's from 0.
         embeddings = getattr(getattr(self.model, "base_model", None), "embeddings", None)
         pad_idx = getattr(embeddings, "padding_idx", None)
@@ -129,13 +154,14 @@ class HFPolicy:
         elif self.adapter == "dream":
             keys = attention_mask.bool()[:, None, None, :].expand(B, 1, T, T)  # (B, 1, T, T) key padding
             kwargs = {"attention_mask": keys, "position_ids": position_ids}
-        else:  # decoder: the block mask as an additive 4-D mask
+        else:  # decoder: the block mask as a 4-D boolean mask, True = may attend
             allowed = attention_mask.bool()[:, None]  # (B, 1, T, T)
             # Every query keeps itself, so padding rows are finite (and never read).
             allowed = allowed | torch.eye(T, dtype=torch.bool, device=input_ids.device)
-            additive = torch.zeros(allowed.shape, dtype=self._dtype, device=input_ids.device)
-            kwargs = {"attention_mask": additive.masked_fill(~allowed, torch.finfo(self._dtype).min),
-                      "position_ids": position_ids}
+            if self._additive_mask:  # eager attention adds the mask to its scores
+                additive = torch.zeros(allowed.shape, dtype=self._dtype, device=input_ids.device)
+                allowed = additive.masked_fill(~allowed, torch.finfo(self._dtype).min)
+            kwargs = {"attention_mask": allowed, "position_ids": position_ids}
         if self.adapter != "masked_lm":
             kwargs["use_cache"] = False  # decoders would otherwise build a KV cache per call
         out = self.model(input_ids=input_ids, **kwargs).logits  # (B, T, V)
@@ -145,11 +171,27 @@ class HFPolicy:
 
     def save(self, path: str | Path) -> None:
         path = Path(path)
-        self.model.save_pretrained(path)
+        _compat.save_pretrained(self.model, path)
         self.tokenizer.save_pretrained(path)
         (path / ADAPTER_FILE).write_text(json.dumps(
             {"adapter": self.adapter, "mask_token_id": self.mask_token_id, "block_size": self.block_size,
-             "shift_logits": self.shift_logits}, indent=2) + "\n")
+             "shift_logits": self.shift_logits, "trust_remote_code": self.trust_remote_code}, indent=2) + "\n")
+
+
+def _stop_ids(eos: int, generation_config: Any) -> tuple[int, ...]:
+    """EOS, then the other EOS ids the generation config names (an int or a list there)."""
+    named = getattr(generation_config, "eos_token_id", None)
+    named = [] if named is None else [named] if isinstance(named, int) else list(named)
+    return tuple(dict.fromkeys([eos, *(int(i) for i in named)]))
+
+
+def _names_its_code(path: str | Path) -> bool:
+    """A local checkpoint whose config.json maps the Auto classes to its own modelling files."""
+    config = Path(path) / "config.json"
+    try:
+        return bool(json.loads(config.read_text()).get("auto_map"))
+    except (OSError, ValueError):
+        return False
 
 
 def _resolve_mask_id(adapter: str, explicit: int | None, model: PreTrainedModel, tokenizer) -> int:
@@ -180,7 +222,6 @@ def load_hf_policy(
 
     if adapter not in ADAPTERS:
         raise ValueError(f"adapter must be one of {ADAPTERS}, got {adapter!r}")
-    remote = adapter in ("llada", "dream") if trust_remote_code is None else trust_remote_code
     auto = {"llada": AutoModel, "dream": AutoModel, "masked_lm": AutoModelForMaskedLM,
             "decoder": AutoModelForCausalLM}[adapter]
     saved = Path(path) / ADAPTER_FILE
@@ -189,9 +230,17 @@ def load_hf_policy(
         mask_token_id = meta["mask_token_id"] if mask_token_id is None else mask_token_id
         block_size = meta["block_size"] if block_size is None else block_size
         shift_logits = meta["shift_logits"] if shift_logits is None else shift_logits
+        trust_remote_code = meta.get("trust_remote_code") if trust_remote_code is None else trust_remote_code
+    remote = (adapter in ("llada", "dream") or _names_its_code(path)) if trust_remote_code is None else trust_remote_code
+    if remote:
+        _compat.check_remote_code_supported(adapter)
+        _compat.install_remote_code_shims()
     model = auto.from_pretrained(str(path), dtype=dtype, trust_remote_code=remote).to(device)
     model.eval()
     tokenizer = AutoTokenizer.from_pretrained(str(path), trust_remote_code=remote)
     mask_id = _resolve_mask_id(adapter, mask_token_id, model, tokenizer)
+    if adapter == "decoder" and block_size is None:  # SDAR / TraDo name their block size
+        block_size = getattr(model.config, "block_size", None)
     shift = (adapter == "dream") if shift_logits is None else shift_logits
-    return HFPolicy(model, tokenizer, adapter, mask_id, block_size=block_size, shift_logits=shift)
+    return HFPolicy(model, tokenizer, adapter, mask_id, block_size=block_size, shift_logits=shift,
+                    trust_remote_code=remote)

@@ -30,7 +30,8 @@ __all__ = ["Policy", "TinyPolicy", "ModelConfig", "load_policy", "resolve_adapte
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # model_type in a checkpoint's config.json -> adapter, for `adapter: auto`.
-_MODEL_TYPES = {TinyDiffusionConfig.model_type: "tiny", "llada": "llada", "dream": "dream"}
+_MODEL_TYPES = {TinyDiffusionConfig.model_type: "tiny", "llada": "llada", "dream": "dream",
+                "sdar": "decoder"}  # SDAR and TraDo: block diffusion on a causal decoder
 
 
 @runtime_checkable
@@ -203,4 +204,5 @@ def _lora_base(path: Path, cfg: ModelConfig) -> ModelConfig:
     saved = json.loads((path / ADAPTER_FILE).read_text()) if (path / ADAPTER_FILE).is_file() else {}
     pick = lambda name, default: getattr(cfg, name) if getattr(cfg, name) not in (None, default) else saved.get(name, getattr(cfg, name))  # noqa: E731
     return dataclasses.replace(cfg, path=base, adapter=pick("adapter", "auto"), mask_token_id=pick("mask_token_id", None),
-                               block_size=pick("block_size", None), shift_logits=pick("shift_logits", None))
+                               block_size=pick("block_size", None), shift_logits=pick("shift_logits", None),
+                               trust_remote_code=pick("trust_remote_code", None))
