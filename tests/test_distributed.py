@@ -1,4 +1,4 @@
-"""N processes compute the update of one process (SPEC §8 scale-out; issue: exact group statistics).
+"""N processes compute the update of one process (docs/scale-out.md; issue: exact group statistics).
 
 Two CPU processes (gloo, launched by `accelerate launch` exactly as a user would) against
 one process on the same data and seeds. The optimiser is plain SGD with lr 1 and no

@@ -9,7 +9,7 @@ import torch
 from stabledrl.data import completion_mask as make_completion_mask
 from stabledrl.data import encode_completions, encode_prompts
 from stabledrl.likelihood import backward_views, estimate, gauss_legendre, plan_views, score_views
-from tests.conftest import make_tiny_policy
+from tests.conftest import ScriptedPolicy, make_tiny_policy
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +49,8 @@ def exact_elbo(policy, p_ids, p_mask, c_ids, c_mask):
     return torch.tensor(out, dtype=torch.float64)
 
 
-def exact_sdmc(policy, p_ids, p_mask, c_ids, c_mask, num_nodes):
+def exact_sdmc(policy, p_ids, p_mask, c_ids, c_mask, num_nodes, weight="count"):
+    """Σ_j w_j c_j mean over every k_j-subset, c_j = n/k_j (count) or 1/t_j (time)."""
     nodes, weights = gauss_legendre(num_nodes)
     out = []
     for b in range(c_ids.size(0)):
@@ -59,7 +60,8 @@ def exact_sdmc(policy, p_ids, p_mask, c_ids, c_mask, num_nodes):
         for t, w in zip(nodes, weights):
             k = min(n, max(1, round(t * n)))
             subsets = list(itertools.combinations(slots, k))
-            total += w * (n / k) * sum(_logp_masked(policy, p_ids, p_mask, c_ids, b, S) for S in subsets) / len(subsets)
+            c = n / k if weight == "count" else 1 / t
+            total += w * c * sum(_logp_masked(policy, p_ids, p_mask, c_ids, b, S) for S in subsets) / len(subsets)
         out.append(total)
     return torch.tensor(out, dtype=torch.float64)
 
@@ -118,6 +120,49 @@ def test_sdmc_large_k_equals_its_quadrature_by_enumeration(setup):
             est = estimate(policy, p_ids, c_ids, c_mask, prompt_mask=p_mask, method="sdmc", num_samples=10**6,
                            num_nodes=N, generator=torch.Generator().manual_seed(0))
         assert torch.allclose(est.sequence.double(), quad, rtol=1e-5, atol=0), (N, est.sequence, quad)
+
+
+def test_sdmc_time_weight_equals_its_quadrature_by_enumeration(setup):
+    policy, p_ids, p_mask, c_ids, c_mask = setup
+    quad = exact_sdmc(*setup, num_nodes=2, weight="time")
+    with torch.no_grad():
+        est = estimate(policy, p_ids, c_ids, c_mask, prompt_mask=p_mask, method="sdmc", num_samples=10**6,
+                       num_nodes=2, weight="time", generator=torch.Generator().manual_seed(0))
+    assert torch.allclose(est.sequence.double(), quad, rtol=1e-5, atol=0), (est.sequence, quad)
+    # n = 4 and 7 are short enough for the two weights to differ by far more than rounding
+    assert not torch.allclose(quad, exact_sdmc(*setup, num_nodes=2), rtol=1e-3, atol=0)
+
+
+def test_sdmc_node_weights_by_hand_at_n3():
+    # n = 3 scored slots, 2 Gauss–Legendre nodes t = (3 ∓ √3)/6 = 0.211325, 0.788675, w = 0.5 each;
+    # k = max(1, ⌊3t + ½⌋) = 1 and 2; K = 3 ≥ C(3, 1) = C(3, 2) = 3: each node's 3 subsets once.
+    tok = ScriptedPolicy([8, 15, 3], [2.0, 1.0, 3.0], prompt_len=6)
+    p_ids, p_mask = encode_prompts(tok.tokenizer, ["3,5=8"])  # (1, 6)
+    c_ids = encode_completions(tok.tokenizer, ["3+"], 4)  # "3", "+", EOS, PAD
+    c_mask = make_completion_mask(c_ids, tok.eos_token_id)
+    assert c_mask.sum().item() == 3
+    t1, t2 = (3 - math.sqrt(3)) / 6, (3 + math.sqrt(3)) / 6
+    # count: per view w·(n/k)/3 = 0.5·3/3 = 0.5 (k = 1) and 0.5·1.5/3 = 0.25 (k = 2)
+    # time:  per view w·(1/t)/3 = 1/(6 t1) = 0.788675 (= t2) and 1/(6 t2) = 0.211325 (= t1)
+    for weight, per_view in [("count", [0.5, 0.25]), ("time", [t2, t1])]:
+        plan = plan_views("sdmc", c_mask, num_samples=3, num_nodes=2, weight=weight,
+                          generator=torch.Generator().manual_seed(0))
+        k = plan.masked.sum(1).tolist()
+        assert k == [1, 1, 1, 2, 2, 2]
+        assert plan.weight.tolist() == pytest.approx([per_view[0]] * 3 + [per_view[1]] * 3, rel=1e-12)
+    # The scripted policy is context-free: slot i's log-prob is c_i − log(e^c_i + V − 1) however the
+    # rest is masked. Each slot is in 1 of the 3 one-subsets and 2 of the 3 two-subsets, so
+    # count: ℓ = (0.5·1 + 0.25·2)·Σ log p = Σ log p (exact at every n);
+    # time:  ℓ = (t2·1 + t1·2)·Σ log p = (0.788675 + 0.422650)·Σ log p = 1.211325·Σ log p.
+    V = len(tok.tokenizer)
+    total = sum(c - math.log(math.exp(c) + V - 1) for c in [2.0, 1.0, 3.0])
+    for weight, factor in [("count", 1.0), ("time", t2 + 2 * t1)]:
+        est = estimate(tok, p_ids, c_ids, c_mask, prompt_mask=p_mask, method="sdmc", num_samples=3, num_nodes=2,
+                       weight=weight, generator=torch.Generator().manual_seed(0))
+        # float32 log-softmax of logits ≤ 3: rounding ~1e-6 against a 21% difference between the weights
+        assert est.sequence.item() == pytest.approx(factor * total, rel=1e-5)
+    with pytest.raises(ValueError, match="'count'"):
+        plan_views("sdmc", c_mask, num_samples=3, weight="inverse_t", generator=torch.Generator())
 
 
 def test_sdmc_sampled_is_unbiased_for_its_quadrature_and_lands_near_the_elbo(setup):

@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from stabledrl.objectives import grpo_loss, group_advantages, kl_k3, log_ratios, stabledrl_loss
+from stabledrl.objectives import aggregate_tokens, grpo_loss, group_advantages, kl_k3, log_ratios, stabledrl_loss
 
 
 def test_group_advantages_by_hand():
@@ -105,8 +105,15 @@ def test_ratio_levels_and_overflow():
     mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]])
     # sequence_normalized: (ℓ − ℓ_old) / |y| = 3/3 and 4/2
     assert log_ratios(torch.tensor([3.0, 4.0]), torch.zeros(2), "sequence_normalized", mask).tolist() == [1.0, 2.0]
-    # a log-ratio of 1000 is clamped to 80 so exp() stays finite in float32
-    assert torch.isfinite(log_ratios(torch.tensor([1000.0]), torch.zeros(1), "sequence").exp()).all()
+    # log_ratios does not clamp; GRPO clamps a log-ratio of ±1000 to ±80 so exp() stays finite in float32
+    assert log_ratios(torch.tensor([1000.0, -1000.0]), torch.zeros(2), "sequence").tolist() == [1000.0, -1000.0]
+    big = torch.tensor([1000.0, -1000.0], requires_grad=True)
+    out = grpo_loss(big, torch.zeros(2), torch.tensor([1.0, -1.0]), group_size=2, clip_eps=0.2)
+    # min(e^80, 1.2)·1 = 1.2 and min(−e^−80, −0.8) = −0.8: loss −(1.2 − 0.8)/2 = −0.2, all finite
+    assert out.loss.item() == pytest.approx(-0.2, rel=1e-6)
+    assert math.isfinite(out.metrics["ratio_max"])
+    out.loss.backward()
+    assert torch.isfinite(big.grad).all()
     # token level: per-token ratios, min/clip per token, averaged over each sequence's scored tokens
     logp = torch.log(torch.tensor([[2.0, 1.0, 1.0, 9.0], [1.0, 1.0, 9.0, 9.0]]))
     out = grpo_loss(logp, torch.zeros(2, 4), torch.tensor([1.0, -1.0]), group_size=2, ratio_level="token",
@@ -123,3 +130,76 @@ def test_kl_k3_by_hand():
     out = grpo_loss(torch.zeros(2), torch.zeros(2), torch.zeros(2), group_size=2,
                     ref_logp=torch.tensor([0.0, math.log(2)]), beta=0.04)
     assert out.loss.item() == pytest.approx(0.04 * (1 - math.log(2)) / 2)
+
+
+def _float64_softmax(x: list[float]) -> list[float]:
+    """An independent softmax in float64: e^(x_i − max) / Σ_j e^(x_j − max)."""
+    m = max(x)
+    e = [math.exp(v - m) for v in x]
+    return [v / sum(e) for v in e]
+
+
+@pytest.mark.parametrize("log_rho, top", [
+    # issue 14: with a ±80 clamp the first group became (−79, −80, −80, ...): top weight
+    # e/(e + 7) = 0.28, ESS 6.56; the second (−85 → −80, all −80): uniform 1/8. Unclamped:
+    ([-79.0, -90.0, -100.0, -120.0, -130.0, -140.0, -150.0, -160.0], 1.0),  # 1/(1 + e^−11 + ...) = 0.99998
+    ([-85.0, -90.0, -100.0, -120.0, -130.0, -140.0, -150.0, -160.0], 0.9933),  # 1/(1 + e^−5 + ...) = 0.99331
+])
+def test_stabledrl_weights_are_not_changed_by_a_clamp_of_very_negative_log_ratios(log_rho, top):
+    G = len(log_rho)
+    logp = torch.tensor(log_rho, requires_grad=True)  # old log-probs 0: log ρ = ℓ_θ
+    ones = torch.ones(G)  # with A = 1 (one group) the gradient is −w
+    out = stabledrl_loss(logp, torch.zeros(G), ones, group_size=G)
+    out.loss.backward()
+    w = (-logp.grad).tolist()
+    expected = _float64_softmax(log_rho)
+    # float32 softmax of exact inputs: rounding ~1e-7, far below the clamp's 0.28 vs 1.0
+    assert w == pytest.approx(expected, abs=1e-6)
+    assert w[0] == pytest.approx(top, abs=1e-4)
+    assert out.metrics["ess"] == pytest.approx(1 / sum(v * v for v in expected), abs=1e-4)
+    assert out.metrics["ess"] < 1.02  # the clamped weights gave 6.56 and 8
+
+
+def test_token_aggregation_by_hand_with_unequal_lengths():
+    # per-token terms; row 0 scores 3 tokens (1, 2, 3), row 1 one token (10)
+    x = torch.tensor([[1.0, 2.0, 3.0, 7.0], [10.0, 7.0, 7.0, 7.0]])
+    mask = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0]])
+    # sequence_mean: (mean(1, 2, 3) + mean(10)) / 2 = (2 + 10) / 2 = 6
+    assert aggregate_tokens(x, mask, "sequence_mean").item() == 6.0
+    # batch_token_mean: (1 + 2 + 3 + 10) / 4 = 4
+    assert aggregate_tokens(x, mask, "batch_token_mean").item() == 4.0
+    with pytest.raises(ValueError, match="sequence_mean"):
+        aggregate_tokens(x, mask, "mean")
+
+
+def test_grpo_token_aggregation_by_hand_with_unequal_lengths():
+    mask = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0]])
+    # token ratios (2, 1, 0.25 | 3); A = (+1, −1); ε = 0.5: clip to [0.5, 1.5]
+    # row 0 (A=+1): min(2, 1.5) = 1.5 (clipped), 1, min(0.25, 0.5) = 0.25; row 1 (A=−1): min(−3, −1.5) = −3 (bypass)
+    rho = torch.tensor([[2.0, 1.0, 0.25, 1.0], [3.0, 1.0, 1.0, 1.0]])
+    adv = torch.tensor([1.0, -1.0])
+    grads = {}
+    for how, expected in [("sequence_mean", -((1.5 + 1 + 0.25) / 3 + (-3)) / 2),  # −(0.91667 − 3)/2 = 1.04167
+                          ("batch_token_mean", -(1.5 + 1 + 0.25 - 3) / 4)]:  # −(−0.25)/4 = 0.0625
+        logp = rho.log().requires_grad_()
+        out = grpo_loss(logp, torch.zeros(2, 4), adv, group_size=2, ratio_level="token", completion_mask=mask,
+                        clip_eps=0.5, token_aggregation=how)
+        assert out.loss.item() == pytest.approx(expected, abs=1e-6)
+        out.loss.backward()
+        grads[how] = logp.grad
+    # sequence_mean: ∂loss/∂ℓ_bi = −ρ_bi A_b / (n_b · B) where unclipped; the clipped (0, 0) gets 0
+    assert grads["sequence_mean"][0, :3].tolist() == pytest.approx([0.0, -1 / 6, -0.25 / 6], abs=1e-6)
+    assert grads["sequence_mean"][1, 0].item() == pytest.approx(3 / 2, abs=1e-6)
+    # batch_token_mean: ∂loss/∂ℓ_bi = −ρ_bi A_b / N, N = 4 scored tokens
+    assert grads["batch_token_mean"][0, :3].tolist() == pytest.approx([0.0, -1 / 4, -0.25 / 4], abs=1e-6)
+    assert grads["batch_token_mean"][1, 0].item() == pytest.approx(3 / 4, abs=1e-6)
+    # the KL term follows the same aggregation: k3 per token (0 | log 2 -> 1 − log 2 on row 1's token)
+    ref = torch.zeros(2, 4)
+    ref[1, 0] = math.log(2)
+    for how, kl in [("sequence_mean", (0 + (1 - math.log(2))) / 2), ("batch_token_mean", (1 - math.log(2)) / 4)]:
+        out = grpo_loss(torch.zeros(2, 4), torch.zeros(2, 4), torch.zeros(2), group_size=2, ratio_level="token",
+                        completion_mask=mask, ref_logp=ref, beta=0.04, token_aggregation=how)
+        assert out.loss.item() == pytest.approx(0.04 * kl, rel=1e-6)
+        assert out.metrics["kl_ref"] == pytest.approx(kl, rel=1e-6)
+    with pytest.raises(ValueError, match="token ratios"):
+        grpo_loss(torch.zeros(2), torch.zeros(2), adv, group_size=2, token_aggregation="batch_token_mean")

@@ -156,6 +156,28 @@ def test_config_cross_checks():
         load_config(TrainConfig, {"group_size": 1})
     with pytest.raises(ConfigError, match="ratio_level"):
         load_config(TrainConfig, {"objective": {"name": "stabledrl", "ratio_level": "token"}})
+    with pytest.raises(ConfigError, match="token_aggregation batch_token_mean needs per-token terms"):
+        load_config(TrainConfig, {"objective": {"name": "grpo", "token_aggregation": "batch_token_mean"}})
+    with pytest.raises(ConfigError, match="estimator.options.weight must be count or time"):
+        load_config(TrainConfig, {"estimator": {"method": "sdmc", "options": {"weight": "inverse_t"}}})
+
+
+def test_batch_token_mean_reaches_the_objective_and_splits_by_tokens_for_grad_agreement():
+    # 2 groups of G = 2; ρ = 1 everywhere, so each scored token's term is A_b; lengths 3, 1 | 1, 1 (N = 6)
+    cfg = load_config(TrainConfig, {"group_size": 2, "objective": {"name": "grpo", "ratio_level": "token",
+                                                                   "token_aggregation": "batch_token_mean"}})
+    mask = torch.tensor([[1, 1, 1], [1, 0, 0], [1, 0, 0], [1, 0, 0]])
+    batch = train_mod.Rollouts(torch.ones(4, 2, dtype=torch.long), torch.ones(4, 2, dtype=torch.long),
+                               torch.full((4, 3), 5), mask, torch.zeros(4, 3, dtype=torch.long))
+    adv = torch.tensor([1.0, -1.0, 0.5, -1.5])
+    logp = torch.zeros(4, 3)
+    res = train_mod._objective(cfg, logp, logp, adv, batch, None, {})
+    # −(3·1 − 1 + 0.5 − 1.5)/6 = −1/6 (sequence_mean would give −(1 − 1 + 0.5 − 1.5)/4 = 0.25)
+    assert res.loss.item() == pytest.approx(-1 / 6, abs=1e-6)
+    # the first group's share: its tokens over all the batch's, −(3 − 1)/6 = −1/3
+    # (a mean over groups would give −(2/4)·(1/2) = −0.25)
+    part = train_mod._first_half_loss(cfg, logp, logp, adv, batch, None, {}, num_groups=2)
+    assert part.item() == pytest.approx(-1 / 3, abs=1e-6)
 
 
 @pytest.fixture(scope="module")

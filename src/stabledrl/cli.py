@@ -47,6 +47,11 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--temperature", type=float, default=0.0, help="Gumbel temperature, 0 = greedy")
     g.add_argument("--remasking", choices=["low_confidence", "random"], default="low_confidence")
     g.add_argument("--no-kv-cache", action="store_true", help="block models: recompute the prefix every step")
+    g.add_argument("--top-k", type=int, help="draw from the k most likely tokens only (temperature > 0)")
+    g.add_argument("--top-p", type=float,
+                   help="nucleus sampling: the smallest set of tokens of mass p (temperature > 0)")
+    g.add_argument("--eos-confidence-scale", type=float, default=1.0,
+                   help="EOS damping: scale of the remasking score of a slot that drew a stop token, in (0, 1]")
 
 
 def _sampling(args: argparse.Namespace):
@@ -55,6 +60,7 @@ def _sampling(args: argparse.Namespace):
     return load_config(SamplingConfig, {
         "gen_length": args.gen_length, "steps": args.steps, "block_length": args.block_length,
         "temperature": args.temperature, "remasking": args.remasking, "kv_cache": not args.no_kv_cache,
+        "top_k": args.top_k, "top_p": args.top_p, "eos_confidence_scale": args.eos_confidence_scale,
     })
 
 
@@ -133,7 +139,7 @@ def _cmd_sample(args: argparse.Namespace) -> int:
     _quiet_transformers()
     import torch
 
-    from stabledrl.data import decode_completions, encode_prompts
+    from stabledrl.data import decode_policy_completions, encode_policy_prompts
     from stabledrl.models import load_policy
     from stabledrl.sampling import generate
     from stabledrl.tasks import get_task
@@ -142,13 +148,13 @@ def _cmd_sample(args: argparse.Namespace) -> int:
     policy = load_policy(_model_config(args))
     gen_length = sampling.gen_length or task.completion_length
     prompts = [p for p in args.prompt for _ in range(args.num_samples)]
-    ids, mask = encode_prompts(policy.tokenizer, prompts, strict=True)  # typed by hand: no silent UNK
+    ids, mask = encode_policy_prompts(policy, prompts, strict=True)  # typed by hand: no silent UNK
     problems = {p: _problem_of(task, p) for p in args.prompt}  # None: no reward to show
     out = generate(
         policy, ids, mask, gen_length=gen_length, generator=torch.Generator().manual_seed(args.seed),
         **sampling.generate_kwargs(),
     )
-    for prompt, text in zip(prompts, decode_completions(policy.tokenizer, out.completion_ids)):
+    for prompt, text in zip(prompts, decode_policy_completions(policy, out.completion_ids)):
         problem = problems[prompt]
         if problem is None:
             print(f"{prompt}\t{text}")
@@ -181,9 +187,11 @@ def _quiet_transformers() -> None:
 def _model_config(args: argparse.Namespace):
     from stabledrl.settings import ModelConfig
 
+    chat = {"auto": "auto", "on": True, "off": False}[args.chat_template]
+    stops = [int(t) if t.isdigit() else t for t in args.stop_token]
     return ModelConfig(path=args.model, adapter=args.adapter, mask_token_id=args.mask_token_id,
                        block_size=args.block_size, dtype=args.dtype, device=args.device,
-                       trust_remote_code=args.trust_remote_code)
+                       trust_remote_code=args.trust_remote_code, chat_template=chat, stop_tokens=stops)
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -196,6 +204,11 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trust-remote-code", action=argparse.BooleanOptionalAction, default=None,
                    help="run the checkpoint's own modelling code (default: on for llada and dream, for a checkpoint "
                    "whose config.json names its code, and as a saved stabledrl model records it)")
+    p.add_argument("--chat-template", default="auto", choices=["auto", "on", "off"],
+                   help="wrap prompts in the tokenizer's chat template (auto: when it has one, or as a saved "
+                   "stabledrl model records it)")
+    p.add_argument("--stop-token", action="append", default=[], metavar="TOKEN",
+                   help="another token that ends a completion: an id (digits) or a token's text (repeatable)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--device", default="auto", help="auto (a GPU if there is one), cpu, cuda, cuda:1 ...")
 

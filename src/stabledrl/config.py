@@ -150,6 +150,8 @@ def _reject_unknown(cls: Any, data: Any, path: str) -> None:
         field_path = f"{path}.{key}" if path else key
         if isinstance(value, bool) and _is_number(hints[key]):
             raise ConfigError(f"config field {field_path!r}: expected {_type_name(hints[key])}, got {value!r}")
+        if typing.get_origin(hints[key]) is list and not isinstance(value, list):  # dacite would iterate a string
+            raise ConfigError(f"config field {field_path!r}: expected a list, got {value!r}; write [{value!r}]")
         _reject_unknown(_section(hints[key]), value, field_path)
 
 

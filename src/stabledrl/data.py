@@ -7,6 +7,13 @@ column P. A completion is the answer, one EOS, then PAD up to its fixed length L
 *scored* positions (``completion_mask``) are those up to and including the first EOS (or
 the first of several stop tokens, `stabledrl.models.HFPolicy.stop_token_ids`).
 
+With a chat template (an instruct checkpoint's tokenizer), the prompt text is the template
+applied to one user turn holding the prompt, with the assistant's generation prompt after
+it; the template writes its own special tokens (LLaDA's starts with BOS), so no BOS is
+added. The loops encode and decode through the policy (`encode_policy_prompts`,
+`decode_policy_completions`), so SFT, RL and evaluation see the same prompt text and cut
+completions at the same stop tokens.
+
 Shapes: B batch, P prompt columns, L completion length.
 """
 
@@ -17,19 +24,38 @@ from typing import Sequence
 import torch
 from transformers import PreTrainedTokenizerBase
 
-__all__ = ["encode_prompts", "encode_completions", "completion_mask", "decode_completions", "position_ids"]
+__all__ = ["encode_prompts", "encode_policy_prompts", "encode_completions", "completion_mask", "decode_completions",
+           "decode_policy_completions", "chat_prompt", "position_ids"]
 
 
-def encode_prompts(tokenizer: PreTrainedTokenizerBase, prompts: Sequence[str], *,
-                   strict: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """Left-padded prompt ids (B, P) with BOS first (if the tokenizer has one), and their attention mask (B, P).
-    `strict`: a ValueError naming the characters the tokenizer does not know (else they
-    become UNK, which a model never saw: its completion answers another prompt)."""
+def chat_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str) -> str:
+    """`prompt` as one user turn of the tokenizer's chat template, followed by the assistant's
+    generation prompt: the text an instruct checkpoint was trained to answer."""
+    return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                         tokenize=False)
+
+
+def encode_prompts(tokenizer: PreTrainedTokenizerBase, prompts: Sequence[str], *, strict: bool = False,
+                   chat_template: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded prompt ids (B, P) and their attention mask (B, P).
+
+    `chat_template`: wrap each prompt with `chat_prompt` (the template writes its own special
+    tokens); None: when the tokenizer has a template. Without one: BOS (if the tokenizer has
+    one), then the prompt's tokens.
+    `strict`: a ValueError naming the characters of a prompt the tokenizer does not know (else
+    they become UNK, which a model never saw: its completion answers another prompt)."""
     if not prompts:
         raise ValueError("no prompts to encode")
-    bos = [] if tokenizer.bos_token_id is None else [tokenizer.bos_token_id]
-    rows = [bos + (_strict_encode(tokenizer, p, "prompt") if strict else tokenizer.encode(p, add_special_tokens=False))
-            for p in prompts]
+    if chat_template is None:
+        chat_template = bool(getattr(tokenizer, "chat_template", None))
+    if strict:
+        for p in prompts:
+            _strict_encode(tokenizer, p, "prompt")
+    if chat_template:
+        rows = [tokenizer.encode(chat_prompt(tokenizer, p), add_special_tokens=False) for p in prompts]
+    else:
+        bos = [] if tokenizer.bos_token_id is None else [tokenizer.bos_token_id]
+        rows = [bos + tokenizer.encode(p, add_special_tokens=False) for p in prompts]
     width = max(map(len, rows))
     ids = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)
     mask = torch.zeros((len(rows), width), dtype=torch.long)
@@ -76,9 +102,26 @@ def completion_mask(completion_ids: torch.Tensor, eos_token_id: int | Sequence[i
     return eos_before == 0
 
 
-def decode_completions(tokenizer: PreTrainedTokenizerBase, completion_ids: torch.Tensor) -> list[str]:
-    """Text of each completion up to (not including) its first EOS, specials dropped."""
-    keep = completion_mask(completion_ids, tokenizer.eos_token_id) & (completion_ids != tokenizer.eos_token_id)
+def decode_completions(tokenizer: PreTrainedTokenizerBase, completion_ids: torch.Tensor,
+                       stop_token_ids: int | Sequence[int] | None = None) -> list[str]:
+    """Text of each completion up to (not including) its first stop token, specials dropped.
+    `stop_token_ids`: the tokens that end a completion; None: the tokenizer's EOS."""
+    stops = ([tokenizer.eos_token_id] if stop_token_ids is None else
+             [stop_token_ids] if isinstance(stop_token_ids, int) else list(stop_token_ids))
+    is_stop = torch.isin(completion_ids, torch.as_tensor(stops, device=completion_ids.device))  # (B, L)
+    keep = completion_mask(completion_ids, stops) & ~is_stop  # (B, L)
     return [
         tokenizer.decode(row[m].tolist(), skip_special_tokens=True) for row, m in zip(completion_ids, keep)
     ]
+
+
+def encode_policy_prompts(policy, prompts: Sequence[str], *, strict: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """`encode_prompts` with the policy's tokenizer and its chat-template setting (``policy.chat_template``;
+    a policy without one: the tokenizer's template if it has one)."""
+    chat_template = getattr(policy, "chat_template", None)
+    return encode_prompts(policy.tokenizer, prompts, strict=strict, chat_template=chat_template)
+
+
+def decode_policy_completions(policy, completion_ids: torch.Tensor) -> list[str]:
+    """`decode_completions` cut at the policy's stop tokens (``policy.stop_token_ids``; else EOS)."""
+    return decode_completions(policy.tokenizer, completion_ids, getattr(policy, "stop_token_ids", None))

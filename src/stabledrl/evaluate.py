@@ -8,7 +8,7 @@ from typing import Sequence
 
 import torch
 
-from stabledrl.data import decode_completions, encode_prompts
+from stabledrl.data import decode_policy_completions, encode_policy_prompts
 from stabledrl.models.policy import Policy
 from stabledrl.sampling import SamplingConfig, generate_micro_batched, row_generators
 from stabledrl.tasks.base import Problem, Task
@@ -64,11 +64,11 @@ def evaluate(
     was_training = policy.model.training
     policy.model.eval()
     t0 = time.perf_counter()
-    ids, mask = encode_prompts(policy.tokenizer, [p.prompt for p in problems])  # (n, P): one padding for all
+    ids, mask = encode_policy_prompts(policy, [p.prompt for p in problems])  # (n, P): one padding for all
     out = generate_micro_batched(policy, ids.to(policy.device), mask.to(policy.device), micro_batch=micro_batch,
                                  generator=generators, synced=synced, num_calls=num_calls, progress=progress,
                                  gen_length=gen_length, **sampling.generate_kwargs())
-    texts = decode_completions(policy.tokenizer, out.completion_ids.cpu())
+    texts = decode_policy_completions(policy, out.completion_ids.cpu())
     seconds = time.perf_counter() - t0
     policy.model.train(was_training)
     rewards = task.reward(texts, problems)

@@ -1,4 +1,5 @@
-"""Likelihood estimators for diffusion LMs (SPEC §3): mc, sdmc, mean_field, blockwise.
+"""Likelihood estimators for diffusion LMs: mc, sdmc, mean_field, blockwise
+(docs/methods.md, "Likelihood estimators", with where they part from the papers).
 
 A dLLM's log π(y|q) is intractable; RL needs an estimate ℓ(y). Every estimator here is
 model-agnostic: it decides *which noised views* of each completion to score (a
@@ -19,7 +20,7 @@ a log-likelihood) or divided by the scored length (`"mean"`).
 Only scored slots (up to and including the first EOS) are ever counted, and the ELBO
 methods mask only them: the PAD after EOS stays visible (``path`` masks it until the step
 that committed the EOS, as the sampler did). So ℓ estimates log p(y, its length | q) as the rollout
-wrote it, and the easy PAD slots do not inflate it (SPEC §9's trap). θ, θ_old and the
+wrote it, and the easy PAD slots do not inflate it (docs/methods.md, "Design notes"). θ, θ_old and the
 reference all see the same convention, so ratios are consistent.
 
 Methods (n = the number of scored slots of a sequence, K = `num_samples`):
@@ -35,9 +36,14 @@ Methods (n = the number of scored slots of a sequence, K = `num_samples`):
   Unbiased for the ELBO in every variant.
 - ``sdmc``: GDPO's semi-deterministic Monte Carlo (Rojas et al. 2025): t at the N
   Gauss–Legendre nodes t_j of (0,1) with weights w_j; at each node K masks of exactly
-  k_j = max(1, ⌊t_j n + ½⌋) slots, weight n/k_j; ℓ = Σ_j w_j mean_K(·). Deviation: when
-  K ≥ C(n, k_j) the node enumerates its C(n, k_j) subsets once each (its exact value,
-  with fewer forward passes) instead of sampling K with repeats.
+  k_j = max(1, ⌊t_j n + ½⌋) slots; ℓ = Σ_j w_j c_j mean_K(·). The node's factor c_j is
+  ``weight="count"`` (default): n/k_j, the inverse of the fraction actually masked, so
+  that a context-free model's estimate is exactly its log-likelihood at every n; or
+  ``weight="time"``: 1/t_j, as GDPO and NeMo-RL write it. The two agree as n → ∞ and
+  differ for short completions (c_time / c_count = k_j / (t_j n): 0.63 and 1.18 at n = 3
+  with 2 nodes); docs/methods.md, "sdmc". Deviation: when K ≥ C(n, k_j) the node
+  enumerates its C(n, k_j) subsets once each (its exact value, with fewer forward
+  passes) instead of sampling K with repeats.
 - ``exact``: the ELBO itself, by enumerating all 2^n − 1 non-empty masks (subset S
   weighted (|S|−1)!(n−|S|)!/n!, the exact-count form's probability times n/|S|).
   Deterministic; for n ≤ 16 only — a reference for tests and benchmarks.
@@ -269,7 +275,7 @@ def _plan_mc(scored, K, masking, stratified, antithetic, generator) -> ViewPlan:
     return ViewPlan(seq, masked, weight, None, B)
 
 
-def _plan_sdmc(scored, K, num_nodes, generator) -> ViewPlan:
+def _plan_sdmc(scored, K, num_nodes, weight, generator) -> ViewPlan:
     B, L = scored.shape
     nodes, node_w = gauss_legendre(num_nodes)
     seqs, masks, weights = [], [], []
@@ -287,7 +293,8 @@ def _plan_sdmc(scored, K, num_nodes, generator) -> ViewPlan:
                 reps = K
             seqs.append(torch.full((reps,), b))
             masks.append(m)
-            weights.append(torch.full((reps,), w_j * (n / k) / reps, dtype=torch.float64))
+            c = n / k if weight == "count" else 1.0 / t_j  # the node's factor (module docstring)
+            weights.append(torch.full((reps,), w_j * c / reps, dtype=torch.float64))
     return ViewPlan(torch.cat(seqs), torch.cat(masks), torch.cat(weights), None, B)
 
 
@@ -422,7 +429,7 @@ def _plan_path(scored: torch.Tensor, step: torch.Tensor, block_size: int | None)
 
 _OPTIONS = {
     "mc": {"masking": "count", "stratified": False, "antithetic": False},
-    "sdmc": {"num_nodes": 2},
+    "sdmc": {"num_nodes": 2, "weight": "count"},
     "mean_field": {"p_prompt": 0.15},
     "exact": {},
     "blockwise": {"inner": "mc", "num_nodes": 2, "stratified": False},
@@ -449,7 +456,7 @@ def plan_views(
     `unmask_step` (B, L) the step at which the sampler committed each slot (path only).
 
     Options by method (an option another method takes is an error, not ignored):
-    mc: masking ("count" | "bernoulli"), stratified, antithetic; sdmc: num_nodes;
+    mc: masking ("count" | "bernoulli"), stratified, antithetic; sdmc: num_nodes, weight ("count" | "time");
     mean_field: p_prompt; blockwise: inner ("mc" | "sdmc" | "exact"), num_nodes, stratified."""
     if method not in _OPTIONS:
         raise ValueError(f"unknown method {method!r}; choose one of {METHODS}")
@@ -476,7 +483,9 @@ def plan_views(
         return _plan_mc(scored, num_samples, opts["masking"], opts["stratified"], opts["antithetic"],
                         _need_generator(generator, method))
     if method == "sdmc":
-        return _plan_sdmc(scored, num_samples, opts["num_nodes"], _need_generator(generator, method))
+        if opts["weight"] not in ("count", "time"):
+            raise ValueError(f"sdmc weight must be 'count' (n/k) or 'time' (1/t), got {opts['weight']!r}")
+        return _plan_sdmc(scored, num_samples, opts["num_nodes"], opts["weight"], _need_generator(generator, method))
     if method == "exact":
         return _plan_exact(scored)
     if method == "blockwise":
@@ -667,7 +676,7 @@ def estimate(
     """Estimate log π(y|q) for each completion: `plan_views` then `score_views`.
     `unmask_step` is the rollouts' (B, L) decoding order, for method "path".
 
-    `options` go to `plan_views` (masking, stratified, antithetic, num_nodes, p_prompt).
+    `options` go to `plan_views` (masking, stratified, antithetic, num_nodes, weight, p_prompt).
     For common random numbers across models, call `plan_views` once and `score_views`
     per model — or pass generators in the same state.
     """

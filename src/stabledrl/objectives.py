@@ -1,4 +1,5 @@
-"""RL objectives for diffusion LMs (SPEC §4): GRPO and StableDRL, as pure tensor functions.
+"""RL objectives for diffusion LMs: GRPO and StableDRL, as pure tensor functions
+(docs/methods.md, "Objectives", with where they part from the papers).
 
 Every objective takes likelihood estimates (`stabledrl.likelihood`), not a model, and
 returns a `LossOutput(loss, metrics)`. Batches are laid out group by group: rows
@@ -9,7 +10,10 @@ returns a `LossOutput(loss, metrics)`. Batches are laid out group by group: rows
 - `grpo_loss`: −(1/G) Σ_i min(ρ_i A_i, clip(ρ_i, 1−ε, 1+ε) A_i) [+ β KL_k3], averaged over
   groups (Shao et al. 2024, Eq. 3). *Conditional* clipping: when A_i < 0 and ρ_i ≫ 1+ε the
   min picks the unclipped ρ_i A_i — the bypass through which estimation noise becomes a
-  gradient spike (StableDRL, Zhong et al. 2026, §3).
+  gradient spike (StableDRL, Zhong et al. 2026, §3). With token ratios the per-token
+  terms are aggregated by `aggregate_tokens`: ``sequence_mean`` (mean over each
+  completion's scored tokens, then over completions) or ``batch_token_mean`` (one mean
+  over every scored token of the batch, d1's diffu-GRPO).
 - `stabledrl_loss`: ρ̃_i = clip_u(ρ_i) *unconditionally* (upper: min(ρ, c); two_sided:
   clip(ρ, 1−ε, 1+ε)), self-normalized weights w_i = ρ̃_i / Σ_{j∈group} ρ̃_j computed as a
   softmax of the clipped log-ratios and detached, loss = −Σ_i w_i A_i ℓ_θ(y_i), averaged
@@ -17,10 +21,13 @@ returns a `LossOutput(loss, metrics)`. Batches are laid out group by group: rows
   A_i ∇ℓ_i (Zhong et al. 2026, §4).
 
 Ratios: ``sequence`` ρ = exp(ℓ_θ − ℓ_old); ``sequence_normalized`` exp((ℓ_θ − ℓ_old)/|y|)
-(GSPO / GDPO); ``token`` per-token ratios (diffu-GRPO, with mean_field's per-token terms),
-averaged over each completion's scored tokens. Deviation, deliberate: log-ratios are
-clamped to ±80 before exp() so a float32 ratio never overflows to inf; ρ = e^80 is
-already a spike the diagnostics report.
+(GSPO / GDPO); ``token`` per-token ratios (diffu-GRPO, with mean_field's per-token terms).
+`log_ratios` returns log ρ unclamped. StableDRL's weights need no clamp: the softmax
+subtracts each group's largest log-ratio, so a group whose log-ratios all lie near −100
+still gets its correct weights. Deviation, deliberate, in GRPO only (where ρ itself is
+exponentiated): log ρ is clamped to ±80 before exp() so a float32 ratio never overflows
+to inf (e^88.7 does); ρ = e^80 is already a spike the diagnostics report, and the lower
+bound moves ρ by less than e^-80. The ratio diagnostics use the same clamp.
 
 Shapes: B = num_groups · G rows, L completion slots.
 """
@@ -39,10 +46,13 @@ __all__ = [
     "grpo_loss",
     "stabledrl_loss",
     "kl_k3",
+    "aggregate_tokens",
 ]
 
 RatioLevel = Literal["sequence", "sequence_normalized", "token"]
+TokenAggregation = Literal["sequence_mean", "batch_token_mean"]
 MAX_LOG_RATIO = 80.0
+"""|log ρ| at most this before GRPO's exp(): e^80 is finite in float32 (its largest is about e^88.7)."""
 
 
 @dataclass
@@ -74,7 +84,7 @@ def log_ratios(
     logp: torch.Tensor, old_logp: torch.Tensor, level: RatioLevel, completion_mask: torch.Tensor | None = None
 ) -> torch.Tensor:
     """log ρ: (B,) for sequence levels (from (B,) estimates), (B, L) for ``token``
-    (from (B, L) per-token terms), clamped to ±80."""
+    (from (B, L) per-token terms). Not clamped (GRPO clamps it before exp(), see the module docstring)."""
     if logp.shape != old_logp.shape:
         raise ValueError(f"logp {tuple(logp.shape)} and old_logp {tuple(old_logp.shape)} differ in shape")
     diff = logp - old_logp.detach()
@@ -90,7 +100,12 @@ def log_ratios(
             raise ValueError("token ratios need (B, L) per-token terms and the completion_mask")
     else:
         raise ValueError(f"ratio level must be sequence, sequence_normalized or token, got {level!r}")
-    return diff.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+    return diff
+
+
+def _clamped(log_rho: torch.Tensor) -> torch.Tensor:
+    """log ρ within ±MAX_LOG_RATIO, so that its exp() is finite in float32."""
+    return log_rho.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
 
 
 def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
@@ -102,6 +117,21 @@ def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
 def _token_mean(x: torch.Tensor, completion_mask: torch.Tensor) -> torch.Tensor:
     m = completion_mask.to(x.dtype)
     return (x * m).sum(-1) / m.sum(-1).clamp(min=1)  # (B,)
+
+
+def aggregate_tokens(x: torch.Tensor, completion_mask: torch.Tensor, how: TokenAggregation) -> torch.Tensor:
+    """(B, L) per-token terms -> scalar, counting only the scored slots of `completion_mask`.
+
+    ``sequence_mean``: (1/B) Σ_b (1/n_b) Σ_i x_bi — every completion counts the same
+    (this project's default). ``batch_token_mean``:
+    Σ_b Σ_i x_bi / Σ_b n_b — every token counts the same, so long completions weigh
+    more (d1's diffu-GRPO). They are equal when every n_b is equal."""
+    if how == "sequence_mean":
+        return _token_mean(x, completion_mask).mean()
+    if how == "batch_token_mean":
+        m = completion_mask.to(x.dtype)
+        return (x * m).sum() / m.sum().clamp(min=1)
+    raise ValueError(f"token aggregation must be 'sequence_mean' or 'batch_token_mean', got {how!r}")
 
 
 @torch.no_grad()
@@ -135,27 +165,32 @@ def grpo_loss(
     completion_mask: torch.Tensor | None = None,
     ref_logp: torch.Tensor | None = None,
     beta: float = 0.0,
+    token_aggregation: TokenAggregation = "sequence_mean",
 ) -> LossOutput:
-    """GRPO with conditional clipping and fixed 1/G normalisation (module docstring)."""
+    """GRPO with conditional clipping and fixed 1/G normalisation (module docstring).
+
+    `token_aggregation` (token ratios only; the KL term too): how per-token terms become
+    the loss, see `aggregate_tokens`."""
     _groups(advantages, group_size)  # shape check
-    log_rho = log_ratios(logp, old_logp, ratio_level, completion_mask)  # (B,) or (B, L)
+    log_rho = _clamped(log_ratios(logp, old_logp, ratio_level, completion_mask))  # (B,) or (B, L)
+    if token_aggregation != "sequence_mean" and log_rho.dim() != 2:
+        raise ValueError(f"token_aggregation {token_aggregation!r} needs token ratios (ratio_level='token')")
     rho = log_rho.exp()
     adv = advantages.detach() if log_rho.dim() == 1 else advantages.detach()[:, None]
     pg_loss1 = rho * adv
     pg_loss2 = rho.clamp(1 - clip_eps, 1 + clip_eps) * adv
     per = torch.minimum(pg_loss1, pg_loss2)  # (B,) or (B, L)
-    if per.dim() == 2:
-        per = _token_mean(per, completion_mask)  # (B,)
-    # −(1/G) Σ_i within a group, then the mean over groups: a plain mean over rows.
-    loss = -per.mean()
+    # −(1/G) Σ_i within a group, then the mean over groups: a plain mean over rows
+    # (token ratios: over rows of per-sequence token means, or over all scored tokens).
+    loss = -(aggregate_tokens(per, completion_mask, token_aggregation) if per.dim() == 2 else per.mean())
     metrics = _ratio_metrics(log_rho.detach(), advantages, clip_eps, completion_mask)
     if beta:
         if ref_logp is None:
             raise ValueError("beta > 0 needs ref_logp")
-        kl = kl_k3(logp, ref_logp)
-        kl = _token_mean(kl, completion_mask) if kl.dim() == 2 else kl
-        loss = loss + beta * kl.mean()
-        metrics["kl_ref"] = float(kl.detach().mean())
+        kl = kl_k3(logp, ref_logp)  # (B,) or (B, L)
+        kl = aggregate_tokens(kl, completion_mask, token_aggregation) if kl.dim() == 2 else kl.mean()
+        loss = loss + beta * kl
+        metrics["kl_ref"] = float(kl.detach())
     return LossOutput(loss, metrics)
 
 
@@ -177,7 +212,10 @@ def stabledrl_loss(
 
     `weight_logp` / `weight_old_logp`: optional estimates from a *separate* mask draw, used
     only for the weights, so that w_i and ∇ℓ_i do not share the same mask noise
-    (SPEC §9's open question); by default the weights use `logp` itself."""
+    (docs/methods.md, "Open questions"); by default the weights use `logp` itself.
+
+    The log-ratios are not clamped: the softmax subtracts each group's largest clipped
+    log-ratio, so the weights are right however negative the log-ratios are."""
     if clip not in ("upper", "two_sided"):
         raise ValueError(f"clip must be 'upper' or 'two_sided', got {clip!r}")
     if (weight_logp is None) != (weight_old_logp is None):
@@ -185,7 +223,7 @@ def stabledrl_loss(
     _groups(advantages, group_size)
     wl = logp if weight_logp is None else weight_logp
     wo = old_logp if weight_old_logp is None else weight_old_logp
-    log_rho = log_ratios(wl.detach(), wo.detach(), ratio_level, completion_mask)  # (B,)
+    log_rho = log_ratios(wl.detach(), wo.detach(), ratio_level, completion_mask)  # (B,), unclamped
     if clip == "upper":
         clipped = log_rho.clamp(max=torch.log(torch.tensor(clip_max)).item())
     else:
@@ -193,7 +231,7 @@ def stabledrl_loss(
     w = torch.softmax(_groups(clipped, group_size), dim=1)  # (num_groups, G), rows sum to 1
     per_group = (w * _groups(advantages.detach(), group_size) * _groups(logp, group_size)).sum(1)  # (num_groups,)
     loss = -per_group.mean()
-    metrics = _ratio_metrics(log_rho, advantages, clip_eps, completion_mask)
+    metrics = _ratio_metrics(_clamped(log_rho), advantages, clip_eps, completion_mask)
     metrics["ess"] = float((1.0 / (w**2).sum(1)).mean())  # effective sample size, in [1, G]
     return LossOutput(loss, metrics)
 

@@ -22,6 +22,19 @@ Deliberate choices:
   which other rows share its batch (or its process, in a multi-process run).
 - The prompt columns are never written.
 
+Options that depart from the exact sampler (all off by default; off, the tokens are those
+of the sampler without them, bit for bit):
+- ``top_k`` / ``top_p``: the Gumbel-max draw is restricted to the k most likely tokens and
+  then to the nucleus, the smallest set of most likely tokens whose mass under the tempered
+  distribution reaches p (Holtzman et al. 2020). The confidence that orders the commits and
+  the entropy stay those of the model's own distribution. Rollouts drawn this way are not
+  samples of the policy that RL scores.
+- ``eos_confidence_scale`` < 1 (EOS damping): a slot whose drawn token is a stop token has
+  its remasking score multiplied by the scale, so it is committed after slots of similar
+  confidence that drew other tokens. LLaDA-style samplers otherwise commit a confident EOS
+  early and end the answer before it is written. The number of slots committed per step is
+  unchanged, so a completion can still end with a stop token (at the latest on the last step).
+
 Shapes: B batch, P prompt columns, L completion length, V vocabulary.
 """
 
@@ -42,7 +55,7 @@ from stabledrl.models.policy import Policy
 from stabledrl.settings import SamplingConfig  # defined without torch, for the command line
 
 __all__ = ["SamplingConfig", "GenerationOutput", "generate", "generate_micro_batched", "micro_batch_calls",
-           "row_generators"]
+           "restrict_logits", "row_generators"]
 
 
 @dataclass
@@ -82,9 +95,28 @@ def _rand(shape: torch.Size, generator: Generators, rows: torch.Tensor, device, 
     return torch.stack([torch.rand(shape[1:], generator=generator[b], dtype=dtype) for b in rows.tolist()]).to(device)
 
 
+def restrict_logits(logits: torch.Tensor, top_k: int | None = None, top_p: float | None = None) -> torch.Tensor:
+    """(..., V) logits -> a copy with −inf outside the `top_k` largest and then outside the
+    nucleus: the smallest set of most likely tokens whose probability (softmax of the
+    top-k logits) reaches `top_p`. None (or top_p 1) leaves that step out."""
+    V = logits.size(-1)
+    if top_k is not None and top_k < V:
+        top = logits.topk(top_k, dim=-1).indices  # (..., k)
+        keep = torch.zeros_like(logits, dtype=torch.bool).scatter_(-1, top, True)
+        logits = logits.masked_fill(~keep, -math.inf)
+    if top_p is not None and top_p < 1:
+        probs, order = logits.softmax(-1).sort(dim=-1, descending=True)  # (..., V)
+        mass_before = torch.nn.functional.pad(probs.cumsum(-1)[..., :-1], (1, 0))  # of the more likely tokens
+        # a token is kept while the more likely ones have not reached p: the most likely always is
+        keep = torch.zeros_like(logits, dtype=torch.bool).scatter_(-1, order, mass_before < top_p)
+        logits = logits.masked_fill(~keep, -math.inf)
+    return logits
+
+
 def _pick(
     logits: torch.Tensor, eligible: torch.Tensor, steps_left: int, temperature: float, remasking: str,
-    generator: Generators, banned: list[int], rows: torch.Tensor,
+    generator: Generators, banned: list[int], rows: torch.Tensor, top_k: int | None = None,
+    top_p: float | None = None, eos_confidence_scale: float = 1.0, stop_ids: Sequence[int] = (),
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One denoising step over W columns: (A, W, V) logits and (A, W) eligible slots of
     batch rows `rows` (A,) -> the slots to commit (A, W) bool, their tokens x0 (A, W) and
@@ -93,13 +125,19 @@ def _pick(
     if temperature > 0:
         u = _rand(logits.shape, generator, rows, logits.device, torch.float64)
         gumbel = -torch.log(-torch.log(u.clamp_min(1e-300)))
-        x0 = (logits.double() / temperature + gumbel).argmax(-1)  # (A, W)
+        tempered = logits.double() / temperature  # (A, W, V)
+        if top_k is not None or top_p is not None:
+            tempered = restrict_logits(tempered, top_k, top_p)
+        x0 = (tempered + gumbel).argmax(-1)  # (A, W)
     else:
         x0 = logits.argmax(-1)  # (A, W)
     if remasking == "low_confidence":
         score = logits.softmax(-1).gather(-1, x0[..., None]).squeeze(-1)  # (A, W) p(x0)
     else:
         score = _rand(x0.shape, generator, rows, logits.device)
+    if eos_confidence_scale != 1:  # EOS damping: a slot that drew a stop token waits
+        drew_stop = torch.isin(x0, torch.as_tensor(stop_ids, dtype=torch.long, device=x0.device))  # (A, W)
+        score = torch.where(drew_stop, score * eos_confidence_scale, score)
     score = score.masked_fill(~eligible, -math.inf)
     k = (eligible.sum(-1) + steps_left - 1) // steps_left  # ceil(masked / steps left), (A,)
     chosen = _rows_topk(score, k) & eligible  # (A, W)
@@ -162,6 +200,9 @@ def generate(
     generator: Generators = None,
     kv_cache: bool = True,
     synced: bool = False,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    eos_confidence_scale: float = 1.0,
 ) -> GenerationOutput:
     """Generate `gen_length` tokens after each (left-padded) prompt.
 
@@ -174,6 +215,8 @@ def generate(
     `synced`: make every model call of the schedule even when no row has work left (the
     output is discarded), so that processes whose parameters are sharded (FSDP, ZeRO-3),
     where each call is a collective, make the same number of calls; same tokens.
+    `top_k`, `top_p` (temperature > 0) and `eos_confidence_scale` depart from the exact
+    sampler (module docstring); left at their defaults they change no token.
     """
     B, P = prompt_ids.shape
     L = gen_length
@@ -195,6 +238,14 @@ def generate(
         raise ValueError(f"temperature must be >= 0, got {temperature}")
     if remasking not in ("low_confidence", "random"):
         raise ValueError(f"remasking must be 'low_confidence' or 'random', got {remasking!r}")
+    if (top_k is not None or top_p is not None) and temperature == 0:
+        raise ValueError("top_k and top_p restrict a random draw: set temperature > 0 or leave them None")
+    if top_k is not None and top_k < 1:
+        raise ValueError(f"top_k must be >= 1 or None, got {top_k}")
+    if top_p is not None and not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1] or None, got {top_p}")
+    if not 0 < eos_confidence_scale <= 1:
+        raise ValueError(f"eos_confidence_scale must be in (0, 1], got {eos_confidence_scale}")
     if generator is None and (temperature > 0 or remasking == "random"):
         raise ValueError("random sampling needs an explicit generator=torch.Generator().manual_seed(seed)")
     if generator is not None and not isinstance(generator, torch.Generator) and len(generator) != B:
@@ -204,7 +255,8 @@ def generate(
     # Steps per block: as even as possible, earlier blocks take the remainder.
     per_block = [steps // num_blocks + (b < steps % num_blocks) for b in range(num_blocks)]
     dec = _Decoding(policy, B, L, prompt_ids.device)
-    pick = dict(temperature=temperature, remasking=remasking, generator=generator, banned=dec.banned)
+    pick = dict(temperature=temperature, remasking=remasking, generator=generator, banned=dec.banned,
+                top_k=top_k, top_p=top_p, eos_confidence_scale=eos_confidence_scale, stop_ids=dec.stop_ids)
     if policy.attention_kind == "block":
         _decode_blocks(policy, dec, prompt_ids, prompt_mask, block_length, per_block,
                        kv_cache and hasattr(policy, "new_cache"), pick, synced)

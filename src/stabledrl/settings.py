@@ -57,9 +57,24 @@ class ModelConfig:
     """Recompute each transformer block's activations in the backward instead of keeping them
     (memory of the update: one block's activations per view plus the blocks' inputs; one more
     forward of compute). stabledrl's tiny models only, for now."""
+    chat_template: bool | Literal["auto"] = "auto"
+    """Wrap every prompt in the tokenizer's chat template as one user turn followed by the
+    assistant's generation prompt (instruct checkpoints expect it): auto = when the tokenizer has
+    a template (the shipped models have none); true (YAML: on) = always, an error if it has none;
+    false (off) = the raw prompt text. Training, evaluation and `stabledrl sample` all encode
+    prompts this way; saved with an adapter policy."""
+    stop_tokens: list[int | str] = field(default_factory=list)
+    """More tokens that end a completion, by id or by text (e.g. ["<|eot_id|>"], LLaDA-Instruct's
+    end of turn), besides EOS and the EOS ids of the checkpoint's generation config; each text
+    must be one token of the tokenizer. Saved with an adapter policy."""
 
     def __post_init__(self) -> None:
         check(bool(self.path), "model.path is empty: name a model directory")
+        check(self.chat_template in (True, False, "auto"),
+              f"model.chat_template must be auto, true (on) or false (off), got {self.chat_template!r}")
+        for t in self.stop_tokens:
+            check(isinstance(t, str) and t != "" or isinstance(t, int) and not isinstance(t, bool) and t >= 0,
+                  f"model.stop_tokens: {t!r} is neither a token id (>= 0) nor a token's text")
         check(self.mask_token_id is None or self.mask_token_id >= 0,
               f"model.mask_token_id must be >= 0, got {self.mask_token_id}")
         check(self.block_size is None or self.block_size >= 1, f"model.block_size must be >= 1, got {self.block_size}")
@@ -106,17 +121,35 @@ class SamplingConfig:
     micro_batch: int | None = None
     """Rows per sampler call, to bound its memory; the tokens are the same (every row draws from
     its own generator). None: a process's rollouts of a step at once, evaluation 256 at a time."""
+    top_k: int | None = None
+    """Draw each token from its k most likely values only (needs temperature > 0). None: from
+    all, the exact sampler."""
+    top_p: float | None = None
+    """Nucleus sampling, in (0, 1]: draw each token from the smallest set of most likely values
+    whose mass under the tempered distribution (after top_k) reaches top_p; needs temperature > 0.
+    None: from all, the exact sampler."""
+    eos_confidence_scale: float = 1.0
+    """EOS damping, in (0, 1]: the remasking score (the confidence, or the random draw) of a slot
+    whose drawn token is a stop token is multiplied by it, so that slot is committed later and the
+    slots before it are written first (against LLaDA's early EOS). 1: the exact sampler; below 1
+    a departure from the model's decoding rule."""
 
     def generate_kwargs(self) -> dict:
         """The keyword arguments of `generate` (all but gen_length and generator)."""
         return dict(steps=self.steps, block_length=self.block_length, temperature=self.temperature,
-                    remasking=self.remasking, kv_cache=self.kv_cache)
+                    remasking=self.remasking, kv_cache=self.kv_cache, top_k=self.top_k, top_p=self.top_p,
+                    eos_confidence_scale=self.eos_confidence_scale)
 
     def __post_init__(self) -> None:
-        for name in ("gen_length", "steps", "block_length"):
+        for name in ("gen_length", "steps", "block_length", "top_k"):
             v = getattr(self, name)
             check(v is None or v >= 1, f"sampling.{name} must be a positive integer or null, got {v}")
         check(self.temperature >= 0, f"sampling.temperature must be >= 0, got {self.temperature}")
+        check(self.top_p is None or 0 < self.top_p <= 1, f"sampling.top_p must be in (0, 1] or null, got {self.top_p}")
+        check(self.temperature > 0 or (self.top_k is None and self.top_p is None),
+              "sampling.top_k and top_p restrict a random draw: set sampling.temperature > 0 or leave them null")
+        check(0 < self.eos_confidence_scale <= 1,
+              f"sampling.eos_confidence_scale must be in (0, 1], got {self.eos_confidence_scale}")
         check(self.micro_batch is None or self.micro_batch >= 1,
               f"sampling.micro_batch must be a positive integer or null, got {self.micro_batch}")
 
@@ -225,7 +258,8 @@ class EstimatorConfig:
     num_samples: int = 1
     """K: masks per sequence (per node for sdmc)."""
     options: dict[str, Any] = field(default_factory=dict)
-    """Method options: mc: masking, stratified, antithetic; sdmc: num_nodes; mean_field: p_prompt;
+    """Method options: mc: masking, stratified, antithetic; sdmc: num_nodes, weight (count: n/k per
+    node, ours; time: 1/t, GDPO's; docs/methods.md); mean_field: p_prompt;
     blockwise: inner (mc | sdmc | exact), num_nodes, stratified."""
     reduction: Literal["sum", "mean"] = "sum"
     """sum: a log-likelihood; mean: per scored token."""
@@ -239,6 +273,8 @@ class EstimatorConfig:
         check(self.num_samples >= 1, f"estimator.num_samples must be >= 1, got {self.num_samples}")
         check(self.method != "path" or (self.num_samples == 1 and not self.options),
               "estimator.method 'path' is deterministic and takes no options: set num_samples: 1 and no options")
+        check(self.options.get("weight", "count") in ("count", "time"),
+              f"estimator.options.weight must be count or time (sdmc), got {self.options.get('weight')!r}")
 
 
 @dataclass
@@ -260,7 +296,10 @@ class ObjectiveConfig:
     advantage_scale: Literal["none", "std"] = "none"
     """none: r − mean (StableDRL, d1); std: divided by the group std (original GRPO)."""
     separate_weight_masks: bool = False
-    """stabledrl: compute the weights' likelihoods on a separate mask draw (SPEC §9)."""
+    """stabledrl: compute the weights' likelihoods on a separate mask draw (docs/methods.md, "Open questions")."""
+    token_aggregation: Literal["sequence_mean", "batch_token_mean"] = "sequence_mean"
+    """grpo with token ratios: sequence_mean (mean over each completion's tokens, then over
+    completions) or batch_token_mean (one mean over every scored token of the batch, d1's diffu-GRPO)."""
 
     def __post_init__(self) -> None:
         check(0 < self.clip_eps < 1, f"objective.clip_eps must be in (0, 1), got {self.clip_eps}")
@@ -272,6 +311,10 @@ class ObjectiveConfig:
               "objective.separate_weight_masks is a stabledrl option")
         check(self.name == "grpo" or self.ratio_level != "token",
               "stabledrl weights sequences: ratio_level must be sequence or sequence_normalized")
+        check(self.token_aggregation in ("sequence_mean", "batch_token_mean"),
+              f"objective.token_aggregation must be sequence_mean or batch_token_mean, got {self.token_aggregation!r}")
+        check(self.token_aggregation == "sequence_mean" or self.ratio_level == "token",
+              "objective.token_aggregation batch_token_mean needs per-token terms: set ratio_level: token (grpo)")
 
 
 @dataclass

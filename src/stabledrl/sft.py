@@ -51,7 +51,7 @@ from stabledrl.checkpoint import (
     write_atomic,
 )
 from stabledrl.config import check, to_dict
-from stabledrl.data import encode_completions, encode_prompts, position_ids
+from stabledrl.data import encode_completions, encode_policy_prompts, position_ids
 from stabledrl.evaluate import evaluate
 from stabledrl.metrics import metrics_line
 from stabledrl.models.attention import staircase_attention_mask, staircase_position_ids
@@ -211,7 +211,7 @@ def run_sft(cfg: SFTConfig, *, resume: bool = False, progress: bool = True) -> d
     bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, desc="sft", disable=not progress)
     for step in bar:
         problems = task.generate(cfg.batch_size, split="train", seed=cfg.seed * 1_000_003 + step)
-        p_ids, p_mask = encode_prompts(policy.tokenizer, [p.prompt for p in problems])
+        p_ids, p_mask = encode_policy_prompts(policy, [p.prompt for p in problems])
         c_ids = encode_completions(policy.tokenizer, [p.answer for p in problems], task.completion_length)
         loss, m = loss_fn(
             policy, p_ids, p_mask, c_ids, generator=gen, t_min=cfg.t_min, stratified_t=cfg.stratified_t

@@ -33,6 +33,8 @@ Deviations from the named algorithms, deliberate:
   (prompt mask included) follows the ``masks`` switch like every other estimator.
 - Every random draw comes from a generator seeded by (seed, step, purpose), so a run
   resumed from a checkpoint continues exactly as the uninterrupted run.
+- Where each preset's estimator and objective part from the authors' code (StableDRL's
+  on SPG, d1's masking, GDPO's 1/t): docs/methods.md, "Fidelity to the authors' runs".
 
 Shapes: P prompts per step, G group size, B = P·G rollouts, L completion slots.
 """
@@ -63,7 +65,7 @@ from stabledrl.checkpoint import (
     write_atomic,
 )
 from stabledrl.config import ConfigError, check, to_dict
-from stabledrl.data import decode_completions, encode_prompts
+from stabledrl.data import decode_policy_completions, encode_policy_prompts
 from stabledrl.diagnostics import CollapseMonitor, flat_grad_cosine
 from stabledrl.evaluate import EVAL_MICRO_BATCH, evaluate
 from stabledrl.likelihood import backward_views, plan_views, score_views
@@ -242,7 +244,7 @@ def _roll_groups(cfg: TrainConfig, policy, task, problems: list, tag: str, gen_l
     G = cfg.group_size
     group_problems = [p for p in problems for _ in range(G)]
     n = len(group_problems)
-    p_ids, p_mask = encode_prompts(policy.tokenizer, [p.prompt for p in group_problems])  # (n·G, P) all rows
+    p_ids, p_mask = encode_policy_prompts(policy, [p.prompt for p in group_problems])  # (n·G, P) all rows
     lo, hi = procs.bounds(n)
     dev = policy.device
     mb = cfg.rollout.micro_batch
@@ -250,7 +252,7 @@ def _roll_groups(cfg: TrainConfig, policy, task, problems: list, tag: str, gen_l
     roll = generate_micro_batched(policy, p_ids[lo:hi].to(dev), p_mask[lo:hi].to(dev), gen_length=gen_length,
                                   micro_batch=mb, generator=row_generators(tag, lo, hi), synced=procs.synced,
                                   num_calls=calls, **cfg.rollout.generate_kwargs())
-    texts = decode_completions(policy.tokenizer, roll.completion_ids.cpu())
+    texts = decode_policy_completions(policy, roll.completion_ids.cpu())
     rewards = torch.tensor(task.reward(texts, group_problems[lo:hi]), dtype=torch.float32)  # (share,)
     full = [procs.gather(x.to(dev), n).cpu() for x in (roll.completion_ids, roll.completion_mask, roll.unmask_step,
                                                          rewards, roll.entropy)]
@@ -287,7 +289,7 @@ def _objective(cfg: TrainConfig, logp, old, advantages, batch: Rollouts, ref, we
     if o.name == "grpo":
         return grpo_loss(logp, old, advantages, group_size=cfg.group_size, clip_eps=o.clip_eps,
                          ratio_level=o.ratio_level, completion_mask=batch.completion_mask,
-                         ref_logp=ref if o.beta else None, beta=o.beta)
+                         ref_logp=ref if o.beta else None, beta=o.beta, token_aggregation=o.token_aggregation)
     return stabledrl_loss(logp, old, advantages, group_size=cfg.group_size, clip=o.clip, clip_max=o.clip_max,
                           clip_eps=o.clip_eps, ratio_level=o.ratio_level, completion_mask=batch.completion_mask,
                           **weight_kw)
@@ -296,12 +298,16 @@ def _objective(cfg: TrainConfig, logp, old, advantages, batch: Rollouts, ref, we
 def _first_half_loss(cfg: TrainConfig, logp, old, advantages, batch: Rollouts, ref, weight_kw: dict,
                      num_groups: int) -> torch.Tensor:
     """The part of the step's loss that comes from its first ⌊n/2⌋ groups: both objectives
-    are means over groups, so loss = Σ_g c_g / n and this is Σ_{g < n/2} c_g / n."""
+    are means over groups, so loss = Σ_g c_g / n and this is Σ_{g < n/2} c_g / n; with
+    batch_token_mean the loss is a mean over scored tokens, and the half's share is its
+    fraction of them."""
     half = num_groups // 2
     rows = half * cfg.group_size
     part = Rollouts(*(x[:rows] for x in batch))
     kw = {k: v[:rows] for k, v in weight_kw.items()}
     res = _objective(cfg, logp[:rows], old[:rows], advantages[:rows], part, None if ref is None else ref[:rows], kw)
+    if cfg.objective.token_aggregation == "batch_token_mean":
+        return res.loss * (batch.completion_mask[:rows].sum() / batch.completion_mask.sum()).item()
     return res.loss * (half / num_groups)
 
 

@@ -1,4 +1,4 @@
-"""Models behind one policy interface (SPEC §5)."""
+"""Models behind one policy interface (docs/methods.md, "Policy interface")."""
 
 from stabledrl.models.attention import (
     block_causal_attention_mask,

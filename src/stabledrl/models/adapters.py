@@ -28,9 +28,11 @@ Every adapter answers ``logits(input_ids, attention_mask, position_ids)`` with
   no BOS (prompts then start without one).
 
 A completion ends at the first of the model's stop tokens (``stop_token_ids``): the
-tokenizer's EOS and the EOS ids of the checkpoint's generation config (SDAR-Chat and Dream
-name their end-of-turn ``<|im_end|>`` there, as their samplers read it); the sampler never
-bans them.
+tokenizer's EOS, the EOS ids of the checkpoint's generation config (SDAR-Chat and Dream
+name their end-of-turn ``<|im_end|>`` there, as their samplers read it) and those named in
+``model.stop_tokens`` (LLaDA-Instruct's ``<|eot_id|>`` is in neither); the sampler never
+bans them. Prompts are wrapped in the tokenizer's chat template when it has one
+(``chat_template``, `stabledrl.models.prompting`). Both settings are saved with the policy.
 
 ``trust_remote_code`` (the checkpoint's own modelling code) is on for llada and dream, and
 for any local checkpoint whose config.json names its code (``auto_map``); a saved policy
@@ -49,12 +51,13 @@ import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Sequence
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from stabledrl import _compat
+from stabledrl.models.prompting import resolve_chat_template, resolve_stop_tokens
 
 __all__ = ["ADAPTERS", "HFPolicy", "load_hf_policy", "ADAPTER_FILE"]
 
@@ -81,10 +84,14 @@ class HFPolicy:
     """True when the model's logits[:, i] predict token i + 1 (Dream; a decoder read AR style)."""
     trust_remote_code: bool = False
     """The model runs its checkpoint's own code; saved with the policy so that it loads again."""
+    chat_template: bool | None = None
+    """Wrap prompts in the tokenizer's chat template; None: when it has one (resolved at construction)."""
+    stop_tokens: tuple[int | str, ...] = ()
+    """More stop tokens, by id or text (resolved to ids at construction)."""
     pad_token_id: int = field(init=False)
     eos_token_id: int = field(init=False)
     stop_token_ids: tuple[int, ...] = field(init=False)
-    """Tokens that end a completion: EOS first, then the generation config's EOS ids."""
+    """Tokens that end a completion: EOS first, then the generation config's EOS ids, then `stop_tokens`."""
     attention_kind: Literal["full", "block"] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -100,12 +107,15 @@ class HFPolicy:
             tok.pad_token = tok.eos_token
         self.pad_token_id = int(tok.pad_token_id)
         self.eos_token_id = int(tok.eos_token_id)
-        self.stop_token_ids = _stop_ids(self.eos_token_id, getattr(self.model, "generation_config", None))
+        vocab = self.model.get_input_embeddings().num_embeddings
+        self.chat_template = resolve_chat_template(tok, self.chat_template)
+        self.stop_tokens = resolve_stop_tokens(tok, self.stop_tokens, vocab)
+        named = _stop_ids(self.eos_token_id, getattr(self.model, "generation_config", None))
+        self.stop_token_ids = tuple(dict.fromkeys(named + self.stop_tokens))
         if self.mask_token_id in self.stop_token_ids:
             raise ValueError(f"mask_token_id {self.mask_token_id} is one of the stop tokens {self.stop_token_ids}")
         if self.mask_token_id == self.pad_token_id:
             raise ValueError(f"mask_token_id {self.mask_token_id} equals pad_token_id: they must differ")
-        vocab = self.model.get_input_embeddings().num_embeddings
         if not 0 <= self.mask_token_id < vocab:
             raise ValueError(f"mask_token_id {self.mask_token_id} is outside the model's vocabulary of {vocab}")
         self._dtype = self.model.get_input_embeddings().weight.dtype  # before any DDP/FSDP wrapping
@@ -175,7 +185,8 @@ class HFPolicy:
         self.tokenizer.save_pretrained(path)
         (path / ADAPTER_FILE).write_text(json.dumps(
             {"adapter": self.adapter, "mask_token_id": self.mask_token_id, "block_size": self.block_size,
-             "shift_logits": self.shift_logits, "trust_remote_code": self.trust_remote_code}, indent=2) + "\n")
+             "shift_logits": self.shift_logits, "trust_remote_code": self.trust_remote_code,
+             "chat_template": self.chat_template, "stop_tokens": list(self.stop_tokens)}, indent=2) + "\n")
 
 
 def _stop_ids(eos: int, generation_config: Any) -> tuple[int, ...]:
@@ -216,8 +227,12 @@ def load_hf_policy(
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     trust_remote_code: bool | None = None,
+    chat_template: bool | None = None,
+    stop_tokens: Sequence[int | str] = (),
 ) -> HFPolicy:
-    """Load a checkpoint (a local directory or a Hub name) with the named adapter."""
+    """Load a checkpoint (a local directory or a Hub name) with the named adapter. A policy
+    saved by stabledrl keeps the settings it was saved with unless they are given here
+    (`chat_template` None and `stop_tokens` empty take the saved ones)."""
     from transformers import AutoModel, AutoModelForCausalLM, AutoModelForMaskedLM, AutoTokenizer
 
     if adapter not in ADAPTERS:
@@ -231,6 +246,8 @@ def load_hf_policy(
         block_size = meta["block_size"] if block_size is None else block_size
         shift_logits = meta["shift_logits"] if shift_logits is None else shift_logits
         trust_remote_code = meta.get("trust_remote_code") if trust_remote_code is None else trust_remote_code
+        chat_template = meta.get("chat_template") if chat_template is None else chat_template
+        stop_tokens = stop_tokens or meta.get("stop_tokens", ())
     remote = (adapter in ("llada", "dream") or _names_its_code(path)) if trust_remote_code is None else trust_remote_code
     if remote:
         _compat.check_remote_code_supported(adapter)
@@ -243,4 +260,4 @@ def load_hf_policy(
         block_size = getattr(model.config, "block_size", None)
     shift = (adapter == "dream") if shift_logits is None else shift_logits
     return HFPolicy(model, tokenizer, adapter, mask_id, block_size=block_size, shift_logits=shift,
-                    trust_remote_code=remote)
+                    trust_remote_code=remote, chat_template=chat_template, stop_tokens=tuple(stop_tokens))

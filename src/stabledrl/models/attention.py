@@ -1,4 +1,4 @@
-"""Attention masks for block-diffusion models (SPEC §5).
+"""Attention masks for block-diffusion models (docs/methods.md, "Policy interface").
 
 A block-diffusion model (BD3-LM, Arriola et al. 2025; SDAR; TraDo) reads the prompt as
 one bidirectional prefix and the completion in blocks of S slots: a block attends to the

@@ -1,4 +1,5 @@
-"""The policy interface every estimator, sampler and trainer talks to (SPEC §5).
+"""The policy interface every estimator, sampler and trainer talks to
+(docs/methods.md, "Policy interface").
 
 A policy gives logits for a batch of (possibly noised) token sequences, with
 ``logits[:, i]`` predicting token ``i``; knows its mask token (required, never guessed);
@@ -8,6 +9,10 @@ size (SDAR, BD3-LM). Adapters for real checkpoints implement the same protocol.
 A block policy takes a boolean (B, T, T) mask (`stabledrl.models.attention`). One that can
 cache keys and values also has ``new_cache()`` and accepts ``cache=`` and
 ``extend_cache=`` in `logits`; the block sampler uses them when present.
+
+Optional attributes, read where present (both policies here have them): ``chat_template``
+(bool: prompts are wrapped in the tokenizer's chat template) and ``stop_token_ids`` (the
+tokens that end a completion; else EOS alone). See `stabledrl.models.prompting`.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from safetensors import SafetensorError, safe_open
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from stabledrl.models.adapters import ADAPTER_FILE, ADAPTERS, load_hf_policy
+from stabledrl.models.prompting import resolve_chat_template, resolve_stop_tokens
 from stabledrl.models.tiny import KVCache, TinyDiffusionConfig, TinyDiffusionLM
 from stabledrl.settings import ModelConfig  # defined without torch, for the command line
 
@@ -60,6 +66,12 @@ class TinyPolicy:
 
     model: PreTrainedModel
     tokenizer: PreTrainedTokenizerBase
+    chat_template: bool | None = None
+    """Wrap prompts in the tokenizer's chat template; None: when it has one (the shipped
+    tokenizers have none). Resolved to a bool at construction."""
+    stop_tokens: tuple[int | str, ...] = ()
+    """Stop tokens besides EOS, by id or text (resolved to ids at construction); `stop_token_ids`
+    is EOS and these. Not saved with the model: give them again when loading it."""
 
     def __post_init__(self) -> None:
         cfg = self.model.config
@@ -75,6 +87,12 @@ class TinyPolicy:
         self.mask_token_id = int(mask_id)
         self.pad_token_id = int(self.tokenizer.pad_token_id)
         self.eos_token_id = int(self.tokenizer.eos_token_id)
+        self.chat_template = resolve_chat_template(self.tokenizer, self.chat_template)
+        self.stop_tokens = resolve_stop_tokens(self.tokenizer, self.stop_tokens,
+                                               getattr(cfg, "vocab_size", len(self.tokenizer)))
+        self.stop_token_ids = tuple(dict.fromkeys((self.eos_token_id, *self.stop_tokens)))
+        if self.mask_token_id in self.stop_token_ids:
+            raise ValueError(f"mask_token_id {self.mask_token_id} is one of the stop tokens {self.stop_token_ids}")
         self.attention_kind = getattr(cfg, "attention_kind", "full")
         self.block_size = getattr(cfg, "block_size", None)
 
@@ -171,6 +189,7 @@ def _load_policy(model: str | Path | ModelConfig, *, device: str | torch.device 
         policy.model = PeftModel.from_pretrained(policy.model, str(path), is_trainable=trainable).to(device)
         return policy
     adapter = resolve_adapter(path, cfg.adapter)
+    chat_template = None if cfg.chat_template == "auto" else cfg.chat_template
     if cfg.gradient_checkpointing and adapter != "tiny":
         raise ValueError(f"model.gradient_checkpointing is implemented for stabledrl's tiny models, not yet for the "
                          f"{adapter} adapter: transformers' layers checkpoint only in train mode, and the trainer "
@@ -182,10 +201,12 @@ def _load_policy(model: str | Path | ModelConfig, *, device: str | torch.device 
         tiny.eval()
         tiny.gradient_checkpointing = cfg.gradient_checkpointing
         _record_base_path(tiny, path)
-        return TinyPolicy(tiny, PreTrainedTokenizerFast.from_pretrained(path))
+        return TinyPolicy(tiny, PreTrainedTokenizerFast.from_pretrained(path), chat_template=chat_template,
+                          stop_tokens=tuple(cfg.stop_tokens))
     policy = load_hf_policy(path if path.exists() else cfg.path, adapter, mask_token_id=cfg.mask_token_id,
                             block_size=cfg.block_size, shift_logits=cfg.shift_logits, dtype=dtype, device=device,
-                            trust_remote_code=cfg.trust_remote_code)
+                            trust_remote_code=cfg.trust_remote_code, chat_template=chat_template,
+                            stop_tokens=cfg.stop_tokens)
     if path.exists():
         _record_base_path(policy.model, path)
     return policy
@@ -205,4 +226,5 @@ def _lora_base(path: Path, cfg: ModelConfig) -> ModelConfig:
     pick = lambda name, default: getattr(cfg, name) if getattr(cfg, name) not in (None, default) else saved.get(name, getattr(cfg, name))  # noqa: E731
     return dataclasses.replace(cfg, path=base, adapter=pick("adapter", "auto"), mask_token_id=pick("mask_token_id", None),
                                block_size=pick("block_size", None), shift_logits=pick("shift_logits", None),
-                               trust_remote_code=pick("trust_remote_code", None))
+                               trust_remote_code=pick("trust_remote_code", None),
+                               chat_template=pick("chat_template", "auto"), stop_tokens=pick("stop_tokens", []))

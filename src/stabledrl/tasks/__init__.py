@@ -1,6 +1,6 @@
-"""Tasks with verifiers and rewards (SPEC §7): offline, procedurally generated ones
-(countdown, sudoku) and dataset-backed ones read from local files or the Hub (gsm8k,
-math, code; see their modules for the `path` option).
+"""Tasks with verifiers and rewards (docs/methods.md, "Rewards"): offline, procedurally
+generated ones (countdown, sudoku) and dataset-backed ones read from local files or the
+Hub (gsm8k, math, code; see their modules for the `path` option).
 
     >>> from stabledrl.tasks import get_task
     >>> task = get_task("countdown")

@@ -14,10 +14,10 @@ then the lexicographically smallest text) with ``answers="canonical"``; with
 time the problem is generated, so a model trained on it learns every way to the target
 and its samples disagree (room for RL to choose among them).
 
-Reward (SPEC §7): 1.0 for a correct expression; 0.1 for a well-formed expression that is
-wrong (wrong value, numbers missing, reused or unknown, division by zero); 0.0 for
-anything that does not parse (junk, unary minus, ``**``, leading zeros, text longer
-than 64 chars, a non-string).
+Reward (docs/methods.md, "Rewards"): 1.0 for a correct expression; 0.1 for a
+well-formed expression that is wrong (wrong value, numbers missing, reused or unknown,
+division by zero); 0.0 for anything that does not parse (junk, unary minus, ``**``,
+leading zeros, text longer than 64 chars, a non-string).
 Model text is parsed by a small recursive-descent parser, never evaluated by Python.
 """
 

@@ -7,10 +7,10 @@ Rows, columns and the four 2x2 boxes each hold 1-4 once. Puzzles are made by rem
 cells of a random solved grid while the solution stays unique. The split is by puzzle
 text (a stable hash), so no test puzzle appears in training.
 
-Reward (SPEC §7): the fraction of the originally empty cells whose digit in the
-completion equals the solution's; characters beyond the 16th are ignored, a missing or
-non-digit character counts as wrong. Never raises. `is_correct` (accuracy) asks more:
-the completion is exactly the solved grid.
+Reward (docs/methods.md, "Rewards"): the fraction of the originally empty cells whose
+digit in the completion equals the solution's; characters beyond the 16th are ignored,
+a missing or non-digit character counts as wrong. Never raises. `is_correct` (accuracy)
+asks more: the completion is exactly the solved grid.
 """
 
 from __future__ import annotations
