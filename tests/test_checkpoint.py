@@ -1,8 +1,14 @@
+import json
 import os
+import shutil
 import stat
+import threading
+import time
+from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from stabledrl.checkpoint import (
     latest_checkpoint,
@@ -19,11 +25,31 @@ from stabledrl.metrics import metrics_line, read_metrics
 class FakePolicy:
     def __init__(self, fail: bool = False):
         self.fail = fail
+        self.saves = 0
 
     def save(self, path):
+        self.saves += 1
         (path / "model.bin").write_text("weights")
         if self.fail:
             raise OSError("disk full")
+
+
+class FakeAccelerator:
+    """Process `rank` of a run whose processes are threads; `save_state` writes its part
+    (the last rank slowly, so that a main process that did not wait would rename too early)."""
+
+    def __init__(self, rank: int, barrier: threading.Barrier):
+        self.rank, self.barrier = rank, barrier
+        self.is_main_process = rank == 0
+
+    def wait_for_everyone(self):
+        self.barrier.wait(timeout=30)
+
+    def save_state(self, path):
+        if self.rank == self.barrier.parties - 1:
+            time.sleep(0.3)
+        os.makedirs(path, exist_ok=True)
+        Path(path, f"part-{self.rank}").write_text(str(self.rank))
 
 
 def test_save_keeps_the_newest_and_a_crash_mid_save_leaves_the_last_good_one(tmp_path):
@@ -107,3 +133,87 @@ def test_files_and_folders_respect_the_umask(tmp_path):
     # mkstemp / mkdtemp alone would give 0o600 / 0o700 whatever the umask
     assert mode(tmp_path / "config.yaml") == 0o640
     assert mode(ckpt) == mode(final) == 0o750
+
+
+def test_a_checkpoint_of_several_processes_holds_every_part_once_all_have_written(tmp_path):
+    # Three processes save step 10 together: each writes its part of accelerate's state
+    # (process 2 last); the main process alone writes the policy and the trainer state, and
+    # renames the folder once all parts are there; each returns with the checkpoint in place.
+    barrier = threading.Barrier(3)
+    policy = FakePolicy()
+    returned = {}
+
+    def process(rank):
+        path = save_checkpoint(tmp_path, 10, policy, {"step": 10}, accelerator=FakeAccelerator(rank, barrier))
+        returned[rank] = (path, path.is_dir())
+
+    threads = [threading.Thread(target=process, args=(r,)) for r in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    ckpt = tmp_path / "checkpoint-0000010"
+    assert returned == {r: (ckpt, True) for r in range(3)}
+    assert sorted(p.name for p in (ckpt / "accelerate").iterdir()) == ["part-0", "part-1", "part-2"]
+    assert policy.saves == 1 and load_trainer_state(ckpt) == {"step": 10}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-0000010"]
+
+
+def test_the_folder_of_a_failed_save_is_replaced_not_reused(tmp_path):
+    # Every process must find the folder under the same name, so it is not a random one:
+    # what an earlier save of the same step left there goes first.
+    stale = tmp_path / ".tmp-checkpoint-0000010"
+    stale.mkdir()
+    (stale / "half-written").write_text("x")
+    ckpt = save_checkpoint(tmp_path, 10, FakePolicy(), {"step": 10})
+    assert sorted(p.name for p in ckpt.iterdir()) == ["checkpoint.json", "model.bin", "trainer_state.pt"]
+
+
+def test_a_run_resumes_exactly_from_a_checkpoint_of_the_earlier_layout(tmp_path):
+    # A training checkpoint is a model directory (load_policy reads it) with the optimizer
+    # state in accelerate/, whose copy of the weights is left out. A checkpoint of the
+    # earlier layout (the optimizer in trainer_state.pt, no accelerate/) still resumes exactly.
+    import stabledrl.train as train_mod
+    from stabledrl.config import load_config
+    from stabledrl.models.policy import load_policy
+    from stabledrl.train import TrainConfig, run_train
+    from tests.conftest import make_tiny_policy
+
+    make_tiny_policy(seed=41).save(tmp_path / "init")
+
+    def cfg(out):
+        return load_config(TrainConfig, {
+            "model": str(tmp_path / "init"), "output_dir": str(out), "task": {"name": "sudoku"}, "steps": 4,
+            "prompts_per_step": 2, "group_size": 4, "mu": 1, "lr": 1e-3, "eval_n": 2, "save_every": 2,
+            "estimator": {"method": "mc", "num_samples": 1}})
+
+    run_train(cfg(tmp_path / "full"), progress=False)
+
+    class Stop(Exception):
+        pass
+
+    def save_then_stop(*args, **kwargs):
+        real(*args, **kwargs)
+        raise Stop
+
+    real = train_mod.save_checkpoint
+    train_mod.save_checkpoint = save_then_stop
+    try:
+        with pytest.raises(Stop):
+            run_train(cfg(tmp_path / "crash"), progress=False)
+    finally:
+        train_mod.save_checkpoint = real
+    ckpt = tmp_path / "crash" / "checkpoint-0000002"
+    assert sorted(p.name for p in (ckpt / "accelerate").iterdir()) == ["optimizer.bin", "random_states_0.pkl"]
+    assert load_policy(ckpt).model.config.hidden_size == 32
+    state = load_trainer_state(ckpt)
+    assert "optimizer" not in state
+    state["optimizer"] = torch.load(ckpt / "accelerate" / "optimizer.bin", weights_only=False)
+    torch.save(state, ckpt / "trainer_state.pt")
+    shutil.rmtree(ckpt / "accelerate")
+    run_train(cfg(tmp_path / "crash"), resume=True, progress=False)
+    rows = [[{k: v for k, v in json.loads(x).items() if not k.startswith(("time_", "seconds", "framework"))}
+             for x in (d / "metrics.jsonl").read_text().splitlines()] for d in (tmp_path / "full", tmp_path / "crash")]
+    assert rows[0] == rows[1]
+    a, b = (load_file(d / "final" / "model.safetensors") for d in (tmp_path / "full", tmp_path / "crash"))
+    assert all(torch.equal(a[k], b[k]) for k in a)

@@ -1,4 +1,5 @@
-"""N processes compute the update of one process (docs/scale-out.md; issue: exact group statistics).
+"""N processes compute the update of one process (docs/scale-out.md; issue: exact group statistics),
+and resume from a checkpoint exactly; under DDP and under FSDP (on CPU: `_cpu_fsdp_main`).
 
 Two CPU processes (gloo, launched by `accelerate launch` exactly as a user would) against
 one process on the same data and seeds. The optimiser is plain SGD with lr 1 and no
@@ -18,14 +19,18 @@ import os
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from stabledrl.config import ConfigError, load_config
+from stabledrl.models.policy import load_policy
 from stabledrl.train import TrainConfig, _check_processes, run_train
 from tests.conftest import make_tiny_policy
+
+FSDP_CONFIG = Path(__file__).parents[1] / "configs" / "accelerate" / "fsdp.yaml"
 
 
 @pytest.fixture(scope="module")
@@ -49,19 +54,42 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _launch(overrides: list[str], processes: int, tmp_path, timeout: float = 300) -> None:
+def _launch(overrides: list[str], processes: int, tmp_path, timeout: float = 300, *, fsdp: bool = False,
+            resume: bool = False, stop_after_save: bool = False, launcher: tuple[str, ...] = ()) -> None:
+    """`accelerate launch ... -m stabledrl train` on `processes` CPU processes. `fsdp`: with
+    configs/accelerate/fsdp.yaml, through `_cpu_fsdp_main`; `stop_after_save`: every process
+    stops right after the first checkpoint (the launch must then fail); `launcher`: more
+    options of `accelerate launch`."""
     empty = tmp_path / "empty.yaml"  # every field comes from --set
     empty.write_text("{}\n")
     # --multi_gpu selects accelerate's torchrun launcher; the trainer's Accelerator(cpu=True)
     # then forms a gloo group of CPU processes (accelerate's --cpu launcher needs MPI).
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(processes),
+    layout = ["--config_file", str(FSDP_CONFIG)] if fsdp else ["--multi_gpu"]
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", *layout, *launcher, "--num_processes", str(processes),
            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-           "--main_process_port", str(_free_port()), "-m", "stabledrl", "train", "--config", str(empty)]
+           "--main_process_port", str(_free_port()), "-m", "tests.test_distributed" if fsdp or stop_after_save
+           else "stabledrl", "train", "--config", str(empty), *(["--resume"] if resume else [])]
     for o in overrides:
         cmd += ["--set", o]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)  # a hang fails, not blocks
-    assert res.returncode == 0, res.stderr[-4000:]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "STABLEDRL_TEST_FSDP": str(int(fsdp)),
+           "STABLEDRL_TEST_STOP_AFTER_SAVE": str(int(stop_after_save))}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            cwd=Path(__file__).parents[1])
+    try:
+        _, stderr = proc.communicate(timeout=timeout)  # a hang fails, not blocks
+    except subprocess.TimeoutExpired:
+        # SIGTERM, not SIGKILL: torchrun (inside accelerate's launcher) then stops the
+        # processes it started, which run in sessions of their own.
+        proc.terminate()
+        try:
+            proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        raise
+    if stop_after_save:
+        assert proc.returncode != 0 and "_StopAfterSave" in stderr, stderr[-4000:]
+    else:
+        assert proc.returncode == 0, stderr[-4000:]
 
 
 def _update(init_model, run_dir) -> dict[str, torch.Tensor]:
@@ -80,28 +108,33 @@ def assert_same_update(a: dict, b: dict) -> None:
     assert _max_diff(a, b) < 1e-5 * scale  # measured: 6e-8 against a scale of 0.4
 
 
-@pytest.mark.parametrize("objective, common, extra", [
+@pytest.mark.parametrize("objective, common, extra, fsdp", [
     # G = 3: 9 rows, 4 on one process and 5 on the other
-    ("grpo", {"group_size": 3}, {}),
-    ("stabledrl", {}, {}),
+    ("grpo", {"group_size": 3}, {}, False),
+    ("stabledrl", {}, {}, False),
     # gradient accumulation, 2 views per forward/backward, with uneven shares: the
     # processes make different numbers of micro-batches and synchronise once
-    ("stabledrl", {"group_size": 3}, {"estimator.max_views_per_forward": 2}),
+    ("stabledrl", {"group_size": 3}, {"estimator.max_views_per_forward": 2}, False),
     # the path estimator replays each rollout's unmask order, which is gathered with the rows
-    ("stabledrl", {"group_size": 3, "estimator.method": "path", "estimator.num_samples": 1}, {}),
+    ("stabledrl", {"group_size": 3, "estimator.method": "path", "estimator.num_samples": 1}, {}, False),
+    # FSDP (configs/accelerate/fsdp.yaml, on CPU: see _cpu_fsdp_main): each process holds
+    # half of every weight; sampling in lockstep, gathered weights saved
+    ("stabledrl", {}, {}, True),
 ])
-def test_two_processes_make_the_update_of_one(init_model, tmp_path, objective, common, extra):
+def test_two_processes_make_the_update_of_one(init_model, tmp_path, objective, common, extra, fsdp):
     one = tmp_path / "one"
     run_train(load_config(TrainConfig, None, _overrides(init_model, one, objective, **common)), progress=False)
     two = tmp_path / "two"
-    _launch(_overrides(init_model, two, objective, **common, **extra), processes=2, tmp_path=tmp_path)
+    _launch(_overrides(init_model, two, objective, **common, **extra), processes=2, tmp_path=tmp_path, fsdp=fsdp)
     assert_same_update(_update(init_model, one), _update(init_model, two))
     # Every process saw the same whole groups: the logged statistics agree too.
     m1 = (one / "metrics.jsonl").read_text().splitlines()
     m2 = (two / "metrics.jsonl").read_text().splitlines()
     assert len(m1) == len(m2) == 3  # one writer: the main process
     r1, r2 = json.loads(m1[1]), json.loads(m2[1])
-    for key in ("reward_mean", "loss", "grad_norm", "ratio_max", "groups_used"):
+    # drift_kl: at step 1 the policy is the reference, so it is 0 unless a process's
+    # reference copy differs (under FSDP, one loaded without its weights)
+    for key in ("reward_mean", "loss", "grad_norm", "ratio_max", "groups_used", "drift_kl"):
         assert r1[key] == pytest.approx(r2[key], rel=1e-5, abs=1e-7), key
 
 
@@ -124,3 +157,122 @@ def test_each_process_needs_a_row_of_every_group():
         _check_processes(cfg, 3)
     with pytest.raises(ConfigError, match="eval_n"):
         _check_processes(load_config(TrainConfig, None, ["eval_n=2"]), 3)
+
+
+def _resume_overrides(init_model, out) -> list[str]:
+    # AdamW (its state is what a resume must restore), 4 steps, a checkpoint every 2.
+    return _overrides(init_model, out, "stabledrl", steps=4, save_every=2, optimizer="adamw", lr=1e-3, grad_clip=1.0,
+                      prompts_per_step=2, mu=2)
+
+
+def _step_rows(run_dir) -> list[dict]:
+    """metrics.jsonl without the timings (which differ between identical runs)."""
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in r.items() if not (k.startswith("time_") or k in ("seconds", "framework_share"))}
+            for r in rows]
+
+
+# layout -> (under FSDP, fsdp_state_dict_type), what accelerate writes in a checkpoint
+_LAYOUTS = {
+    "ddp": (None, {"optimizer.bin", "random_states_0.pkl", "random_states_1.pkl"}),  # the weights: the policy's
+    # gathered into one file by the main process (configs/accelerate/fsdp.yaml)
+    "fsdp-full": ("FULL_STATE_DICT", {"optimizer.bin", "pytorch_model_fsdp.bin", "random_states_0.pkl",
+                                      "random_states_1.pkl"}),
+    # every process writes its shards (torch.distributed.checkpoint folders)
+    "fsdp-sharded": ("SHARDED_STATE_DICT", {"optimizer_0", "pytorch_model_fsdp_0", "random_states_0.pkl",
+                                            "random_states_1.pkl"}),
+}
+
+
+@pytest.mark.parametrize("layout", list(_LAYOUTS))
+def test_two_processes_resume_exactly(init_model, tmp_path, layout):
+    # Two processes, stopped right after the step-2 checkpoint and resumed, against the same
+    # two processes uninterrupted: the same metrics and final weights, bit for bit. Under FSDP
+    # each process holds half of the weights and of AdamW's state; a checkpoint that kept only
+    # the main process's half (or none of it) resumes with other moments and drifts.
+    state_dict_type, files = _LAYOUTS[layout]
+    fsdp = state_dict_type is not None
+    kw = {"fsdp": fsdp, "launcher": ("--fsdp_state_dict_type", state_dict_type) if fsdp else ()}
+    full, crash = tmp_path / "full", tmp_path / "crash"
+    _launch(_resume_overrides(init_model, full), 2, tmp_path, **kw)
+    _launch(_resume_overrides(init_model, crash), 2, tmp_path, stop_after_save=True, **kw)
+    assert [p.name for p in crash.glob("checkpoint-*")] == ["checkpoint-0000002"]
+    _launch(_resume_overrides(init_model, crash), 2, tmp_path, resume=True, **kw)
+    assert _step_rows(crash) == _step_rows(full)
+    a, b = (load_file(d / "final" / "model.safetensors") for d in (full, crash))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert any(not torch.equal(a[k], v) for k, v in load_file(init_model / "model.safetensors").items())
+    # The last checkpoint holds the whole model (gathered from the shards), as final/ does,
+    # and both load; accelerate's part of it is laid out as the layout says.
+    last = crash / "checkpoint-0000004"
+    c = load_file(last / "model.safetensors")
+    assert c.keys() == a.keys() and all(torch.equal(a[k], c[k]) for k in a)
+    assert {p.name for p in (last / "accelerate").iterdir()} == files
+    for d in (last, crash / "final"):
+        load_policy(d)
+    assert not [p.name for p in crash.iterdir() if p.name.startswith(".")]  # no leftovers
+
+
+class _StopAfterSave(Exception):
+    pass
+
+
+def _cpu_fsdp_main() -> int:
+    """The CLI, for `_launch`: with STABLEDRL_TEST_FSDP=1 under FSDP on CPU processes, with
+    STABLEDRL_TEST_STOP_AFTER_SAVE=1 stopping every process after its first checkpoint.
+
+    accelerate 1.15 turns FSDP on only for GPU-like process groups: with Accelerator(cpu=True),
+    which the trainer makes on any machine without a GPU, the distributed type is MULTI_CPU
+    whatever the launcher says (ACCELERATE_USE_FSDP), and `prepare` wraps the model in DDP.
+    torch's FSDP2 itself runs on CPU processes over gloo, and so does accelerate's FSDP2 code
+    (prepare, get_state_dict, save_state, load_state) once its state says FSDP: set here,
+    after the Accelerator is made, with the plugin that the launcher's FSDP_* variables
+    (configs/accelerate/fsdp.yaml) describe."""
+    import accelerate
+    from accelerate.state import PartialState
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+    import stabledrl.train as train_mod
+    from stabledrl.cli import main
+
+    class CpuFsdpAccelerator(accelerate.Accelerator):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            # AcceleratorState copies PartialState's type when it is made again: set both
+            PartialState().distributed_type = self.state.distributed_type = DistributedType.FSDP
+            self.state.fsdp_plugin = FullyShardedDataParallelPlugin()
+
+    if os.environ.get("STABLEDRL_TEST_FSDP") == "1":
+        accelerate.Accelerator = CpuFsdpAccelerator  # run_train imports it when it runs
+    if os.environ.get("STABLEDRL_TEST_STOP_AFTER_SAVE") == "1":
+        real = train_mod.save_checkpoint
+
+        def save_then_stop(*args, **kwargs):
+            real(*args, **kwargs)
+            raise _StopAfterSave
+
+        train_mod.save_checkpoint = save_then_stop
+    return main()
+
+
+if __name__ == "__main__":
+    sys.exit(_cpu_fsdp_main())
+
+
+def test_the_train_verb_ends_the_process_group(monkeypatch, tmp_path):
+    # Left to the interpreter's exit, gloo's threads can abort a finished run (SIGABRT,
+    # "terminate called without an active exception": 1 of 12 two-process launches here).
+    import torch.distributed as dist
+
+    import stabledrl.train as train_mod
+    from stabledrl.cli import main
+
+    ended = []
+    monkeypatch.setattr(dist, "is_initialized", lambda: not ended)
+    monkeypatch.setattr(dist, "destroy_process_group", lambda group=None: ended.append(group))
+    evaluation = {"accuracy": 0.5, "mean_reward": 0.5}
+    monkeypatch.setattr(train_mod, "run_train", lambda cfg, resume: {
+        "eval_initial": evaluation, "eval_final": evaluation, "skipped_steps": 0, "zero_variance_groups": 0})
+    (tmp_path / "empty.yaml").write_text("{}\n")
+    assert main(["train", "--config", str(tmp_path / "empty.yaml"), "--set", f"output_dir={tmp_path}"]) == 0
+    assert ended == [None]

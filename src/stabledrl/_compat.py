@@ -73,18 +73,18 @@ def _validate_takes_strict(generation_config: Any) -> bool:
     return "strict" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
 
 
-def save_pretrained(model: Any, path: str | Path) -> None:
-    """``model.save_pretrained(path)``, also for models whose generation config class
-    predates ``validate(strict=...)`` (Dream): their generation config is written as is."""
+def save_pretrained(model: Any, path: str | Path, *, state_dict: dict[str, torch.Tensor] | None = None) -> None:
+    """``model.save_pretrained(path, state_dict=state_dict)``, also for models whose generation
+    config class predates ``validate(strict=...)`` (Dream): their generation config is written as is."""
     from transformers import GenerationConfig, PreTrainedModel
 
     gen = getattr(model, "generation_config", None) if isinstance(model, PreTrainedModel) else None
     if gen is None or _validate_takes_strict(gen):  # (a PEFT model saves its adapters only)
-        model.save_pretrained(path)
+        model.save_pretrained(path, state_dict=state_dict)
         return
     model.generation_config = GenerationConfig()  # validates; overwritten below
     try:
-        model.save_pretrained(path)
+        model.save_pretrained(path, state_dict=state_dict)
     finally:
         model.generation_config = gen
     # Dream's config keeps its own fields (steps, alg, mask_token_id ...): all of them, no diff.

@@ -1,9 +1,15 @@
 """Atomic checkpoints: a crash mid-save never corrupts the last good one.
 
 A checkpoint is a directory ``checkpoint-{step:07d}/`` holding the policy
-(`save_pretrained`: config, safetensors weights, tokenizer) and ``trainer_state.pt``
-(optimizer, scheduler, step, RNG states). It is written under a temporary name in the
-same directory, then renamed into place, so a reader only ever sees complete ones.
+(`save_pretrained`: config, safetensors weights, tokenizer; a model directory that
+`load_policy` and ``stabledrl eval --model`` read) and ``trainer_state.pt`` (scheduler,
+step, counters; the optimizer too when one process trains without accelerate, as `sft`
+does). A training run adds ``accelerate/``, written by `accelerate.Accelerator.save_state`
+on every process: the optimizer state, which under FSDP or DeepSpeed ZeRO-3 is sharded and
+only whole when every process writes its part (accelerate also puts the sharded model's
+weights there; with one process or DDP the trainer leaves them out, the policy holds them).
+It is written under a temporary name in the same directory, then renamed into place by the
+main process once every process has finished, so a reader only ever sees complete ones.
 It also records the size of ``metrics.jsonl`` at that moment (``checkpoint.json``), so a
 resumed run rewinds the metrics to exactly the rows written before it.
 
@@ -30,14 +36,16 @@ import torch
 from stabledrl.config import ConfigError
 from stabledrl.metrics import metrics_line, read_metrics
 
-__all__ = ["open_run_dir", "save_checkpoint", "latest_checkpoint", "load_trainer_state", "write_atomic", "save_final",
-           "rewind_metrics"]
+__all__ = ["ACCELERATE_STATE", "open_run_dir", "save_checkpoint", "latest_checkpoint", "load_trainer_state",
+           "write_atomic", "save_final", "rewind_metrics"]
 
 logger = logging.getLogger(__name__)
 
 _NAME = re.compile(r"^checkpoint-(\d+)$")
 _TMP = ".tmp-"  # every temporary file or folder of this module starts with it
 _OLD = ".old-"  # a checkpoint (or final model) being replaced
+ACCELERATE_STATE = "accelerate"
+"""The folder of a checkpoint that `accelerate.Accelerator.save_state` writes."""
 
 
 def _umask() -> int:
@@ -77,32 +85,59 @@ def write_atomic(path: str | Path, text: str) -> None:
         raise
 
 
-def save_checkpoint(run_dir: str | Path, step: int, policy: Any, state: dict[str, Any], *, keep: int = 2) -> Path:
+def save_checkpoint(run_dir: str | Path, step: int, policy: Any, state: dict[str, Any], *, keep: int = 2,
+                    accelerator: Any = None) -> Path:
     """Save `policy` (anything with `.save(dir)`) and `state` as checkpoint `step`;
-    keep only the newest `keep` checkpoints."""
+    keep only the newest `keep` checkpoints.
+
+    With `accelerator` (an `accelerate.Accelerator`, or anything with `is_main_process`,
+    `wait_for_everyone` and `save_state`) this is a collective: every process calls it, and
+    `accelerator.save_state` writes each process's part into ``accelerate/``. Only the main
+    process saves `policy` (so it must already hold the full weights, gathered on every
+    process beforehand) and `state`, and renames the folder into place once every process is
+    done; every process returns once it is in place."""
     run_dir = Path(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    main = accelerator is None or accelerator.is_main_process
     final = run_dir / f"checkpoint-{step:07d}"
-    tmp = _mkdtemp(run_dir, f"{_TMP}checkpoint-{step:07d}-")
+    tmp = run_dir / f"{_TMP}{final.name}"  # one name that every process knows
+    if main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        if tmp.exists():  # left by a save that failed
+            _remove(tmp)
+        tmp.mkdir()  # 0777 less the umask
+    _wait(accelerator)
     try:
-        policy.save(tmp)
-        torch.save(state, tmp / "trainer_state.pt")
-        metrics = run_dir / "metrics.jsonl"  # the rows written so far belong to this checkpoint
-        (tmp / "checkpoint.json").write_text(json.dumps(
-            {"step": step, "metrics_bytes": metrics.stat().st_size if metrics.is_file() else 0}))
-        if final.exists():  # re-saving the same step (e.g. after a resume): swap atomically
-            old = run_dir / f"{_OLD}{final.name}"
-            os.replace(final, old)
-            os.replace(tmp, final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, final)
+        if accelerator is not None:
+            accelerator.save_state(str(tmp / ACCELERATE_STATE))
+        if main:
+            policy.save(tmp)
+            torch.save(state, tmp / "trainer_state.pt")
+        _wait(accelerator)  # every process's part is written
+        if main:
+            metrics = run_dir / "metrics.jsonl"  # the rows written so far belong to this checkpoint
+            (tmp / "checkpoint.json").write_text(json.dumps(
+                {"step": step, "metrics_bytes": metrics.stat().st_size if metrics.is_file() else 0}))
+            if final.exists():  # re-saving the same step (e.g. after a resume): swap atomically
+                old = run_dir / f"{_OLD}{final.name}"
+                os.replace(final, old)
+                os.replace(tmp, final)
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                os.replace(tmp, final)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if main:
+            shutil.rmtree(tmp, ignore_errors=True)
         raise
-    for old in sorted(_checkpoints(run_dir))[:-keep] if keep > 0 else []:
-        shutil.rmtree(old[1], ignore_errors=True)
+    if main:
+        for old in sorted(_checkpoints(run_dir))[:-keep] if keep > 0 else []:
+            shutil.rmtree(old[1], ignore_errors=True)
+    _wait(accelerator)
     return final
+
+
+def _wait(accelerator: Any) -> None:
+    if accelerator is not None:
+        accelerator.wait_for_everyone()
 
 
 def _checkpoints(run_dir: Path) -> list[tuple[int, Path]]:

@@ -88,6 +88,9 @@ def _cmd_train(args: argparse.Namespace) -> int:
     summary = run_train(cfg, resume=args.resume)
     from accelerate import PartialState
 
+    # Several processes: end the process group before the interpreter's exit, where gloo's
+    # threads, still holding work, can abort the process (SIGABRT after a finished run).
+    PartialState().destroy_process_group()
     if not PartialState().is_main_process:  # one report per run, not one per process
         return 0
     before, after = summary["eval_initial"], summary["eval_final"]

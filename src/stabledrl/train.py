@@ -23,8 +23,9 @@ the gathered ℓ of all rows, with only this process's rows carrying a graph, so
 advantages and StableDRL's self-normalisation are computed on whole groups exactly as in
 one process; gradients are averaged by DDP (FSDP, DeepSpeed), so the loss is scaled by
 N to make the sum. Every random draw is per row or drawn for the whole batch, so N
-processes compute the update of one process. Checkpoints, metrics and plots are written
-by the main process only.
+processes compute the update of one process. Metrics are written by the main process
+only; checkpoints and the final model are saved by every process together (under FSDP or
+DeepSpeed ZeRO-3 each holds a shard of the weights and of the optimizer state).
 
 Deviations from the named algorithms, deliberate:
 - The model stays in eval mode for the update too: no dropout, so ρ = 1 at θ = θ_old
@@ -56,6 +57,7 @@ from tqdm.auto import tqdm
 from transformers import get_cosine_with_min_lr_schedule_with_warmup
 
 from stabledrl.checkpoint import (
+    ACCELERATE_STATE,
     latest_checkpoint,
     open_run_dir,
     load_trainer_state,
@@ -399,11 +401,44 @@ def _step_measuring_update(opt: torch.optim.Optimizer, params: list[torch.nn.Par
     return math.sqrt(total)
 
 
-def _unwrapped(policy, accelerator):
-    """The policy with its bare model (DDP/FSDP wrappers removed), for saving."""
-    bare = copy.copy(policy)
-    bare.model = accelerator.unwrap_model(policy.model)
-    return bare
+def _broadcast_from_main(model: torch.nn.Module) -> None:
+    """Give every process the main process's weights of an unprepared model. Under FSDP with
+    `fsdp_cpu_ram_efficient_loading` (configs/accelerate/fsdp.yaml) transformers loads the
+    weights on the first process only and leaves the others' uninitialised (`torch.empty`),
+    for FSDP to broadcast when it wraps the model: the reference copy is never wrapped."""
+    import torch.distributed as dist
+
+    with torch.no_grad():
+        for t in model.state_dict().values():  # parameters and persistent buffers
+            dist.broadcast(t, src=0)
+
+
+class _FullWeights:
+    """The policy as it is saved: its bare model (DDP/FSDP wrappers removed) with the full
+    weights. Under FSDP or DeepSpeed ZeRO-3 each process holds a shard of them and
+    `get_state_dict` gathers them (onto the main process): a collective, so every process
+    makes this object, and the main process saves it."""
+
+    def __init__(self, policy, accelerator) -> None:
+        self.state_dict = accelerator.get_state_dict(policy.model)
+        self.policy = copy.copy(policy)
+        self.policy.model = accelerator.unwrap_model(policy.model)
+
+    def save(self, path: str | Path) -> None:
+        self.policy.save(path, state_dict=self.state_dict)
+
+
+def _save_no_weights(models: list, weights: list, output_dir: str) -> None:
+    """accelerate's `save_state` hook: with one process or DDP it would save the model's
+    weights, which the checkpoint's policy holds already: drop them. (Under FSDP and
+    DeepSpeed accelerate saves the sharded model itself, and `weights` is empty.)"""
+    weights.clear()
+
+
+def _load_no_weights(models: list, input_dir: str) -> None:
+    """accelerate's `load_state` hook: the weights come with the checkpoint's policy (the
+    list is accelerate's own copy of its models to load, not the prepared models)."""
+    models.clear()
 
 
 def run_train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) -> dict[str, Any]:
@@ -457,9 +492,13 @@ def run_train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) 
         reference = initial  # KL reference and drift baseline, or None
         if reference is not None:
             reference.model.requires_grad_(False)
+            if procs.world > 1 and accelerator.distributed_type.value == "FSDP":
+                _broadcast_from_main(reference.model)
     params = [p for p in policy.model.parameters() if p.requires_grad]
     opt = _optimizer(cfg, params)
     policy.model, opt = accelerator.prepare(policy.model, opt)  # DDP / FSDP / DeepSpeed with N processes
+    accelerator.register_save_state_pre_hook(_save_no_weights)
+    accelerator.register_load_state_pre_hook(_load_no_weights)
     params = [p for p in policy.model.parameters() if p.requires_grad]  # FSDP replaces the parameters
     model = policy.model
     sched = get_cosine_with_min_lr_schedule_with_warmup(opt, cfg.warmup_steps, cfg.steps, min_lr_rate=cfg.min_lr_ratio)
@@ -469,7 +508,10 @@ def run_train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) 
     history: dict[str, Any] = {}
     if ckpt is not None:
         state = load_trainer_state(ckpt)
-        opt.load_state_dict(state["optimizer"])
+        if (ckpt / ACCELERATE_STATE).is_dir():  # every process loads its part of the optimizer state
+            accelerator.load_state(str(ckpt / ACCELERATE_STATE))
+        else:  # saved by an earlier version: one process's whole optimizer state
+            opt.load_state_dict(state["optimizer"])
         sched.load_state_dict(state["scheduler"])
         start, history = state["step"], state["history"]
         counters.update(state["counters"])
@@ -645,11 +687,10 @@ def run_train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) 
                         ratio_max=f"{row.get('ratio_max', 1):.3g}", skipped=counters["skipped_steps"],
                         **({"COLLAPSE": ",".join(monitor.reasons)} if monitor.collapsed else {}))
         if done % cfg.save_every == 0 or done == cfg.steps:
-            state = {"optimizer": opt.state_dict(), "scheduler": sched.state_dict(), "step": done,
-                     "counters": counters, "history": history, "collapse": monitor}
-            if main:
-                save_checkpoint(out, done, _unwrapped(policy, accelerator), state)
-            accelerator.wait_for_everyone()
+            # The optimizer goes into accelerate's state, the rest (the same on every process) here.
+            state = {"scheduler": sched.state_dict(), "step": done, "counters": counters, "history": history,
+                     "collapse": monitor}
+            save_checkpoint(out, done, _FullWeights(policy, accelerator), state, accelerator=accelerator)
     bar.close()
 
     history["eval_final"] = _evaluate(policy, task, eval_problems, cfg.eval_sampling, procs)
@@ -659,10 +700,11 @@ def run_train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) 
     _log(metrics_file, tb, final_row)
     policy.model.eval()
     summary = {**history, **counters, "processes": world, "collapse": list(monitor.reasons)}
+    weights = _FullWeights(policy, accelerator)  # every process: a gather under FSDP / ZeRO-3
     if main:
         metrics_file.close()
         tb.close()
-        save_final(out, _unwrapped(policy, accelerator))
+        save_final(out, weights)
         write_atomic(out / "summary.json", json.dumps(summary, indent=2))
     accelerator.wait_for_everyone()
     return summary

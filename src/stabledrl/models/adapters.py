@@ -179,9 +179,11 @@ class HFPolicy:
             out = torch.cat([out[:, :1], out[:, :-1]], dim=1)
         return out
 
-    def save(self, path: str | Path) -> None:
+    def save(self, path: str | Path, *, state_dict: dict[str, torch.Tensor] | None = None) -> None:
+        """`state_dict`: the weights to write instead of the model's own (the full weights
+        gathered from sharded processes)."""
         path = Path(path)
-        _compat.save_pretrained(self.model, path)
+        _compat.save_pretrained(self.model, path, state_dict=state_dict)
         self.tokenizer.save_pretrained(path)
         (path / ADAPTER_FILE).write_text(json.dumps(
             {"adapter": self.adapter, "mask_token_id": self.mask_token_id, "block_size": self.block_size,

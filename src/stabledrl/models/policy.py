@@ -119,8 +119,10 @@ class TinyPolicy:
     def new_cache(self) -> KVCache:
         return KVCache()
 
-    def save(self, path: str | Path) -> None:
-        self.model.save_pretrained(path)
+    def save(self, path: str | Path, *, state_dict: dict[str, torch.Tensor] | None = None) -> None:
+        """`state_dict`: the weights to write instead of the model's own (the full weights
+        gathered from sharded processes)."""
+        self.model.save_pretrained(path, state_dict=state_dict)
         self.tokenizer.save_pretrained(path)
 
 
