@@ -37,8 +37,11 @@ def spikes(norms: list[float], factor: float = 5.0, window: int = 10) -> int:
 
 def summarise(run_dir: Path, summary: dict) -> dict:
     rows = [r for r in load_metrics(run_dir) if "grad_norm" in r]
-    finite = [r["grad_norm"] for r in rows if math.isfinite(r["grad_norm"])]
-    norms = [r["grad_norm"] for r in rows if r["grad_norm"] == r["grad_norm"]]  # drop NaN (skipped), keep inf
+    # metrics.jsonl writes a non-finite value as null: count it as an infinite norm (a spike)
+    grad = [math.inf if r["grad_norm"] is None else r["grad_norm"] for r in rows]
+    finite = [g for g in grad if math.isfinite(g)]
+    norms = [g for g in grad if g == g]  # drop NaN, keep inf
+    log_std = [r["log_ratio_std"] for r in rows if r.get("log_ratio_std") is not None]
     return {
         "run": str(run_dir),
         "reward_curve": [r["reward_mean"] for r in load_metrics(run_dir) if "reward_mean" in r],
@@ -46,7 +49,7 @@ def summarise(run_dir: Path, summary: dict) -> dict:
         "grad_norm_max": max(finite) if finite else None,
         "grad_norm_nonfinite_steps": len(rows) - len(finite),
         "grad_norm_median": statistics.median(norms) if norms else None,
-        "log_ratio_var_mean": statistics.mean(r["log_ratio_std"] ** 2 for r in rows) if rows else None,
+        "log_ratio_var_mean": statistics.mean(v ** 2 for v in log_std) if log_std else None,
         "bypass_fraction_mean": statistics.mean(r["bypass_fraction"] for r in rows) if rows else None,
         "skipped_steps": summary["skipped_steps"],
         "eval_initial": summary["eval_initial"], "eval_final": summary["eval_final"],

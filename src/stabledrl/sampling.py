@@ -1,4 +1,4 @@
-"""Masked-diffusion generation (SPEC §6), for full-attention and block-diffusion models.
+"""Masked-diffusion generation (docs/methods.md, "Sampling"), for full-attention and block-diffusion models.
 
 Start from L mask tokens after the prompt; over T steps, predict every masked slot and
 commit the ones chosen by the remasking rule: ``low_confidence`` keeps the slots whose

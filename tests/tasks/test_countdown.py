@@ -127,6 +127,9 @@ def test_random_answers_are_every_solution_drawn_afresh():
     assert sum(p.answer != solve(p.meta["numbers"])[p.meta["target"]] for p in a) > 200
     first = {p.prompt: p.answer for p in a}
     assert any(first[p.prompt] != p.answer for p in b if p.prompt in first)
+    # The answers have their own random stream: the same problems as in canonical mode, in order.
+    canonical = get_task("countdown").generate(400, seed=0)
+    assert [p.prompt for p in a] == [p.prompt for p in canonical]
 
 
 def test_four_numbers():

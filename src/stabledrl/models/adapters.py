@@ -1,4 +1,4 @@
-"""Adapters that put real `transformers` checkpoints behind the policy interface (SPEC §5).
+"""Adapters that put real `transformers` checkpoints behind the policy interface (docs/methods.md, "Policy interface").
 
 Every adapter answers ``logits(input_ids, attention_mask, position_ids)`` with
 ``logits[:, i]`` predicting token ``i``, whatever the checkpoint does natively:

@@ -226,6 +226,7 @@ class Countdown:
         """`n` distinct problems of `split`, reproducible from `seed`."""
         check_split(split)
         rng = random.Random(f"countdown-{split}-{seed}")
+        answer_rng = random.Random(f"countdown-answers-{split}-{seed}")  # its own stream: same problems in either mode
         pool = self._multisets(split)
         if not pool:
             raise ValueError(f"the {split} split of countdown is empty: set validation_fraction > 0 to have one")
@@ -246,8 +247,8 @@ class Countdown:
             seen.add((numbers, target))
             prompt = ",".join(map(str, numbers)) + f"={target}"
             answer = solutions[target]
-            if self.answers == "random":  # one more draw, in this mode only: canonical streams unchanged
-                answer = rng.choice(all_solutions(numbers, self.max_target)[target])
+            if self.answers == "random":
+                answer = answer_rng.choice(all_solutions(numbers, self.max_target)[target])
             problems.append(Problem(prompt, answer, {"numbers": numbers, "target": target}))
         return problems
 
