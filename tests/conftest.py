@@ -52,3 +52,12 @@ class ScriptedPolicy:
         for i, (tok, c) in enumerate(zip(self.script, self.confidence)):
             out[:, self.prompt_len + i, tok] = c
         return out
+
+
+def metric_rows(run_dir) -> list[dict]:
+    """A run's metrics.jsonl without the timings (which differ between identical runs)."""
+    import json
+
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in r.items() if not (k.startswith("time_") or k in ("seconds", "framework_share"))}
+            for r in rows]

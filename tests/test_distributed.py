@@ -28,7 +28,7 @@ from safetensors.torch import load_file
 from stabledrl.config import ConfigError, load_config
 from stabledrl.models.policy import load_policy
 from stabledrl.train import TrainConfig, _check_processes, run_train
-from tests.conftest import make_tiny_policy
+from tests.conftest import make_tiny_policy, metric_rows
 
 FSDP_CONFIG = Path(__file__).parents[1] / "configs" / "accelerate" / "fsdp.yaml"
 
@@ -165,13 +165,6 @@ def _resume_overrides(init_model, out) -> list[str]:
                       prompts_per_step=2, mu=2)
 
 
-def _step_rows(run_dir) -> list[dict]:
-    """metrics.jsonl without the timings (which differ between identical runs)."""
-    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [{k: v for k, v in r.items() if not (k.startswith("time_") or k in ("seconds", "framework_share"))}
-            for r in rows]
-
-
 # layout -> (under FSDP, fsdp_state_dict_type), what accelerate writes in a checkpoint
 _LAYOUTS = {
     "ddp": (None, {"optimizer.bin", "random_states_0.pkl", "random_states_1.pkl"}),  # the weights: the policy's
@@ -202,7 +195,7 @@ def test_two_processes_resume_exactly(init_model, tmp_path, layout):
     _launch(_resume_overrides(init_model, crash), 2, tmp_path, stop_after_save=True, **kw)
     assert [p.name for p in crash.glob("checkpoint-*")] == ["checkpoint-0000002"]
     _launch(_resume_overrides(init_model, crash), 2, tmp_path, resume=True, **kw)
-    assert _step_rows(crash) == _step_rows(full)
+    assert metric_rows(crash) == metric_rows(full)
     a, b = (load_file(d / "final" / "model.safetensors") for d in (full, crash))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert any(not torch.equal(a[k], v) for k, v in load_file(init_model / "model.safetensors").items())

@@ -8,7 +8,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 import stabledrl.train as train_mod
 from stabledrl.config import ConfigError, load_config
 from stabledrl.train import TrainConfig, run_train
-from tests.conftest import make_tiny_policy
+from tests.conftest import make_tiny_policy, metric_rows
 
 
 @pytest.fixture(scope="module")
@@ -355,13 +355,6 @@ def test_a_run_killed_before_its_first_checkpoint_or_in_its_final_save_reruns_cl
     assert not [p.name for p in run.iterdir() if p.name.startswith(".")]
 
 
-def _metric_rows(run_dir) -> list[dict]:
-    """metrics.jsonl without the timings (which differ between identical runs)."""
-    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [{k: v for k, v in r.items() if not (k.startswith("time_") or k in ("seconds", "framework_share"))}
-            for r in rows]
-
-
 def test_micro_batched_rollouts_and_evaluation_and_a_chunked_optimizer_step_change_nothing(init_model, tmp_path,
                                                                                            monkeypatch):
     # Run A samples a step's 8 rollouts and the 5 held-out problems in one call each and
@@ -382,7 +375,7 @@ def test_micro_batched_rollouts_and_evaluation_and_a_chunked_optimizer_step_chan
     init = load_file(init_model / "model.safetensors")
     assert any(not torch.equal(a[k], init[k]) for k in a)  # the runs did update the weights
     assert all(torch.allclose(a[k], b[k], rtol=0, atol=1e-5) for k in a)
-    rows_a, rows_b = _metric_rows(tmp_path / "a"), _metric_rows(tmp_path / "b")
+    rows_a, rows_b = metric_rows(tmp_path / "a"), metric_rows(tmp_path / "b")
     assert [sorted(r) for r in rows_a] == [sorted(r) for r in rows_b]
     for ra, rb in zip(rows_a, rows_b):
         for k, v in ra.items():  # counts and accuracies exactly, float diagnostics to rounding
@@ -434,7 +427,7 @@ def test_the_logged_update_norm_is_the_norm_of_the_change_of_the_weights(init_mo
     monkeypatch.setattr(train_mod, "_UPDATE_CHUNK", 4000)
     run_train(_cfg(init_model, tmp_path / "r", steps=1, mu=1, drift_kl=False, zero_variance_groups="keep"),
               progress=False)
-    row = next(r for r in _metric_rows(tmp_path / "r") if "update_norm" in r)
+    row = next(r for r in metric_rows(tmp_path / "r") if "update_norm" in r)
     before = load_file(init_model / "model.safetensors")
     after = load_file(tmp_path / "r" / "final" / "model.safetensors")
     expected = sum(float((after[k].double() - before[k].double()).square().sum()) for k in before) ** 0.5
@@ -459,7 +452,7 @@ def test_bf16_mixed_precision_computes_in_bf16_and_keeps_a_1e_6_step(init_model,
     run_train(_cfg(init_model, tmp_path / "r", steps=1, mu=1, lr=1e-6, mixed_precision="bf16",
                    zero_variance_groups="keep"), progress=False)
     assert dtypes == {torch.bfloat16}
-    assert next(r for r in _metric_rows(tmp_path / "r") if "drift_kl" in r)["drift_kl"] == 0.0
+    assert next(r for r in metric_rows(tmp_path / "r") if "drift_kl" in r)["drift_kl"] == 0.0
     before = load_file(init_model / "model.safetensors")
     after = load_file(tmp_path / "r" / "final" / "model.safetensors")
     for k in before:
