@@ -42,9 +42,16 @@ def summarise(run_dir: Path, summary: dict) -> dict:
     finite = [g for g in grad if math.isfinite(g)]
     norms = [g for g in grad if g == g]  # drop NaN, keep inf
     log_std = [r["log_ratio_std"] for r in rows if r.get("log_ratio_std") is not None]
+    curve = [r["reward_mean"] for r in load_metrics(run_dir) if "reward_mean" in r]
+    sixth = max(1, len(curve) // 6)
     return {
         "run": str(run_dir),
-        "reward_curve": [r["reward_mean"] for r in load_metrics(run_dir) if "reward_mean" in r],
+        "reward_curve": curve,
+        # training reward, mean over the first and the last sixth of the steps
+        "reward_first_sixth": statistics.mean(curve[:sixth]) if curve else None,
+        "reward_last_sixth": statistics.mean(curve[-sixth:]) if curve else None,
+        # the trainer's own verdict (stabledrl.diagnostics.CollapseMonitor): why it flagged the run
+        "collapse": summary.get("collapse", []),
         "spikes": spikes(norms) if norms else 0,
         "grad_norm_max": max(finite) if finite else None,
         "grad_norm_nonfinite_steps": len(rows) - len(finite),
@@ -63,13 +70,15 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--set", action="append", default=[], help="override for both objectives")
     ap.add_argument("--preset", default="countdown", help="configs/<preset>-{grpo,stabledrl}.yaml")
+    ap.add_argument("--objectives", nargs="+", default=["grpo", "stabledrl"], choices=["grpo", "stabledrl"],
+                    help="run only these (say, one per process); a later call with both reuses finished runs")
     ap.add_argument("--tag", default="default")
     ap.add_argument("--runs-dir", default="runs/stability")
     args = ap.parse_args()
     results = []
     run_dirs = []
     for seed in args.seeds:
-        for name in ("grpo", "stabledrl"):
+        for name in args.objectives:
             out = Path(args.runs_dir) / args.tag / f"{name}-seed{seed}"
             cfg = load_config(TrainConfig, f"configs/{args.preset}-{name}.yaml",
                               [f"output_dir={out}", f"seed={seed}", f"steps={args.steps}", f"lr={args.lr}",
@@ -83,7 +92,8 @@ def main() -> None:
             r = results[-1]
             print(f"{name:9s} seed {seed}: spikes {r['spikes']}, grad max {r['grad_norm_max']:.3g}, "
                   f"median {r['grad_norm_median']:.3g}, accuracy {r['eval_initial']['accuracy']:.3f} -> "
-                  f"{r['eval_final']['accuracy']:.3f}", flush=True)
+                  f"{r['eval_final']['accuracy']:.3f}, training reward {r['reward_first_sixth']:.3f} -> "
+                  f"{r['reward_last_sixth']:.3f}, collapse {r['collapse'] or 'no'}", flush=True)
     out = Path("benchmarks/results") / f"stability-{args.tag}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"args": vars(args), "runs": results}, indent=2))

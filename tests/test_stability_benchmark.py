@@ -33,3 +33,6 @@ def test_summarise_reads_non_finite_gradient_norms_written_as_null(tmp_path):
     assert out["spikes"] == 1  # inf > 5 x median(1, 2)
     assert out["log_ratio_var_mean"] == (0.5 ** 2 + 1.5 ** 2) / 2
     assert out["reward_curve"] == [0.5, 0.4, 0.3]
+    # 3 steps: a sixth is 1 step (at least one)
+    assert (out["reward_first_sixth"], out["reward_last_sixth"]) == (0.5, 0.3)
+    assert out["collapse"] == []
