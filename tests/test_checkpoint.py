@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from stabledrl.checkpoint import (
+    finished_summary,
     latest_checkpoint,
     load_trainer_state,
     open_run_dir,
@@ -217,3 +218,16 @@ def test_a_run_resumes_exactly_from_a_checkpoint_of_the_earlier_layout(tmp_path)
     assert rows[0] == rows[1]
     a, b = (load_file(d / "final" / "model.safetensors") for d in (tmp_path / "full", tmp_path / "crash"))
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_finished_run_is_reused_only_with_its_own_config(tmp_path):
+    from stabledrl.config import ConfigError
+
+    config = {"seed": 0, "lr": 5e-5, "objective": {"name": "stabledrl", "clip_max": 5.0}}
+    open_run_dir(tmp_path, config, resume=False)
+    assert finished_summary(tmp_path, config) is None  # not finished yet
+    write_atomic(tmp_path / "summary.json", json.dumps({"eval_final": {"accuracy": 0.5}}))
+    assert finished_summary(tmp_path, config) == {"eval_final": {"accuracy": 0.5}}
+    other = {**config, "lr": 1e-4, "objective": {"name": "grpo", "clip_max": 5.0}}
+    with pytest.raises(ConfigError, match="differs in lr, objective"):
+        finished_summary(tmp_path, other)

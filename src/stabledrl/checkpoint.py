@@ -36,7 +36,7 @@ import torch
 from stabledrl.config import ConfigError
 from stabledrl.metrics import metrics_line, read_metrics
 
-__all__ = ["ACCELERATE_STATE", "open_run_dir", "save_checkpoint", "latest_checkpoint", "load_trainer_state",
+__all__ = ["ACCELERATE_STATE", "open_run_dir", "finished_summary", "save_checkpoint", "latest_checkpoint", "load_trainer_state",
            "write_atomic", "save_final", "rewind_metrics"]
 
 logger = logging.getLogger(__name__)
@@ -242,6 +242,25 @@ def open_run_dir(run_dir: str | Path, config: dict, *, resume: bool) -> Path | N
     except OSError as e:
         raise _unwritable(run_dir, e) from None
     return ckpt
+
+
+def finished_summary(run_dir: str | Path, config: dict) -> dict | None:
+    """The summary of a finished run made with `config`, or None if the run has not finished.
+
+    For benchmarks that reuse finished runs: a finished run made with another config (the
+    same output_dir, a changed setting) is refused rather than passed off as this one."""
+    import yaml
+
+    run_dir = Path(run_dir)
+    if not (run_dir / "summary.json").is_file():
+        return None
+    saved = yaml.safe_load((run_dir / "config.yaml").read_text())
+    wanted = yaml.safe_load(yaml.safe_dump(config, sort_keys=False))  # as open_run_dir wrote it
+    if saved != wanted:
+        changed = sorted(k for k in set(saved) | set(wanted) if saved.get(k) != wanted.get(k))
+        raise ConfigError(f"{run_dir} holds a finished run made with another config (it differs in "
+                          f"{', '.join(changed)}); remove it or choose another output directory")
+    return json.loads((run_dir / "summary.json").read_text())
 
 
 def _unwritable(run_dir: Path, e: OSError) -> ConfigError:
