@@ -36,6 +36,19 @@ def _changed_weights_and_step_rows(init_model, run_dir) -> list[dict]:
     return [r for r in rows if "loss" in r]
 
 
+def _train(run) -> dict:
+    """What `run_train` does after `set_up`: every step, then the final evaluation and save."""
+    for step in range(run.start, run.cfg.steps):
+        train_mod.train_step(run, step)
+    return train_mod.finish(run)
+
+
+def _abandon(run) -> None:
+    """A process killed here: its logs are closed (by the OS), nothing else happens."""
+    run.metrics_file.close()
+    run.tb.close()
+
+
 def _losses(path):
     rows = [json.loads(x) for x in path.read_text().splitlines()]
     return [(r["step"], r["loss"], r["grad_norm"], r["ratio_max"]) for r in rows if "loss" in r]
@@ -70,21 +83,10 @@ def test_resume_continues_exactly(init_model, tmp_path, lora):
     run_train(full, progress=False)
 
     crash = _cfg(init_model, tmp_path / "crash", lora=lora)
-    real = train_mod.save_checkpoint
-
-    class Stop(Exception):
-        pass
-
-    def save_then_stop(*a, **k):
-        real(*a, **k)
-        raise Stop
-
-    train_mod.save_checkpoint = save_then_stop
-    try:
-        with pytest.raises(Stop):
-            run_train(crash, progress=False)  # stops right after the step-2 checkpoint
-    finally:
-        train_mod.save_checkpoint = real
+    run = train_mod.set_up(crash)
+    ends = [train_mod.train_step(run, step).end for step in range(2)]
+    assert [e.checkpoint is not None for e in ends] == [False, True]
+    _abandon(run)  # stopped right after the step-2 checkpoint
     run_train(crash, resume=True, progress=False)
     assert _losses(tmp_path / "crash" / "metrics.jsonl") == _losses(tmp_path / "full" / "metrics.jsonl")
     weights = "adapter_model.safetensors" if lora else "model.safetensors"  # LoRA runs save the adapters
@@ -94,16 +96,17 @@ def test_resume_continues_exactly(init_model, tmp_path, lora):
 
 
 @pytest.mark.filterwarnings("ignore:Detected call of")  # no optimizer step ran: intended
-def test_a_non_finite_loss_is_skipped_and_never_reaches_the_weights(init_model, tmp_path, monkeypatch):
-    real = train_mod.stabledrl_loss
+def test_a_non_finite_loss_is_skipped_and_never_reaches_the_weights(init_model, tmp_path):
+    run = train_mod.set_up(_cfg(init_model, tmp_path / "nan", steps=2))
+    real = run.objective
 
     def poisoned(*a, **k):
         out = real(*a, **k)
         out.loss = out.loss * float("nan")
         return out
 
-    monkeypatch.setattr(train_mod, "stabledrl_loss", poisoned)
-    summary = run_train(_cfg(init_model, tmp_path / "nan", steps=2), progress=False)
+    run.objective = poisoned
+    summary = _train(run)
     assert summary["skipped_steps"] == 4  # 2 steps x mu 2
     before = load_file(init_model / "model.safetensors")
     after = load_file(tmp_path / "nan" / "final" / "model.safetensors")
@@ -171,7 +174,7 @@ def test_batch_token_mean_reaches_the_objective_and_splits_by_tokens_for_grad_ag
                                torch.full((4, 3), 5), mask, torch.zeros(4, 3, dtype=torch.long))
     adv = torch.tensor([1.0, -1.0, 0.5, -1.5])
     logp = torch.zeros(4, 3)
-    res = train_mod._objective(cfg, logp, logp, adv, batch, None, {})
+    res = train_mod.build_objective(cfg)(logp, logp, adv, completion_mask=batch.completion_mask, ref_logp=None)
     # −(3·1 − 1 + 0.5 − 1.5)/6 = −1/6 (sequence_mean would give −(1 − 1 + 0.5 − 1.5)/4 = 0.25)
     assert res.loss.item() == pytest.approx(-1 / 6, abs=1e-6)
     # the first group's share: its tokens over all the batch's, −(3 − 1)/6 = −1/3
@@ -249,17 +252,18 @@ class _RuledTask:
 
 @pytest.mark.parametrize("mode, rounds", [("keep", 0), ("skip", 0), ("resample", 3)])
 @pytest.mark.filterwarnings("ignore:Detected call of")  # a step with no group left runs no optimizer step
-def test_zero_variance_groups_are_kept_skipped_or_resampled(init_model, tmp_path, monkeypatch, mode, rounds):
+def test_zero_variance_groups_are_kept_skipped_or_resampled(init_model, tmp_path, mode, rounds):
     task = _RuledTask()
-    monkeypatch.setattr(train_mod, "get_task", lambda name, **kw: task)
     P = 6
     cfg = _cfg(init_model, tmp_path / mode, steps=2, prompts_per_step=P, group_size=2, mu=1, save_every=5,
-               zero_variance_groups=mode, max_resample_rounds=rounds)
-    seen = []  # the reward groups that reach the advantages, step by step
-    real_advantages = train_mod.group_advantages
-    monkeypatch.setattr(train_mod, "group_advantages",
-                        lambda r, g, *a, **k: seen.append(r.view(-1, g).clone()) or real_advantages(r, g, *a, **k))
-    summary = run_train(cfg, progress=False)
+               task={"name": "countdown"}, zero_variance_groups=mode, max_resample_rounds=rounds)
+    run = train_mod.set_up(cfg, task=task)
+    seen = []  # the reward groups that reach the advantages (score_groups), step by step
+    for step in range(cfg.steps):
+        res = train_mod.train_step(run, step)
+        seen.append(res.collected.groups.rewards)
+        assert (res.scored is None) == (len(res.collected.groups.problems) == 0)
+    summary = train_mod.finish(run)
     rows = [json.loads(x) for x in (tmp_path / mode / "metrics.jsonl").read_text().splitlines() if '"loss"' in x
             or '"groups_used"' in x]
     assert len(rows) == 2
@@ -289,18 +293,18 @@ def test_zero_variance_groups_are_kept_skipped_or_resampled(init_model, tmp_path
         assert resampled > 0 and rows[0]["groups_used"] > sum(map(task.informative, task.generate(P, seed=0)))
 
 
-def test_without_the_drift_diagnostic_no_reference_copy_is_loaded(init_model, tmp_path, monkeypatch):
-    loads = []
-    real = train_mod.load_policy
-    monkeypatch.setattr(train_mod, "load_policy", lambda *a, **k: loads.append(a) or real(*a, **k))
-    run_train(_cfg(init_model, tmp_path / "a", steps=1, drift_kl=False, zero_variance_groups="keep"), progress=False)
-    assert len(loads) == 1  # the policy only
+def test_without_the_drift_diagnostic_no_reference_copy_is_loaded(init_model, tmp_path):
+    run = train_mod.set_up(_cfg(init_model, tmp_path / "a", steps=1, drift_kl=False, zero_variance_groups="keep"))
+    assert run.reference is None  # the policy only
+    _train(run)
     rows = [json.loads(x) for x in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
     assert "loss" in rows[1] and "drift_kl" not in rows[1]
-    # A KL term needs the reference whatever the diagnostic says.
-    run_train(_cfg(init_model, tmp_path / "b", steps=1, drift_kl=False, objective={"name": "grpo", "beta": 0.1},
-                   zero_variance_groups="keep"), progress=False)
-    assert len(loads) == 3
+    # A KL term needs the reference whatever the diagnostic says: a second copy, frozen.
+    run = train_mod.set_up(_cfg(init_model, tmp_path / "b", steps=1, drift_kl=False,
+                                objective={"name": "grpo", "beta": 0.1}, zero_variance_groups="keep"))
+    assert run.reference is not None and run.reference.model is not run.policy.model
+    assert not any(p.requires_grad for p in run.reference.model.parameters())
+    _train(run)
     rows = [json.loads(x) for x in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
     assert "kl_ref" in rows[1]
 
@@ -325,28 +329,18 @@ def test_a_run_on_the_code_task_carries_on_through_sandboxed_failures(init_model
     assert (tmp_path / "run" / "final" / "model.safetensors").is_file()
 
 
-def test_a_run_killed_before_its_first_checkpoint_or_in_its_final_save_reruns_cleanly(init_model, tmp_path,
-                                                                                        monkeypatch):
-    class Killed(Exception):
-        pass
-
-    def killed(*a, **k):
-        raise Killed
-
-    def killed_mid_save(run_dir, policy):
-        (run_dir / ".tmp-final-x1").mkdir()
-        raise Killed
-
+def test_a_run_killed_before_its_first_checkpoint_or_in_its_final_save_reruns_cleanly(init_model, tmp_path):
     run = tmp_path / "run"
     cfg = _cfg(init_model, run, steps=2, mu=1)
-    monkeypatch.setattr(train_mod, "save_checkpoint", killed)  # killed before the first checkpoint
-    with pytest.raises(Killed):
-        run_train(cfg, progress=False)
-    monkeypatch.undo()
-    monkeypatch.setattr(train_mod, "save_final", killed_mid_save)  # the same command again, killed at the end
-    with pytest.raises(Killed):
-        run_train(cfg, progress=False)
-    monkeypatch.undo()
+    killed = train_mod.set_up(cfg)
+    assert train_mod.train_step(killed, 0).end.checkpoint is None
+    _abandon(killed)  # killed before the first checkpoint (step 2)
+    killed = train_mod.set_up(cfg)  # the same command again, killed at the end: in the final save
+    for step in range(2):
+        train_mod.train_step(killed, step)
+    train_mod._final_evaluation(killed)  # the final row is logged, then the save begins ...
+    (run / ".tmp-final-x1").mkdir()  # ... and dies, leaving its temporary folder
+    _abandon(killed)
     run_train(cfg, resume=True, progress=False)
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     # step 0 (initial evaluation), steps 1 and 2, the final evaluation: each once
@@ -355,8 +349,7 @@ def test_a_run_killed_before_its_first_checkpoint_or_in_its_final_save_reruns_cl
     assert not [p.name for p in run.iterdir() if p.name.startswith(".")]
 
 
-def test_micro_batched_rollouts_and_evaluation_and_a_chunked_optimizer_step_change_nothing(init_model, tmp_path,
-                                                                                           monkeypatch):
+def test_micro_batched_rollouts_and_evaluation_and_a_chunked_optimizer_step_change_nothing(init_model, tmp_path):
     # Run A samples a step's 8 rollouts and the 5 held-out problems in one call each and
     # steps all parameters at once; run B samples 3 rows at a time, evaluates 2 at a time and
     # steps the parameters in chunks of at most 3,000 elements. The tokens are the same (each
@@ -367,9 +360,10 @@ def test_micro_batched_rollouts_and_evaluation_and_a_chunked_optimizer_step_chan
     kw = dict(steps=2, mu=1, eval_n=5, eval_every=1, drift_kl=False, zero_variance_groups="keep",
               optimizer="sgd", lr=0.1)
     run_train(_cfg(init_model, tmp_path / "a", **kw), progress=False)
-    monkeypatch.setattr(train_mod, "_UPDATE_CHUNK", 3000)
-    run_train(_cfg(init_model, tmp_path / "b", rollout={"temperature": 1.0, "micro_batch": 3},
-                   eval_sampling={"micro_batch": 2}, **kw), progress=False)
+    run = train_mod.set_up(_cfg(init_model, tmp_path / "b", rollout={"temperature": 1.0, "micro_batch": 3},
+                                eval_sampling={"micro_batch": 2}, **kw))
+    run.update_chunk = 3000
+    _train(run)
     a = load_file(tmp_path / "a" / "final" / "model.safetensors")
     b = load_file(tmp_path / "b" / "final" / "model.safetensors")
     init = load_file(init_model / "model.safetensors")
@@ -382,9 +376,9 @@ def test_micro_batched_rollouts_and_evaluation_and_a_chunked_optimizer_step_chan
             assert rb[k] == (v if not isinstance(v, float) else pytest.approx(v, rel=1e-4, abs=1e-5)), k
 
 
-def test_the_optimizer_steps_in_chunks_and_reports_the_norm_of_the_change(monkeypatch):
+def test_the_optimizer_steps_in_chunks_and_reports_the_norm_of_the_change():
     # The update is measured without a copy of all parameters: AdamW steps chunks of at
-    # most _UPDATE_CHUNK elements (a larger parameter alone), and the weights and states
+    # most chunk_size elements (a larger parameter alone), and the weights and states
     # are those of one ordinary step, bit for bit.
     import copy
 
@@ -405,9 +399,8 @@ def test_the_optimizer_steps_in_chunks_and_reports_the_norm_of_the_change(monkey
     hook = register_optimizer_step_pre_hook(
         lambda o, a, k: stepped.append(sum(p.numel() for g in o.param_groups for p in g["params"]
                                            if p.grad is not None)) if o is opt else None)
-    monkeypatch.setattr(train_mod, "_UPDATE_CHUNK", 5000)
     try:
-        norm = train_mod._step_measuring_update(opt, params)
+        norm = train_mod._step_measuring_update(opt, params, chunk_size=5000)
     finally:
         hook.remove()
     largest = max(p.numel() for p in params)  # 8,192 (gate_up): a chunk of its own
@@ -422,11 +415,12 @@ def test_the_optimizer_steps_in_chunks_and_reports_the_norm_of_the_change(monkey
     assert norm == pytest.approx(expected, rel=1e-5)
 
 
-def test_the_logged_update_norm_is_the_norm_of_the_change_of_the_weights(init_model, tmp_path, monkeypatch):
+def test_the_logged_update_norm_is_the_norm_of_the_change_of_the_weights(init_model, tmp_path):
     # One step, μ = 1: the logged update_norm is ‖θ_final − θ_init‖, here with the step in chunks.
-    monkeypatch.setattr(train_mod, "_UPDATE_CHUNK", 4000)
-    run_train(_cfg(init_model, tmp_path / "r", steps=1, mu=1, drift_kl=False, zero_variance_groups="keep"),
-              progress=False)
+    run = train_mod.set_up(_cfg(init_model, tmp_path / "r", steps=1, mu=1, drift_kl=False,
+                                zero_variance_groups="keep"))
+    run.update_chunk = 4000
+    _train(run)
     row = next(r for r in metric_rows(tmp_path / "r") if "update_norm" in r)
     before = load_file(init_model / "model.safetensors")
     after = load_file(tmp_path / "r" / "final" / "model.safetensors")
@@ -435,22 +429,17 @@ def test_the_logged_update_norm_is_the_norm_of_the_change_of_the_weights(init_mo
     assert row["update_norm"] == pytest.approx(expected, rel=1e-5)
 
 
-def test_bf16_mixed_precision_computes_in_bf16_and_keeps_a_1e_6_step(init_model, tmp_path, monkeypatch):
+def test_bf16_mixed_precision_computes_in_bf16_and_keeps_a_1e_6_step(init_model, tmp_path):
     # mixed_precision: bf16 with float32 weights (the recommended precision): the matmuls of
     # the policy and of its reference copy run in bfloat16 (so the drift from the reference
     # is exactly 0 at the first step, as in float32), and one AdamW step at lr 1e-6 (≈ 1e-6
     # on every weight whose gradient is not ~0) changes every element of every matrix.
     dtypes = set()
-    real = train_mod.load_policy
-
-    def spying(*a, **k):
-        policy = real(*a, **k)
-        policy.model.blocks[0].qkv.register_forward_hook(lambda m, i, o: dtypes.add(o.dtype))
-        return policy
-
-    monkeypatch.setattr(train_mod, "load_policy", spying)
-    run_train(_cfg(init_model, tmp_path / "r", steps=1, mu=1, lr=1e-6, mixed_precision="bf16",
-                   zero_variance_groups="keep"), progress=False)
+    run = train_mod.set_up(_cfg(init_model, tmp_path / "r", steps=1, mu=1, lr=1e-6, mixed_precision="bf16",
+                                zero_variance_groups="keep"))
+    for model in (run.policy.model, run.reference.model):  # the reference: a second copy
+        model.blocks[0].qkv.register_forward_hook(lambda m, i, o: dtypes.add(o.dtype))
+    _train(run)
     assert dtypes == {torch.bfloat16}
     assert next(r for r in metric_rows(tmp_path / "r") if "drift_kl" in r)["drift_kl"] == 0.0
     before = load_file(init_model / "model.safetensors")
@@ -491,7 +480,7 @@ class _Sleepy(torch.nn.Module):
         return x
 
 
-def test_the_forward_clock_reads_gpu_time_from_events_with_one_synchronisation(monkeypatch):
+def test_the_forward_clock_reads_gpu_time_from_events_with_one_synchronisation():
     # On a GPU a forward returns once its kernels are queued, so host time misses the work:
     # the clock records an event before and after each forward (no synchronisation there)
     # and, when read, synchronises once and sums the events' elapsed times (ms -> s).
@@ -510,9 +499,8 @@ def test_the_forward_clock_reads_gpu_time_from_events_with_one_synchronisation(m
         def elapsed_time(self, end):
             return end.t - self.t
 
-    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
     model = _Sleepy(clock_ms, 250.0)
-    clock = train_mod._ForwardClock(model, model)
+    clock = train_mod._ForwardClock(model, model, event=FakeEvent)
     assert not clock.cuda  # a CPU model: host time, no events
     clock._cuda = True  # as for a model on a GPU
     for _ in range(3):
@@ -544,3 +532,20 @@ def test_on_a_gpu_the_forward_clock_counts_the_kernels_time():
         torch.cuda.synchronize()
         wall = time.perf_counter() - t0
     assert 0.5 * wall <= clock.seconds <= 1.05 * wall  # host gaps between forwards are not counted
+
+
+def test_every_objective_name_the_config_accepts_has_a_builder_in_the_registry():
+    import typing
+
+    from stabledrl.settings import ObjectiveConfig
+
+    names = typing.get_args(typing.get_type_hints(ObjectiveConfig)["name"])
+    assert set(train_mod.OBJECTIVES) == set(names)
+    for name in names:
+        cfg = load_config(TrainConfig, {"group_size": 2, "objective": {"name": name}})
+        # ℓ = ℓ_old = 1, so ρ = 1: GRPO's −mean(ρ·A) = −(1 − 1 + 3 − 1)/4 = −0.5, and StableDRL's
+        # surrogate −mean_g Σ_i w_i·A_i·ℓ_i with w_i = 1/G = 1/2 is −((1 − 1)/2 + (3 − 1)/2)/2 = −0.5
+        logp = torch.ones(4)
+        res = train_mod.build_objective(cfg)(logp, logp, torch.tensor([1.0, -1.0, 3.0, -1.0]),
+                                             completion_mask=torch.ones(4, 3), ref_logp=None)
+        assert res.loss.item() == pytest.approx(-0.5), name

@@ -15,6 +15,18 @@ One step, top to bottom:
    Non-finite loss or gradient: the step is skipped, counted and logged, and the
    weights are not touched.
 
+The code reads in that order. `run_train` is `set_up`, then per step `train_step`, then
+`finish`; a step is four phases, each a function returning a dataclass:
+
+    set_up          -> Run         accelerator, policy, reference, optimizer, schedule, counters
+    collect_groups  -> Collected   steps 1-3: rollouts, rewards, the zero-variance policy
+    score_groups    -> Scored      step 4: plan, ℓ_old, ℓ_ref, the weights' ℓ_old, drift
+    update_policy   -> Updated     step 5: ℓ_θ → objective → backward → clip → step or skip
+    end_of_step     -> StepEnd     schedule, counters, evaluation, log, checkpoint
+
+The objective is built by name from `OBJECTIVES` (name -> builder); the rollouts of a
+step, whole groups or a process's share of their rows, are one container, `Rollouts`.
+
 Several processes (``accelerate launch --num_processes N -m stabledrl train ...``): each
 process rolls out and rewards its share of the step's P·G rows (a group may span
 processes), the ids, rewards and entropies are gathered so that every process sees every
@@ -37,7 +49,8 @@ Deviations from the named algorithms, deliberate:
 - Where each preset's estimator and objective part from the authors' code (StableDRL's
   on SPG, d1's masking, GDPO's 1/t): docs/methods.md, "Fidelity to the authors' runs".
 
-Shapes: P prompts per step, G group size, B = P·G rollouts, L completion slots.
+Shapes: P prompts per step, G group size, B = P·G rollouts (B' those of the kept groups),
+L completion slots, Lp prompt slots, N processes.
 """
 
 from __future__ import annotations
@@ -50,7 +63,7 @@ import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import torch
 from tqdm.auto import tqdm
@@ -79,7 +92,11 @@ from stabledrl.sampling import SamplingConfig, generate_micro_batched, micro_bat
 from stabledrl.settings import MAX_MU, EstimatorConfig, ObjectiveConfig, TrainConfig  # no torch: for the CLI
 from stabledrl.tasks import get_task
 
-__all__ = ["EstimatorConfig", "ObjectiveConfig", "TrainConfig", "run_train"]
+__all__ = [
+    "OBJECTIVES", "Collected", "EstimatorConfig", "ObjectiveConfig", "Rollouts", "Run", "Scored", "StepEnd",
+    "StepResult", "TrainConfig", "Updated", "build_objective", "collect_groups", "end_of_step", "finish",
+    "run_train", "score_groups", "set_up", "train_step", "update_policy",
+]
 
 
 _SEED_SLOTS = MAX_MU + 3  # per step: 0 unused (rollouts draw per row: `row_generators`), 1 ℓ_old masks, 2 weight masks, 3.. inner-iteration masks
@@ -96,13 +113,15 @@ class _ForwardClock:
     """Sums the wall time spent inside the models' forward passes (via hooks). On a GPU a
     forward returns once its kernels are queued, so there each forward is timed by CUDA
     events on the current stream instead, and `seconds` synchronises once to read them:
-    no synchronisation inside a step."""
+    no synchronisation inside a step. `event`: the event class (default torch.cuda.Event;
+    a test passes a fake)."""
 
-    def __init__(self, *models: torch.nn.Module) -> None:
+    def __init__(self, *models: torch.nn.Module, event: Any = None) -> None:
         self._seconds = 0.0
         self._t0 = 0.0
         models = list({id(m): m for m in models}.values())  # a LoRA reference shares the policy's model
         self._cuda = any(p.is_cuda for m in models for p in m.parameters())
+        self._event = torch.cuda.Event if event is None else event
         self._events: list[tuple[Any, Any]] = []
         for m in models:
             m.register_forward_pre_hook(self._start)
@@ -110,14 +129,14 @@ class _ForwardClock:
 
     def _start(self, *args) -> None:
         if self._cuda:
-            self._t0 = torch.cuda.Event(enable_timing=True)
+            self._t0 = self._event(enable_timing=True)
             self._t0.record()
         else:
             self._t0 = time.perf_counter()
 
     def _stop(self, *args) -> None:
         if self._cuda:
-            end = torch.cuda.Event(enable_timing=True)
+            end = self._event(enable_timing=True)
             end.record()
             self._events.append((self._t0, end))
         else:
@@ -190,63 +209,64 @@ class _Procs:
         return torch.cat([p[:k] for p, k in zip(parts, sizes)]).to(kind)
 
 
-class Rollouts(NamedTuple):
-    """The scored part of a step's rollouts (rows of the kept groups)."""
+@dataclasses.dataclass(frozen=True, eq=False)
+class Rollouts:
+    """A step's rollouts: whole groups (G consecutive rows per problem, with their problems,
+    rewards and entropies), or a share of their rows (`rows`), which need not hold whole
+    groups and carries the five tensors the likelihoods read only."""
 
-    prompt_ids: torch.Tensor  # (B', P)
-    prompt_mask: torch.Tensor  # (B', P)
-    completion_ids: torch.Tensor  # (B', L)
-    completion_mask: torch.Tensor  # (B', L) scored slots
-    unmask_step: torch.Tensor  # (B', L) the sampler step that committed each slot
+    prompt_ids: torch.Tensor  # (B, Lp) left-padded
+    prompt_mask: torch.Tensor  # (B, Lp)
+    completion_ids: torch.Tensor  # (B, L)
+    completion_mask: torch.Tensor  # (B, L) scored slots
+    unmask_step: torch.Tensor  # (B, L) the sampler step that committed each slot
+    problems: list | None = None  # (B/G,) one per group
+    rewards: torch.Tensor | None = None  # (B/G, G)
+    entropy: torch.Tensor | None = None  # (B,)
 
+    def _scored(self) -> tuple[torch.Tensor, ...]:
+        return self.prompt_ids, self.prompt_mask, self.completion_ids, self.completion_mask, self.unmask_step
 
-class _Groups(NamedTuple):
-    """Rollouts of whole groups: G consecutive rows per problem."""
-
-    problems: list  # (n,) one per group
-    prompt_ids: torch.Tensor  # (n·G, P) left-padded
-    prompt_mask: torch.Tensor  # (n·G, P)
-    completion_ids: torch.Tensor  # (n·G, L)
-    completion_mask: torch.Tensor  # (n·G, L)
-    unmask_step: torch.Tensor  # (n·G, L)
-    rewards: torch.Tensor  # (n, G)
-    entropy: torch.Tensor  # (n·G,)
+    def rows(self, lo: int, hi: int, device: Any = None) -> Rollouts:
+        """Rows lo:hi of the five scored tensors (moved to `device` if given)."""
+        return Rollouts(*(x[lo:hi] if device is None else x[lo:hi].to(device) for x in self._scored()))
 
     def flat(self) -> torch.Tensor:
-        """(n,) True where every reward of the group is equal."""
+        """(B/G,) True where every reward of the group is equal."""
         return (self.rewards == self.rewards[:, :1]).all(1)
 
-    def select(self, groups: torch.Tensor) -> "_Groups":
+    def select(self, groups: torch.Tensor) -> Rollouts:
+        """The groups of the (n',) indices `groups`, whole."""
         G = self.rewards.size(1)
         rows = (groups[:, None] * G + torch.arange(G)).flatten()  # (n'·G,)
-        return _Groups([self.problems[i] for i in groups.tolist()], self.prompt_ids[rows], self.prompt_mask[rows],
-                       self.completion_ids[rows], self.completion_mask[rows], self.unmask_step[rows],
-                       self.rewards[groups], self.entropy[rows])
+        return Rollouts(*(x[rows] for x in self._scored()), problems=[self.problems[i] for i in groups.tolist()],
+                        rewards=self.rewards[groups], entropy=self.entropy[rows])
 
 
 def _left_pad(x: torch.Tensor, width: int, value: int) -> torch.Tensor:
     return torch.cat([x.new_full((x.size(0), width - x.size(1)), value), x], dim=1)
 
 
-def _concat(parts: list[_Groups], pad_token_id: int) -> _Groups:
+def _concat(parts: list[Rollouts], pad_token_id: int) -> Rollouts:
     """Groups of several rollout rounds in one batch (prompts re-padded to the widest)."""
     if len(parts) == 1:
         return parts[0]
     width = max(p.prompt_ids.size(1) for p in parts)
-    return _Groups([q for p in parts for q in p.problems],
-                   torch.cat([_left_pad(p.prompt_ids, width, pad_token_id) for p in parts]),
-                   torch.cat([_left_pad(p.prompt_mask, width, 0) for p in parts]),
-                   *(torch.cat([getattr(p, f) for p in parts]) for f in ("completion_ids", "completion_mask",
-                                                                         "unmask_step", "rewards", "entropy")))
+    return Rollouts(torch.cat([_left_pad(p.prompt_ids, width, pad_token_id) for p in parts]),
+                    torch.cat([_left_pad(p.prompt_mask, width, 0) for p in parts]),
+                    *(torch.cat([getattr(p, f) for p in parts]) for f in ("completion_ids", "completion_mask",
+                                                                          "unmask_step")),
+                    problems=[q for p in parts for q in p.problems],
+                    rewards=torch.cat([p.rewards for p in parts]), entropy=torch.cat([p.entropy for p in parts]))
 
 
-def _roll_groups(cfg: TrainConfig, policy, task, problems: list, tag: str, gen_length: int, procs: _Procs) -> _Groups:
+def _roll_groups(cfg: TrainConfig, policy, task, problems: list, tag: str, gen_length: int, procs: _Procs) -> Rollouts:
     """G rollouts per problem from the current policy, and their rewards. Each process
     samples and rewards its share of the n·G rows; every process returns all of them."""
     G = cfg.group_size
     group_problems = [p for p in problems for _ in range(G)]
     n = len(group_problems)
-    p_ids, p_mask = encode_policy_prompts(policy, [p.prompt for p in group_problems])  # (n·G, P) all rows
+    p_ids, p_mask = encode_policy_prompts(policy, [p.prompt for p in group_problems])  # (n·G, Lp) all rows
     lo, hi = procs.bounds(n)
     dev = policy.device
     mb = cfg.rollout.micro_batch
@@ -258,7 +278,8 @@ def _roll_groups(cfg: TrainConfig, policy, task, problems: list, tag: str, gen_l
     rewards = torch.tensor(task.reward(texts, group_problems[lo:hi]), dtype=torch.float32)  # (share,)
     full = [procs.gather(x.to(dev), n).cpu() for x in (roll.completion_ids, roll.completion_mask, roll.unmask_step,
                                                          rewards, roll.entropy)]
-    return _Groups(list(problems), p_ids, p_mask, full[0], full[1], full[2], full[3].view(-1, G), full[4])
+    return Rollouts(p_ids, p_mask, full[0], full[1], full[2], problems=list(problems), rewards=full[3].view(-1, G),
+                    entropy=full[4])
 
 
 def _resample_seed(seed: int, step: int, round_: int) -> int:
@@ -286,28 +307,61 @@ def _score(cfg: TrainConfig, policy, plan, batch: Rollouts) -> torch.Tensor:
     return est.token if cfg.objective.ratio_level == "token" else est.sequence
 
 
-def _objective(cfg: TrainConfig, logp, old, advantages, batch: Rollouts, ref, weight_kw: dict) -> LossOutput:
+Objective = Callable[..., LossOutput]
+"""``objective(logp, old_logp, advantages, *, completion_mask, ref_logp, weight_logp=None,
+weight_old_logp=None) -> LossOutput``: ℓ_θ, ℓ_old, (B',) advantages; ℓ is (B',) or (B', L)."""
+
+
+def _grpo_objective(cfg: TrainConfig) -> Objective:
+    """GRPO (conditional clipping, 1/G), with a k3 KL term to the reference when β > 0."""
     o = cfg.objective
-    if o.name == "grpo":
-        return grpo_loss(logp, old, advantages, group_size=cfg.group_size, clip_eps=o.clip_eps,
-                         ratio_level=o.ratio_level, completion_mask=batch.completion_mask,
-                         ref_logp=ref if o.beta else None, beta=o.beta, token_aggregation=o.token_aggregation)
-    return stabledrl_loss(logp, old, advantages, group_size=cfg.group_size, clip=o.clip, clip_max=o.clip_max,
-                          clip_eps=o.clip_eps, ratio_level=o.ratio_level, completion_mask=batch.completion_mask,
-                          **weight_kw)
+
+    def objective(logp, old_logp, advantages, *, completion_mask, ref_logp=None) -> LossOutput:
+        return grpo_loss(logp, old_logp, advantages, group_size=cfg.group_size, clip_eps=o.clip_eps,
+                         ratio_level=o.ratio_level, completion_mask=completion_mask,
+                         ref_logp=ref_logp if o.beta else None, beta=o.beta, token_aggregation=o.token_aggregation)
+
+    return objective
+
+
+def _stabledrl_objective(cfg: TrainConfig) -> Objective:
+    """StableDRL (unconditional clipping, group self-normalisation); no KL term (β = 0 is
+    checked in ObjectiveConfig), so `ref_logp` is not read."""
+    o = cfg.objective
+
+    def objective(logp, old_logp, advantages, *, completion_mask, ref_logp=None, weight_logp=None,
+                  weight_old_logp=None) -> LossOutput:
+        return stabledrl_loss(logp, old_logp, advantages, group_size=cfg.group_size, clip=o.clip,
+                              clip_max=o.clip_max, clip_eps=o.clip_eps, ratio_level=o.ratio_level,
+                              completion_mask=completion_mask, weight_logp=weight_logp,
+                              weight_old_logp=weight_old_logp)
+
+    return objective
+
+
+OBJECTIVES: dict[str, Callable[[TrainConfig], Objective]] = {
+    "grpo": _grpo_objective,
+    "stabledrl": _stabledrl_objective,
+}
+"""objective.name -> builder: the config in, the objective of tensors out."""
+
+
+def build_objective(cfg: TrainConfig) -> Objective:
+    return OBJECTIVES[cfg.objective.name](cfg)
 
 
 def _first_half_loss(cfg: TrainConfig, logp, old, advantages, batch: Rollouts, ref, weight_kw: dict,
-                     num_groups: int) -> torch.Tensor:
+                     num_groups: int, *, objective: Objective | None = None) -> torch.Tensor:
     """The part of the step's loss that comes from its first ⌊n/2⌋ groups: both objectives
     are means over groups, so loss = Σ_g c_g / n and this is Σ_{g < n/2} c_g / n; with
     batch_token_mean the loss is a mean over scored tokens, and the half's share is its
-    fraction of them."""
+    fraction of them. `objective`: the step's (default: built from `cfg`)."""
     half = num_groups // 2
     rows = half * cfg.group_size
-    part = Rollouts(*(x[:rows] for x in batch))
+    objective = build_objective(cfg) if objective is None else objective
     kw = {k: v[:rows] for k, v in weight_kw.items()}
-    res = _objective(cfg, logp[:rows], old[:rows], advantages[:rows], part, None if ref is None else ref[:rows], kw)
+    res = objective(logp[:rows], old[:rows], advantages[:rows], completion_mask=batch.completion_mask[:rows],
+                    ref_logp=None if ref is None else ref[:rows], **kw)
     if cfg.objective.token_aggregation == "batch_token_mean":
         return res.loss * (batch.completion_mask[:rows].sum() / batch.completion_mask.sum()).item()
     return res.loss * (half / num_groups)
@@ -368,9 +422,10 @@ _UPDATE_CHUNK = 2**26
 """Parameter elements copied at a time to measure the update (256 MB in float32)."""
 
 
-def _step_measuring_update(opt: torch.optim.Optimizer, params: list[torch.nn.Parameter]) -> float:
+def _step_measuring_update(opt: torch.optim.Optimizer, params: list[torch.nn.Parameter],
+                           chunk_size: int = _UPDATE_CHUNK) -> float:
     """opt.step(); returns the norm of the change it made to the parameters, without a copy
-    of all of them: the optimizer steps one chunk of about `_UPDATE_CHUNK` elements at a
+    of all of them: the optimizer steps one chunk of about `chunk_size` elements at a
     time (torch's optimizers skip a parameter whose .grad is None, and their updates are
     per parameter, so the weights and states are those of one step), and only that chunk
     is copied to take the difference."""
@@ -380,7 +435,7 @@ def _step_measuring_update(opt: torch.optim.Optimizer, params: list[torch.nn.Par
     for i, p in enumerate(params):
         if grads[i] is None:
             continue
-        if chunks[-1] and size + p.numel() > _UPDATE_CHUNK:
+        if chunks[-1] and size + p.numel() > chunk_size:
             chunks.append([])
             size = 0
         chunks[-1].append(i)
@@ -441,16 +496,170 @@ def _load_no_weights(models: list, input_dir: str) -> None:
     models.clear()
 
 
+# --- The recipe: set_up, then per step collect → score → update → end of step, then finish. ---
+
+
+@dataclasses.dataclass
+class Run:
+    """What `set_up` returns: the run's parts, and its state from step to step."""
+
+    cfg: TrainConfig
+    accelerator: Any  # accelerate.Accelerator
+    procs: _Procs
+    task: Any
+    device: Any  # where this process scores its rows
+    policy: Any  # its model prepared by accelerate (DDP / FSDP / DeepSpeed with several processes)
+    reference: Any  # KL reference and drift baseline (the initial policy), or None
+    params: list[torch.nn.Parameter]  # the trainable parameters, as the optimizer holds them
+    opt: torch.optim.Optimizer
+    sched: Any  # the learning-rate schedule: warm-up, then cosine to min_lr_ratio
+    objective: Objective  # OBJECTIVES[cfg.objective.name](cfg)
+    out: Path  # the run directory
+    start: int = 0  # the first step to run (a resumed run: its checkpoint's step)
+    counters: dict[str, int] = dataclasses.field(default_factory=lambda: {
+        "skipped_steps": 0, "zero_variance_groups": 0, "resampled_groups": 0})
+    monitor: CollapseMonitor = dataclasses.field(default_factory=CollapseMonitor)
+    history: dict[str, Any] = dataclasses.field(default_factory=dict)  # eval_initial, eval_final
+    eval_problems: list = dataclasses.field(default_factory=list)
+    metrics_file: Any = None  # metrics.jsonl, on the main process only
+    tb: Any = None  # the TensorBoard writer, on the main process only
+    clock: _ForwardClock | None = None  # time in the models' forward passes
+    update_chunk: int = _UPDATE_CHUNK  # parameter elements stepped at a time (`_step_measuring_update`)
+
+    @property
+    def main(self) -> bool:
+        return self.accelerator.is_main_process
+
+
+@dataclasses.dataclass
+class Collected:
+    """What `collect_groups` returns."""
+
+    groups: Rollouts  # the groups the step trains on: all (keep), or those whose rewards differ
+    metrics: dict[str, Any]  # step, on-policy statistics of the first round's P·G rollouts, groups_used
+    zero_variance_groups: int  # groups whose rewards all tie, in every round
+    resampled_groups: int  # groups rolled out to replace them (resample)
+    seconds: dict[str, float]  # rollout
+
+
+@dataclasses.dataclass
+class Scored:
+    """What `score_groups` returns: the kept rows' likelihoods under θ_old (and the reference), no graph."""
+
+    batch: Rollouts  # the B' rows of the kept groups
+    mine: Rollouts  # this process's rows lo:hi of them, on its device
+    lo: int
+    hi: int
+    step: int
+    advantages: torch.Tensor  # (B',)
+    plan_old: Any  # ℓ_old's mask plan (seed slot 1), this process's rows
+    old: torch.Tensor  # (B',) ℓ_old, or (B', L) per-token terms for token ratios
+    ref: torch.Tensor | None  # ℓ_ref on the same plan, when there is a reference
+    plan_weight: Any  # separate_weight_masks: the weights' own plan (slot 2), else None ...
+    weight_old: torch.Tensor | None  # ... and ℓ_old on it
+    metrics: dict[str, Any]  # drift_kl
+    seconds: dict[str, float]  # likelihood_old
+
+    @property
+    def n_rows(self) -> int:
+        return self.batch.completion_ids.size(0)
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.batch.problems)
+
+
+@dataclasses.dataclass
+class Updated:
+    """What `update_policy` returns."""
+
+    metrics: dict[str, Any]  # grad_agreement; over the μ iterations the maxima of *_max, means of the rest
+    skipped: int  # inner iterations whose loss or gradient was not finite: no optimizer step
+    seconds: dict[str, float]  # update, backward
+
+
+@dataclasses.dataclass
+class StepEnd:
+    """What `end_of_step` returns."""
+
+    row: dict[str, Any]  # the step's metrics row
+    checkpoint: Path | None  # saved at this step, or None
+
+
+@dataclasses.dataclass
+class StepResult:
+    """What `train_step` returns: each phase's result (a step that kept no group: no score, no update)."""
+
+    collected: Collected
+    scored: Scored | None
+    updated: Updated | None
+    end: StepEnd
+
+
 def run_train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) -> dict[str, Any]:
     """Train; returns the final held-out evaluation (and the initial one)."""
-    from accelerate import Accelerator
-    from torch.utils.tensorboard import SummaryWriter
+    run = set_up(cfg, resume=resume)
+    bar = tqdm(range(run.start, cfg.steps), initial=run.start, total=cfg.steps, desc=f"train {cfg.objective.name}",
+               disable=not (progress and run.main))
+    for step in bar:
+        row = train_step(run, step).end.row
+        bar.set_postfix(reward=f"{row['reward_mean']:.3f}", gnorm=f"{row.get('grad_norm', 0):.2g}",
+                        ratio_max=f"{row.get('ratio_max', 1):.3g}", skipped=run.counters["skipped_steps"],
+                        **({"COLLAPSE": ",".join(run.monitor.reasons)} if run.monitor.collapsed else {}))
+    bar.close()
+    return finish(run)
 
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
+
+def train_step(run: Run, step: int) -> StepResult:
+    """Step `step` (from 0): collect groups → score → update → end of step."""
+    t0 = time.perf_counter()
+    run.clock.seconds = 0.0
+    run.policy.model.eval()
+    collected = collect_groups(run, step)
+    scored = score_groups(run, collected.groups, step) if collected.groups.problems else None
+    updated = update_policy(run, scored) if scored is not None else None
+    return StepResult(collected, scored, updated, end_of_step(run, step, collected, scored, updated, t0=t0))
+
+
+def set_up(cfg: TrainConfig, *, resume: bool = False, task: Any = None) -> Run:
+    """Set-up phase: the accelerator, the task (`task`: a task object to use instead of
+    cfg.task's), the policy (from the checkpoint when resuming) and its reference, the
+    optimizer and schedule (and their state, the counters and history of a resumed run),
+    the initial evaluation, the logs. Settings that do not fit the model or the processes
+    are refused before a run directory exists."""
+    accelerator = _accelerator(cfg)
+    procs = _Procs(accelerator)
+    _check_processes(cfg, procs.world)
+    task = get_task(cfg.task.name, **cfg.task.options) if task is None else task
+    # One process may name its device; with several, each process uses the one accelerate gives it.
+    device = accelerator.device if cfg.model.device == "auto" or accelerator.num_processes > 1 else cfg.model.device
+    initial = load_policy(cfg.model, device=device)
+    _check_estimator_fits_model(cfg, initial)  # before a run directory exists
+    out = Path(cfg.output_dir)
+    ckpt = _open_run_dir(cfg, out, accelerator, resume)
+    policy, reference = _policy_and_reference(cfg, initial, ckpt, device, accelerator, procs)
+    params = [p for p in policy.model.parameters() if p.requires_grad]
+    opt = _optimizer(cfg, params)
+    policy.model, opt = accelerator.prepare(policy.model, opt)  # DDP / FSDP / DeepSpeed with N processes
+    accelerator.register_save_state_pre_hook(_save_no_weights)
+    accelerator.register_load_state_pre_hook(_load_no_weights)
+    params = [p for p in policy.model.parameters() if p.requires_grad]  # FSDP replaces the parameters
+    sched = get_cosine_with_min_lr_schedule_with_warmup(opt, cfg.warmup_steps, cfg.steps, min_lr_rate=cfg.min_lr_ratio)
+    run = Run(cfg, accelerator, procs, task, device, policy, reference, params, opt, sched, build_objective(cfg), out)
+    if ckpt is not None:
+        _restore(run, ckpt)
+    _begin(run)
+    return run
+
+
+def _accelerator(cfg: TrainConfig):
+    """The run's accelerator (CPU or GPU, precision; DDP / FSDP / DeepSpeed from the launcher)."""
+    from accelerate import Accelerator
     from accelerate.state import AcceleratorState
     from accelerate.utils import DistributedDataParallelKwargs
 
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
     # No buffer broadcast in forward: the models' buffers are constants, and a collective in
     # every forward would tie the processes' (data-dependent) numbers of model calls together.
     on_cpu = cfg.model.device == "cpu" or (cfg.model.device == "auto" and not torch.cuda.is_available())
@@ -459,27 +668,28 @@ def run_train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) 
     AcceleratorState._reset_state()
     accelerator = Accelerator(cpu=on_cpu, mixed_precision=cfg.mixed_precision,  # autocast of the prepared model
                               kwargs_handlers=[DistributedDataParallelKwargs(broadcast_buffers=False)])
-    procs = _Procs(accelerator)
     if accelerator.distributed_type.value == "DEEPSPEED":
         # accelerate's DeepSpeed backward also steps (and clips, with the DeepSpeed config's
         # gradient_clipping): one backward per optimizer step only.
         check(cfg.estimator.max_views_per_forward is None,
               "under DeepSpeed leave estimator.max_views_per_forward unset (its backward steps the optimizer)")
         check(not cfg.grad_agreement, "under DeepSpeed leave grad_agreement off (its backward steps the optimizer)")
+    return accelerator
+
+
+def _open_run_dir(cfg: TrainConfig, out: Path, accelerator, resume: bool) -> Path | None:
+    """The main process opens the run directory; every process returns the checkpoint to resume from, or None."""
     main = accelerator.is_main_process
-    _check_processes(cfg, procs.world)
-    task = get_task(cfg.task.name, **cfg.task.options)
-    # One process may name its device; with several, each process uses the one accelerate gives it.
-    device = accelerator.device if cfg.model.device == "auto" or accelerator.num_processes > 1 else cfg.model.device
-    initial = load_policy(cfg.model, device=device)
-    _check_estimator_fits_model(cfg, initial)  # before a run directory exists
-    out = Path(cfg.output_dir)
     if main:
         ckpt = open_run_dir(out, to_dict(cfg), resume=resume)
     accelerator.wait_for_everyone()
     if not main:
         ckpt = latest_checkpoint(out) if resume else None
+    return ckpt
 
+
+def _policy_and_reference(cfg: TrainConfig, initial, ckpt: Path | None, device, accelerator, procs: _Procs):
+    """The policy to train and the reference (None when nothing reads it), from the initial policy."""
     if ckpt is not None:  # the checkpoint holds the weights (or the LoRA adapters) of the policy
         policy = load_policy(dataclasses.replace(cfg.model, path=str(ckpt)), device=device, trainable=True)
     elif cfg.lora is not None:
@@ -487,236 +697,299 @@ def run_train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) 
     else:  # the reference is a second copy, loaded only if something reads it
         policy, initial = initial, (load_policy(cfg.model, device=device) if _needs_reference(cfg) else None)
     if cfg.lora is not None:
-        reference = base_policy(policy)  # the initial policy is the base model: no second copy
-    else:
-        reference = initial  # KL reference and drift baseline, or None
-        if reference is not None:
-            reference.model.requires_grad_(False)
-            if procs.world > 1 and accelerator.distributed_type.value == "FSDP":
-                _broadcast_from_main(reference.model)
-    params = [p for p in policy.model.parameters() if p.requires_grad]
-    opt = _optimizer(cfg, params)
-    policy.model, opt = accelerator.prepare(policy.model, opt)  # DDP / FSDP / DeepSpeed with N processes
-    accelerator.register_save_state_pre_hook(_save_no_weights)
-    accelerator.register_load_state_pre_hook(_load_no_weights)
-    params = [p for p in policy.model.parameters() if p.requires_grad]  # FSDP replaces the parameters
-    model = policy.model
-    sched = get_cosine_with_min_lr_schedule_with_warmup(opt, cfg.warmup_steps, cfg.steps, min_lr_rate=cfg.min_lr_ratio)
-    start = 0
-    counters = {"skipped_steps": 0, "zero_variance_groups": 0, "resampled_groups": 0}
-    monitor = CollapseMonitor()
-    history: dict[str, Any] = {}
-    if ckpt is not None:
-        state = load_trainer_state(ckpt)
-        if (ckpt / ACCELERATE_STATE).is_dir():  # every process loads its part of the optimizer state
-            accelerator.load_state(str(ckpt / ACCELERATE_STATE))
-        else:  # saved by an earlier version: one process's whole optimizer state
-            opt.load_state_dict(state["optimizer"])
-        sched.load_state_dict(state["scheduler"])
-        start, history = state["step"], state["history"]
-        counters.update(state["counters"])
-        monitor = state.get("collapse", monitor)
-        if main:
-            rewind_metrics(out / "metrics.jsonl", ckpt)
+        return policy, base_policy(policy)  # the initial policy is the base model: no second copy
+    reference = initial  # KL reference and drift baseline, or None
+    if reference is not None:
+        reference.model.requires_grad_(False)
+        if procs.world > 1 and accelerator.distributed_type.value == "FSDP":
+            _broadcast_from_main(reference.model)
+    return policy, reference
 
-    eval_problems = task.generate(cfg.eval_n, split=cfg.eval_split, seed=0)
-    if "eval_initial" not in history:
-        history["eval_initial"] = _evaluate(policy, task, eval_problems, cfg.eval_sampling, procs)
-    metrics_file = open(out / "metrics.jsonl", "a") if main else None
-    tb = SummaryWriter(str(out / "tensorboard")) if main else None
-    if start == 0:
-        monitor.update({"eval_accuracy": history["eval_initial"]["accuracy"]})
-        _log(metrics_file, tb, {"step": 0, "eval_accuracy": history["eval_initial"]["accuracy"],
-                                "eval_reward": history["eval_initial"]["mean_reward"], "collapse": False})
-    forward_clock = _ForwardClock(policy.model, *([reference.model] if reference is not None else []))
+
+def _restore(run: Run, ckpt: Path) -> None:
+    """A resumed run: the optimizer's, the schedule's and the trainer's state from `ckpt`;
+    the metrics file cut back to what it held then."""
+    state = load_trainer_state(ckpt)
+    if (ckpt / ACCELERATE_STATE).is_dir():  # every process loads its part of the optimizer state
+        run.accelerator.load_state(str(ckpt / ACCELERATE_STATE))
+    else:  # saved by an earlier version: one process's whole optimizer state
+        run.opt.load_state_dict(state["optimizer"])
+    run.sched.load_state_dict(state["scheduler"])
+    run.start, run.history = state["step"], state["history"]
+    run.counters.update(state["counters"])
+    run.monitor = state.get("collapse", run.monitor)
+    if run.main:
+        rewind_metrics(run.out / "metrics.jsonl", ckpt)
+
+
+def _begin(run: Run) -> None:
+    """The held-out problems and the initial evaluation (once per run: a resumed run has it
+    in its history), the logs, a fresh run's step-0 row, the forward clock."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    cfg = run.cfg
+    run.eval_problems = run.task.generate(cfg.eval_n, split=cfg.eval_split, seed=0)
+    if "eval_initial" not in run.history:
+        run.history["eval_initial"] = _evaluate(run.policy, run.task, run.eval_problems, cfg.eval_sampling, run.procs)
+    run.metrics_file = open(run.out / "metrics.jsonl", "a") if run.main else None
+    run.tb = SummaryWriter(str(run.out / "tensorboard")) if run.main else None
+    if run.start == 0:
+        initial = run.history["eval_initial"]
+        run.monitor.update({"eval_accuracy": initial["accuracy"]})
+        _log(run.metrics_file, run.tb, {"step": 0, "eval_accuracy": initial["accuracy"],
+                                        "eval_reward": initial["mean_reward"], "collapse": False})
+    run.clock = _ForwardClock(run.policy.model, *([run.reference.model] if run.reference is not None else []))
+
+
+def collect_groups(run: Run, step: int) -> Collected:
+    """Collect phase (steps 1-3): G rollouts of each of the step's P problems from θ_old and
+    their rewards; groups whose rewards all tie are kept, skipped, or skipped and replaced by
+    groups of fresh problems, for at most `max_resample_rounds` rounds (`zero_variance_groups`)."""
+    cfg, task = run.cfg, run.task
     gen_length = cfg.rollout.gen_length or task.completion_length
-    G = cfg.group_size
-    need_tokens = cfg.objective.ratio_level == "token"
-    # With a view budget, the update never holds more than one micro-batch's graph.
-    two_pass = cfg.estimator.max_views_per_forward is not None
-    world = procs.world
 
-    bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, desc=f"train {cfg.objective.name}",
-               disable=not (progress and main))
-    for step in bar:
-        times: dict[str, float] = {}
-        forward_clock.seconds = 0.0
-        t_step = time.perf_counter()
-        model.eval()
-        # 1-2. prompts and rollouts from θ_old
-        with _timed(times, "rollout"):
-            problems = task.generate(cfg.prompts_per_step, split="train", seed=cfg.seed * 1_000_003 + step)
-            first = _roll_groups(cfg, policy, task, problems, f"{cfg.seed}/{step}/0", gen_length, procs)
-            # 3. groups with zero reward variance: keep, skip, or replace by fresh ones
-            flat = first.flat()  # (P,)
-            counters["zero_variance_groups"] += int(flat.sum())
-            if cfg.zero_variance_groups == "keep":
-                groups = first
-            else:
-                parts = [first.select((~flat).nonzero().flatten())]
-            if cfg.zero_variance_groups == "resample":
-                for r in range(cfg.max_resample_rounds):
-                    missing = cfg.prompts_per_step - sum(len(p.problems) for p in parts)
-                    if missing <= 0:
-                        break
-                    seed_r = _resample_seed(cfg.seed, step, r)
-                    extra = _roll_groups(cfg, policy, task, task.generate(missing, split="train", seed=seed_r),
-                                         f"{cfg.seed}/{step}/{r + 1}", gen_length, procs)
-                    e_flat = extra.flat()
-                    counters["zero_variance_groups"] += int(e_flat.sum())
-                    counters["resampled_groups"] += missing
-                    parts.append(extra.select((~e_flat).nonzero().flatten()))
-            if cfg.zero_variance_groups != "keep":
-                groups = _concat(parts, policy.pad_token_id)
-        rewards = first.rewards.flatten()  # (P·G,) the step's on-policy statistics come from the first round
-        row: dict[str, Any] = {
-            "step": step + 1, "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()),
-            "accuracy_train": float((rewards == 1.0).float().mean()),
-            "completion_length": float(first.completion_mask.sum(1).float().mean()),
-            "entropy": float(first.entropy.mean()), "zero_variance_fraction": float(flat.float().mean()),
-            "groups_used": len(groups.problems), "lr": sched.get_last_lr()[0],
-        }
-        if groups.problems:
-            batch = Rollouts(groups.prompt_ids, groups.prompt_mask, groups.completion_ids, groups.completion_mask,
-                             groups.unmask_step)
-            n_rows = batch.completion_ids.size(0)  # B' = kept groups · G
-            lo, hi = procs.bounds(n_rows)  # this process's rows of the likelihoods
-            mine = Rollouts(*(x[lo:hi].to(device) for x in batch))
-            b_adv = group_advantages(groups.rewards.flatten(), G, cfg.objective.advantage_scale)  # (B',)
+    def roll(problems: list, round_: int) -> Rollouts:
+        return _roll_groups(cfg, run.policy, task, problems, f"{cfg.seed}/{step}/{round_}", gen_length, run.procs)
 
-            def plan(slot: int):  # drawn for all B' rows (the same on every process), scored on mine
-                return _plan(cfg, batch, step, slot, policy).rows(lo, hi)
+    seconds: dict[str, float] = {}
+    with _timed(seconds, "rollout"):
+        first = roll(task.generate(cfg.prompts_per_step, split="train", seed=cfg.seed * 1_000_003 + step), 0)
+        flat = first.flat()  # (P,)
+        zero, resampled = int(flat.sum()), 0
+        parts = [first if cfg.zero_variance_groups == "keep" else first.select((~flat).nonzero().flatten())]
+        for r in range(cfg.max_resample_rounds if cfg.zero_variance_groups == "resample" else 0):
+            missing = cfg.prompts_per_step - sum(len(p.problems) for p in parts)
+            if missing <= 0:
+                break
+            extra = roll(task.generate(missing, split="train", seed=_resample_seed(cfg.seed, step, r)), r + 1)
+            e_flat = extra.flat()
+            zero, resampled = zero + int(e_flat.sum()), resampled + missing
+            parts.append(extra.select((~e_flat).nonzero().flatten()))
+        groups = _concat(parts, run.policy.pad_token_id)
+    rewards = first.rewards.flatten()  # (P·G,) the step's on-policy statistics come from the first round
+    metrics = {
+        "step": step + 1, "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()),
+        "accuracy_train": float((rewards == 1.0).float().mean()),
+        "completion_length": float(first.completion_mask.sum(1).float().mean()),
+        "entropy": float(first.entropy.mean()), "zero_variance_fraction": float(flat.float().mean()),
+        "groups_used": len(groups.problems),
+    }
+    return Collected(groups, metrics, zero, resampled, seconds)
 
-            def scored(pol, pl) -> torch.Tensor:  # ℓ of every row, no graph: (B',) or (B', L)
-                return procs.gather(_score(cfg, pol, pl, mine), n_rows).cpu()
 
-            # 4. ℓ_old (and ℓ_ref) under no grad
-            with _timed(times, "likelihood_old"), torch.no_grad():
-                plan_old = plan(1)
-                old = scored(policy, plan_old)
-                ref = None
-                if reference is not None:
-                    with accelerator.autocast():  # a reference copy is not prepared: same precision as ℓ_old
-                        ref = scored(reference, plan_old)
-                    # KL(π_old ‖ π_init) ≈ mean over π_old's own samples of ℓ_old − ℓ_init
-                    gap = (old - ref).sum(-1) if need_tokens else old - ref  # (B',)
-                    row["drift_kl"] = float(gap.mean())
-                if cfg.objective.separate_weight_masks:
-                    plan_w = plan(2)
-                    w_old = scored(policy, plan_w)
-            # 5. μ inner iterations
-            # The update runs in eval mode too: no dropout, so ρ = 1 at θ = θ_old and every
-            # process computes the same function (dropout would draw from each one's RNG).
-            inner_rows = []
-            for it in range(cfg.mu):
-                with _timed(times, "update"):
-                    pl = plan_old if cfg.masks == "shared" else plan(3 + it)
-                    w_kw = {}
-                    if cfg.objective.separate_weight_masks:
-                        with torch.no_grad():
-                            w_kw = {"weight_logp": scored(policy, plan_w), "weight_old_logp": w_old}
-                    opt.zero_grad(set_to_none=True)
-                    # The objective sees ℓ of all B' rows; only this process's rows carry a
-                    # graph (two_pass: none, ∂loss/∂ℓ is taken on a leaf and pushed back view
-                    # batch by view batch). Its gradient is this process's part of the sum.
-                    if two_pass:
-                        with torch.no_grad():
-                            leaf = scored(policy, pl).requires_grad_()
-                        res = _objective(cfg, leaf, old, b_adv, batch, ref, w_kw)
-                    else:
-                        mine_logp = _score(cfg, policy, pl, mine)  # (B'/N,) with a graph, on the device
-                        full = mine_logp
-                        if world > 1:  # the other processes' rows, as constants (gathered on the device)
-                            others = procs.gather(mine_logp, n_rows)
-                            full = torch.cat([others[:lo], mine_logp, others[hi:]])
-                        full = full.cpu()
-                        res = _objective(cfg, full, old, b_adv, batch, ref, w_kw)
-                    finite = bool(torch.isfinite(res.loss))
-                    if finite:
-                        with _timed(times, "backward", cuda=forward_clock.cuda):
-                            if two_pass:
-                                res.loss.backward()
-                                backward_views(policy, pl, mine.prompt_ids, mine.completion_ids, mine.completion_mask,
-                                               leaf.grad[lo:hi] * world, prompt_mask=mine.prompt_mask,
-                                               reduction=cfg.estimator.reduction,
-                                               max_views_per_forward=cfg.estimator.max_views_per_forward,
-                                               backward=accelerator.backward,
-                                               no_sync=lambda: accelerator.no_sync(model))
-                            elif cfg.grad_agreement and it == 0 and len(groups.problems) >= 2:
-                                part = _first_half_loss(cfg, full, old, b_adv, batch, ref, w_kw, len(groups.problems))
-                                row["grad_agreement"] = _backward_in_halves(res.loss, part, params,
-                                                                            accelerator.backward)
-                            else:  # DDP averages the processes' gradients: × N makes their sum
-                                accelerator.backward(res.loss * world)
-                        norm = accelerator.clip_grad_norm_(params, cfg.grad_clip)
-                        # DeepSpeed clips inside its engine and may not report a norm
-                        grad_norm = float("nan") if norm is None else float(norm)
-                        finite = norm is None or math.isfinite(grad_norm)
-                    else:
-                        grad_norm = float("nan")
-                    if not finite:  # never let a non-finite update reach the weights
-                        opt.zero_grad(set_to_none=True)
-                        counters["skipped_steps"] += 1
-                        inner_rows.append({**res.metrics, "loss": float(res.loss.detach()), "grad_norm": grad_norm,
-                                           "update_norm": 0.0})
-                        continue
-                    update = _step_measuring_update(opt, params)
-                    inner_rows.append({**res.metrics, "loss": float(res.loss.detach()), "grad_norm": grad_norm,
-                                       "update_norm": update})
-            # Over the μ inner iterations: maxima of *_max metrics, means of the others.
-            for k in inner_rows[0]:
-                vals = [r[k] for r in inner_rows]
-                row[k] = max(vals) if k.endswith("_max") else sum(vals) / len(vals)
-            # NaN (a skipped inner iteration) wins: the step's largest norm is then not a number
-            row["grad_norm_max"] = max((r["grad_norm"] for r in inner_rows), key=lambda v: (math.isnan(v), v))
-        sched.step()
-        row.update(counters)
-        row["seconds"] = time.perf_counter() - t_step
-        row.update({f"time_{k}": v for k, v in times.items()})
-        row["time_model_forward"] = forward_clock.seconds
-        # The framework's share: time in neither the model's forward nor the backward.
-        row["framework_share"] = 1 - (forward_clock.seconds + times.get("backward", 0.0)) / row["seconds"]
-        done = step + 1
-        if cfg.eval_every and done % cfg.eval_every == 0 and done != cfg.steps:
-            res_e = _evaluate(policy, task, eval_problems, cfg.eval_sampling, procs)
-            row.update({"eval_accuracy": res_e["accuracy"], "eval_reward": res_e["mean_reward"]})
-        _flag_collapse(monitor, row, bar, main)
-        if done % cfg.log_every == 0 or "eval_accuracy" in row:
-            _log(metrics_file, tb, row)
-        bar.set_postfix(reward=f"{row['reward_mean']:.3f}", gnorm=f"{row.get('grad_norm', 0):.2g}",
-                        ratio_max=f"{row.get('ratio_max', 1):.3g}", skipped=counters["skipped_steps"],
-                        **({"COLLAPSE": ",".join(monitor.reasons)} if monitor.collapsed else {}))
-        if done % cfg.save_every == 0 or done == cfg.steps:
-            # The optimizer goes into accelerate's state, the rest (the same on every process) here.
-            state = {"scheduler": sched.state_dict(), "step": done, "counters": counters, "history": history,
-                     "collapse": monitor}
-            save_checkpoint(out, done, _FullWeights(policy, accelerator), state, accelerator=accelerator)
-    bar.close()
+def _plan_rows(run: Run, batch: Rollouts, step: int, slot: int, lo: int, hi: int):
+    """The plan of a seed slot, drawn for all B' rows (the same on every process), for rows lo:hi."""
+    return _plan(run.cfg, batch, step, slot, run.policy).rows(lo, hi)
 
-    history["eval_final"] = _evaluate(policy, task, eval_problems, cfg.eval_sampling, procs)
-    final_row = {"step": cfg.steps, "eval_accuracy": history["eval_final"]["accuracy"],
-                 "eval_reward": history["eval_final"]["mean_reward"]}
-    _flag_collapse(monitor, final_row, bar, main)
-    _log(metrics_file, tb, final_row)
-    policy.model.eval()
-    summary = {**history, **counters, "processes": world, "collapse": list(monitor.reasons)}
-    weights = _FullWeights(policy, accelerator)  # every process: a gather under FSDP / ZeRO-3
-    if main:
-        metrics_file.close()
-        tb.close()
-        save_final(out, weights)
-        write_atomic(out / "summary.json", json.dumps(summary, indent=2))
-    accelerator.wait_for_everyone()
+
+def _gather_scores(run: Run, policy, plan, mine: Rollouts, n_rows: int) -> torch.Tensor:
+    """ℓ under `policy` of every row (each process scores its own), no graph: (B',) or (B', L)."""
+    return run.procs.gather(_score(run.cfg, policy, plan, mine), n_rows).cpu()
+
+
+def score_groups(run: Run, groups: Rollouts, step: int) -> Scored:
+    """Score phase (step 4), no grad: the group advantages; ℓ_old on the plan of seed slot 1,
+    and ℓ_ref under the reference on the same plan with the drift KL(π_old ‖ π_init); with
+    separate_weight_masks, ℓ_old on the weights' own plan (slot 2)."""
+    cfg = run.cfg
+    n_rows = groups.completion_ids.size(0)  # B' = kept groups · G
+    lo, hi = run.procs.bounds(n_rows)  # this process's rows of the likelihoods
+    mine = groups.rows(lo, hi, run.device)
+    advantages = group_advantages(groups.rewards.flatten(), cfg.group_size, cfg.objective.advantage_scale)  # (B',)
+    ref = plan_weight = weight_old = None
+    metrics: dict[str, Any] = {}
+    seconds: dict[str, float] = {}
+    with _timed(seconds, "likelihood_old"), torch.no_grad():
+        plan_old = _plan_rows(run, groups, step, 1, lo, hi)
+        old = _gather_scores(run, run.policy, plan_old, mine, n_rows)
+        if run.reference is not None:
+            with run.accelerator.autocast():  # a reference copy is not prepared: same precision as ℓ_old
+                ref = _gather_scores(run, run.reference, plan_old, mine, n_rows)
+            # KL(π_old ‖ π_init) ≈ mean over π_old's own samples of ℓ_old − ℓ_init
+            gap = (old - ref).sum(-1) if cfg.objective.ratio_level == "token" else old - ref  # (B',)
+            metrics["drift_kl"] = float(gap.mean())
+        if cfg.objective.separate_weight_masks:
+            plan_weight = _plan_rows(run, groups, step, 2, lo, hi)
+            weight_old = _gather_scores(run, run.policy, plan_weight, mine, n_rows)
+    return Scored(groups, mine, lo, hi, step, advantages, plan_old, old, ref, plan_weight, weight_old, metrics, seconds)
+
+
+class _Iteration(NamedTuple):
+    row: dict[str, Any]  # the objective's metrics, loss, grad_norm, update_norm
+    stepped: bool  # False: a non-finite loss or gradient, no optimizer step
+    grad_agreement: float | None  # measured (grad_agreement, first iteration), or None
+
+
+def update_policy(run: Run, s: Scored) -> Updated:
+    """Update phase (step 5): μ inner iterations of ℓ_θ → objective → backward → clip →
+    optimizer step, or skip (`_inner_iteration`). The update runs in eval mode too: no
+    dropout, so ρ = 1 at θ = θ_old and every process computes the same function (dropout
+    would draw from each one's RNG)."""
+    metrics: dict[str, Any] = {}
+    seconds: dict[str, float] = {}
+    inner_rows = []
+    skipped = 0
+    for it in range(run.cfg.mu):
+        with _timed(seconds, "update"):
+            res = _inner_iteration(run, s, it, seconds)
+        if res.grad_agreement is not None:
+            metrics["grad_agreement"] = res.grad_agreement
+        inner_rows.append(res.row)
+        skipped += not res.stepped
+    # Over the μ inner iterations: maxima of *_max metrics, means of the others.
+    for k in inner_rows[0]:
+        vals = [r[k] for r in inner_rows]
+        metrics[k] = max(vals) if k.endswith("_max") else sum(vals) / len(vals)
+    # NaN (a skipped inner iteration) wins: the step's largest norm is then not a number
+    metrics["grad_norm_max"] = max((r["grad_norm"] for r in inner_rows), key=lambda v: (math.isnan(v), v))
+    return Updated(metrics, skipped, seconds)
+
+
+def _inner_iteration(run: Run, s: Scored, it: int, seconds: dict[str, float]) -> _Iteration:
+    """One of the μ inner iterations: ℓ_θ on ℓ_old's plan (masks: shared) or on the plan of
+    slot 3 + it (independent) → objective → backward → clip → optimizer step. A non-finite
+    loss or gradient: the gradient is dropped and the weights are not touched."""
+    cfg = run.cfg
+    pl = s.plan_old if cfg.masks == "shared" else _plan_rows(run, s.batch, s.step, 3 + it, s.lo, s.hi)
+    w_kw = {}
+    if cfg.objective.separate_weight_masks:
+        with torch.no_grad():
+            w_kw = {"weight_logp": _gather_scores(run, run.policy, s.plan_weight, s.mine, s.n_rows),
+                    "weight_old_logp": s.weight_old}
+    run.opt.zero_grad(set_to_none=True)
+    res, logp, leaf = _loss(run, s, pl, w_kw)
+    finite, grad_norm, agreement = bool(torch.isfinite(res.loss)), float("nan"), None
+    if finite:
+        with _timed(seconds, "backward", cuda=run.clock.cuda):
+            agreement = _backward(run, s, pl, res.loss, logp, leaf, w_kw, first=it == 0)
+        norm = run.accelerator.clip_grad_norm_(run.params, cfg.grad_clip)
+        # DeepSpeed clips inside its engine and may not report a norm
+        grad_norm = float("nan") if norm is None else float(norm)
+        finite = norm is None or math.isfinite(grad_norm)
+    row = {**res.metrics, "loss": float(res.loss.detach()), "grad_norm": grad_norm}
+    if not finite:  # never let a non-finite update reach the weights
+        run.opt.zero_grad(set_to_none=True)
+        return _Iteration({**row, "update_norm": 0.0}, False, agreement)
+    update = _step_measuring_update(run.opt, run.params, run.update_chunk)
+    return _Iteration({**row, "update_norm": update}, True, agreement)
+
+
+def _loss(run: Run, s: Scored, pl, w_kw: dict) -> tuple[LossOutput, torch.Tensor, torch.Tensor | None]:
+    """The objective on ℓ_θ of all B' rows, of which only this process's carry a graph, so
+    that its gradient is this process's part of the sum. With a view budget
+    (max_views_per_forward) none does: ℓ_θ is a leaf, ∂loss/∂ℓ is taken on it and pushed
+    back view batch by view batch (`_backward`), so the update never holds more than one
+    micro-batch's graph. Returns the loss, ℓ_θ, and that leaf (else None)."""
+    cfg, procs = run.cfg, run.procs
+    if cfg.estimator.max_views_per_forward is not None:
+        with torch.no_grad():
+            logp = leaf = _gather_scores(run, run.policy, pl, s.mine, s.n_rows).requires_grad_()
+    else:
+        mine_logp = _score(cfg, run.policy, pl, s.mine)  # (B'/N,) with a graph, on the device
+        logp, leaf = mine_logp, None
+        if procs.world > 1:  # the other processes' rows, as constants (gathered on the device)
+            others = procs.gather(mine_logp, s.n_rows)
+            logp = torch.cat([others[:s.lo], mine_logp, others[s.hi:]])
+        logp = logp.cpu()
+    res = run.objective(logp, s.old, s.advantages, completion_mask=s.batch.completion_mask, ref_logp=s.ref, **w_kw)
+    return res, logp, leaf
+
+
+def _backward(run: Run, s: Scored, pl, loss: torch.Tensor, logp: torch.Tensor, leaf: torch.Tensor | None,
+              w_kw: dict, *, first: bool) -> float | None:
+    """∇loss into the parameters' .grad; returns the gradient agreement when it is measured
+    (grad_agreement, the first inner iteration, two groups or more, no view budget)."""
+    cfg, acc, world = run.cfg, run.accelerator, run.procs.world
+    if leaf is not None:
+        loss.backward()
+        backward_views(run.policy, pl, s.mine.prompt_ids, s.mine.completion_ids, s.mine.completion_mask,
+                       leaf.grad[s.lo:s.hi] * world, prompt_mask=s.mine.prompt_mask,
+                       reduction=cfg.estimator.reduction, max_views_per_forward=cfg.estimator.max_views_per_forward,
+                       backward=acc.backward, no_sync=lambda: acc.no_sync(run.policy.model))
+        return None
+    if cfg.grad_agreement and first and s.num_groups >= 2:
+        part = _first_half_loss(cfg, logp, s.old, s.advantages, s.batch, s.ref, w_kw, s.num_groups,
+                                objective=run.objective)
+        return _backward_in_halves(loss, part, run.params, acc.backward)
+    acc.backward(loss * world)  # DDP averages the processes' gradients: × N makes their sum
+    return None
+
+
+def end_of_step(run: Run, step: int, collected: Collected, scored: Scored | None, updated: Updated | None, *,
+                t0: float) -> StepEnd:
+    """End-of-step phase: the step's metrics row (`t0`: when the step began), the learning-rate
+    schedule stepped, the counters added up, an evaluation every `eval_every` steps, the
+    collapse monitor, the log, a checkpoint every `save_every` steps and at the last."""
+    cfg, done = run.cfg, step + 1
+    row = {**collected.metrics, "lr": run.sched.get_last_lr()[0]}
+    seconds = dict(collected.seconds)
+    for phase in (scored, updated):
+        if phase is not None:
+            row.update(phase.metrics)
+            seconds.update(phase.seconds)
+    run.sched.step()
+    run.counters["zero_variance_groups"] += collected.zero_variance_groups
+    run.counters["resampled_groups"] += collected.resampled_groups
+    run.counters["skipped_steps"] += updated.skipped if updated is not None else 0
+    row.update(run.counters)
+    row["seconds"] = time.perf_counter() - t0
+    row.update({f"time_{k}": v for k, v in seconds.items()})
+    row["time_model_forward"] = run.clock.seconds
+    # The framework's share: time in neither the model's forward nor the backward.
+    row["framework_share"] = 1 - (row["time_model_forward"] + seconds.get("backward", 0.0)) / row["seconds"]
+    if cfg.eval_every and done % cfg.eval_every == 0 and done != cfg.steps:
+        res = _evaluate(run.policy, run.task, run.eval_problems, cfg.eval_sampling, run.procs)
+        row.update({"eval_accuracy": res["accuracy"], "eval_reward": res["mean_reward"]})
+    _flag_collapse(run.monitor, row, run.main)
+    if done % cfg.log_every == 0 or "eval_accuracy" in row:
+        _log(run.metrics_file, run.tb, row)
+    checkpoint = None
+    if done % cfg.save_every == 0 or done == cfg.steps:
+        # The optimizer goes into accelerate's state, the rest (the same on every process) here.
+        state = {"scheduler": run.sched.state_dict(), "step": done, "counters": run.counters,
+                 "history": run.history, "collapse": run.monitor}
+        checkpoint = save_checkpoint(run.out, done, _FullWeights(run.policy, run.accelerator), state,
+                                     accelerator=run.accelerator)
+    return StepEnd(row, checkpoint)
+
+
+def finish(run: Run) -> dict[str, Any]:
+    """Last phase: the final held-out evaluation, logged; the final model and summary.json
+    saved. Returns the summary."""
+    summary = _final_evaluation(run)
+    _save_final(run, summary)
     return summary
 
 
-def _flag_collapse(monitor: CollapseMonitor, row: dict[str, Any], bar, main: bool) -> None:
+def _final_evaluation(run: Run) -> dict[str, Any]:
+    """The final held-out evaluation, logged; returns the run's summary."""
+    run.history["eval_final"] = _evaluate(run.policy, run.task, run.eval_problems, run.cfg.eval_sampling, run.procs)
+    final_row = {"step": run.cfg.steps, "eval_accuracy": run.history["eval_final"]["accuracy"],
+                 "eval_reward": run.history["eval_final"]["mean_reward"]}
+    _flag_collapse(run.monitor, final_row, run.main)
+    _log(run.metrics_file, run.tb, final_row)
+    return {**run.history, **run.counters, "processes": run.procs.world, "collapse": list(run.monitor.reasons)}
+
+
+def _save_final(run: Run, summary: dict[str, Any]) -> None:
+    """Close the logs; save the final model and summary.json (every process: a collective)."""
+    run.policy.model.eval()
+    weights = _FullWeights(run.policy, run.accelerator)  # every process: a gather under FSDP / ZeRO-3
+    if run.main:
+        run.metrics_file.close()
+        run.tb.close()
+        save_final(run.out, weights)
+        write_atomic(run.out / "summary.json", json.dumps(summary, indent=2))
+    run.accelerator.wait_for_everyone()
+
+
+def _flag_collapse(monitor: CollapseMonitor, row: dict[str, Any], main: bool) -> None:
     """Feed the row to the collapse monitor; write `collapse` into it; say so once per reason."""
     new = monitor.update(row)
     row["collapse"] = monitor.collapsed
     if new and main:
-        bar.write(f"step {row['step']}: the run looks collapsed ({', '.join(new)}; "
-                  "see stabledrl.diagnostics.CollapseMonitor)", file=sys.stderr)
+        tqdm.write(f"step {row['step']}: the run looks collapsed ({', '.join(new)}; "
+                   "see stabledrl.diagnostics.CollapseMonitor)", file=sys.stderr)
 
 
 def _log(f, tb, row: dict[str, Any]) -> None:
