@@ -60,7 +60,10 @@ Methods (n = the number of scored slots of a sequence, K = `num_samples`):
   of every block, the reference) and is scored in one pass over [q ; y ; ỹ] under the
   staircase mask (`stabledrl.models.attention`): noisy block j sees only the prompt, the
   clean blocks < j and itself, so all blocks' terms come from the same forward pass.
-  Weights are per slot (one per block) instead of per view.
+  Weights are per slot (one per block) instead of per view. The blocks are the model's
+  (its ``prompt_attention``): under ``sequence_blocks`` (SDAR, TraDo) a row's first block
+  holds its prompt's tail and only S − r slots, so the plan needs the prompt mask and the
+  convention (`plan_views`), and `score_views` refuses a plan drawn for other blocks.
 
 - ``path``: the log-probability of the rollout along its sampler's own decoding path
   (the trajectory likelihood of TraceRL, Wang et al. 2025): Σ over the sampler's steps s of
@@ -96,10 +99,12 @@ import torch
 
 from stabledrl.data import position_ids
 from stabledrl.models.attention import (
+    PROMPT_ATTENTION,
     block_causal_attention_mask,
-    block_slices,
-    staircase_attention_mask,
-    staircase_position_ids,
+    block_offset,
+    completion_block_slices,
+    completion_blocks,
+    staircase_inputs,
 )
 from stabledrl.models.policy import Policy
 from stabledrl.settings import METHODS
@@ -140,6 +145,9 @@ class ViewPlan:
     """mean_field: every completion slot is replaced by the mask token, not only `masked`."""
     block_size: int | None = None
     """blockwise: views are scored in one staircase pass over [q ; y ; ỹ] with blocks of this size."""
+    block_offset: torch.Tensor | None = None
+    """(B,) the prompt tokens in each sequence's first completion block, which is that much
+    shorter (`stabledrl.models.attention.block_offset`; ``sequence_blocks`` models); None: 0."""
 
     @property
     def num_views(self) -> int:
@@ -153,7 +161,8 @@ class ViewPlan:
         keep = (self.seq_index >= lo) & (self.seq_index < hi)  # (Nv,)
         return dataclasses.replace(
             self, seq_index=self.seq_index[keep] - lo, masked=self.masked[keep], weight=self.weight[keep],
-            prompt_masked=None if self.prompt_masked is None else self.prompt_masked[keep], batch_size=hi - lo)
+            prompt_masked=None if self.prompt_masked is None else self.prompt_masked[keep], batch_size=hi - lo,
+            block_offset=None if self.block_offset is None else self.block_offset[lo:hi])
 
 
 @dataclass
@@ -329,15 +338,17 @@ def _plan_mean_field(scored, prompt_mask, prompt_ids, bos_token_id, p_prompt, ge
                     mask_whole_completion=True)
 
 
-def _plan_blockwise(scored, K, block_size, inner, num_nodes, stratified, generator) -> ViewPlan:
+def _plan_blockwise(scored, K, block_size, offset, inner, num_nodes, stratified, generator) -> ViewPlan:
     """K views per sequence (N·K for sdmc); each view masks k_j of the n_j scored slots of
-    every block j and gives them the weight n_j / k_j (times the view's own weight)."""
+    every block j and gives them the weight n_j / k_j (times the view's own weight).
+    `offset` (B,): each row's first block is that much shorter (None: 0)."""
     B, L = scored.shape
-    blocks = block_slices(L, block_size)
-    NB = len(blocks)
-    n = torch.stack([scored[:, blk].sum(1) for blk in blocks], dim=1)  # (B, NB) scored slots per block
+    blk_of = completion_blocks(torch.zeros(B, dtype=torch.long) if offset is None else offset, L, block_size)  # (B, L)
+    NB = int(blk_of.max()) + 1 if L else 0
+    member = [blk_of == j for j in range(NB)]  # (B, L) each: the slots of block j, per row
+    n = torch.stack([(scored & m).sum(1) for m in member], dim=1)  # (B, NB) scored slots per block
     if inner == "exact":
-        return _plan_blockwise_exact(scored, blocks, n, block_size)
+        return _plan_blockwise_exact(scored, offset, n, block_size)
     if inner == "mc":
         reps = K
         u = _uniforms(B * NB, K, stratified, generator).view(B, NB, K)  # (B, NB, K) one level per block and view
@@ -357,17 +368,20 @@ def _plan_blockwise(scored, K, block_size, inner, num_nodes, stratified, generat
     seq = torch.arange(B).repeat_interleave(reps)  # (Nv,)
     masked = torch.zeros((B * reps, L), dtype=torch.bool)
     weight = torch.zeros((B * reps, L), dtype=torch.float64)
-    for j, blk in enumerate(blocks):
+    for j in range(NB):
+        cols = member[j].any(0).nonzero().flatten()
+        blk = slice(int(cols[0]), int(cols[-1]) + 1)  # the columns of block j in some row
+        inside = member[j][seq, blk]  # (Nv, W) the row's own slots of block j (all, without offsets)
         kj = k[:, :, j].flatten()  # (Nv,)
         nj = n[seq, j]  # (Nv,)
-        sub = _random_subsets(scored[seq, blk], kj, generator) & (nj > 0)[:, None]  # (Nv, W)
-        masked[:, blk] = sub
+        sub = _random_subsets(scored[seq, blk] & inside, kj, generator) & (nj > 0)[:, None]  # (Nv, W)
+        masked[:, blk] |= sub
         w = torch.where(nj > 0, nj.double() / kj.double(), 0.0) * view_w[:, :, j].flatten()
-        weight[:, blk] = w[:, None]
-    return ViewPlan(seq, masked, weight, None, B, block_size=block_size)
+        weight[:, blk] = torch.where(inside, w[:, None], weight[:, blk])
+    return ViewPlan(seq, masked, weight, None, B, block_size=block_size, block_offset=offset)
 
 
-def _plan_blockwise_exact(scored, blocks, n, block_size) -> ViewPlan:
+def _plan_blockwise_exact(scored, offset, n, block_size) -> ViewPlan:
     """Every non-empty subset of every block, with the exact-ELBO weights; view r carries
     the r-th subset of each block (blocks with fewer subsets are left clean: a noisy block
     is invisible to the other blocks, so they can share views)."""
@@ -377,6 +391,7 @@ def _plan_blockwise_exact(scored, blocks, n, block_size) -> ViewPlan:
                          f"{MAX_EXACT_SLOTS} slots")
     seqs, masks, weights = [], [], []
     for b in range(B):
+        blocks = completion_block_slices(0 if offset is None else int(offset[b]), L, block_size)
         per_block = []
         for blk in blocks:
             slots = scored[b, blk].nonzero().flatten().add(blk.start).tolist()
@@ -396,10 +411,12 @@ def _plan_blockwise_exact(scored, blocks, n, block_size) -> ViewPlan:
         seqs.append(torch.full((nv,), b))
         masks.append(mb)
         weights.append(wb)
-    return ViewPlan(torch.cat(seqs), torch.cat(masks), torch.cat(weights), None, B, block_size=block_size)
+    return ViewPlan(torch.cat(seqs), torch.cat(masks), torch.cat(weights), None, B, block_size=block_size,
+                    block_offset=offset)
 
 
-def _plan_path(scored: torch.Tensor, step: torch.Tensor, block_size: int | None) -> ViewPlan:
+def _plan_path(scored: torch.Tensor, step: torch.Tensor, block_size: int | None,
+               offset: torch.Tensor | None = None) -> ViewPlan:
     """Views replaying each rollout's decoding: at step s, the slots committed at s or
     later are masked and those committed at s count (weight 1). Block models: view j masks,
     in every block, the slots from the block's j-th step on (blocks with fewer steps are
@@ -410,9 +427,10 @@ def _plan_path(scored: torch.Tensor, step: torch.Tensor, block_size: int | None)
     if (step[scored] < 0).any():
         raise ValueError("unmask_step has scored slots that were never committed (-1): pass the rollout's own "
                          "GenerationOutput.unmask_step")
-    blocks = [slice(0, L)] if block_size is None else block_slices(L, block_size)
     seqs, masks, weights = [], [], []
     for b in range(B):
+        blocks = ([slice(0, L)] if block_size is None
+                  else completion_block_slices(0 if offset is None else int(offset[b]), L, block_size))
         firsts = [step[b, blk][scored[b, blk]].unique() for blk in blocks]  # each block's steps, ascending
         nv = max(len(f) for f in firsts)
         mb = torch.zeros((nv, L), dtype=torch.bool)
@@ -424,7 +442,8 @@ def _plan_path(scored: torch.Tensor, step: torch.Tensor, block_size: int | None)
         seqs.append(torch.full((nv,), b))
         masks.append(mb)
         weights.append(wb)
-    return ViewPlan(torch.cat(seqs), torch.cat(masks), torch.cat(weights), None, B, block_size=block_size)
+    return ViewPlan(torch.cat(seqs), torch.cat(masks), torch.cat(weights), None, B, block_size=block_size,
+                    block_offset=offset)
 
 
 _OPTIONS = {
@@ -447,12 +466,16 @@ def plan_views(
     prompt_mask: torch.Tensor | None = None,
     bos_token_id: int | None = None,
     block_size: int | None = None,
+    prompt_attention: str = "bidirectional",
     unmask_step: torch.Tensor | None = None,
     **options,
 ) -> ViewPlan:
     """Draw the noised views of `method` for completions with scored slots
     `completion_mask` (B, L). The same generator state gives the same plan.
-    `block_size` is the block model's S (blockwise, and path on block models);
+    `block_size` is the block model's S (blockwise, and path on block models) and
+    `prompt_attention` where its prompt's blocks fall (the policy's ``prompt_attention``):
+    under ``sequence_blocks`` each row's first block holds the prompt's tail, so the plan's
+    blocks depend on the prompt lengths (`prompt_mask` is then required);
     `unmask_step` (B, L) the step at which the sampler committed each slot (path only).
 
     Options by method (an option another method takes is an error, not ignored):
@@ -473,12 +496,20 @@ def plan_views(
         raise ValueError(f"block_size is for the methods 'blockwise' and 'path', not {method!r}")
     if (method == "path") != (unmask_step is not None):
         raise ValueError("method 'path' needs the rollouts' unmask_step, and only it takes one")
+    if prompt_attention not in PROMPT_ATTENTION:
+        raise ValueError(f"prompt_attention must be one of {PROMPT_ATTENTION}, got {prompt_attention!r}")
+    if block_size is not None and block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    offset = None  # the blocks start at the first completion slot
+    if block_size is not None and prompt_attention == "sequence_blocks":
+        if prompt_mask is None:
+            raise ValueError("prompt_attention 'sequence_blocks' needs the prompt_mask: each row's first block "
+                             "holds its prompt's tail")
+        offset = block_offset(prompt_mask.cpu(), block_size, prompt_attention)  # (B,)
     if method == "path":
         if num_samples != 1:
             raise ValueError("path is deterministic given the unmask order: num_samples must be 1")
-        if block_size is not None and block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {block_size}")
-        return _plan_path(scored, unmask_step.cpu(), block_size)
+        return _plan_path(scored, unmask_step.cpu(), block_size, offset)
     if method == "mc":
         return _plan_mc(scored, num_samples, opts["masking"], opts["stratified"], opts["antithetic"],
                         _need_generator(generator, method))
@@ -489,15 +520,14 @@ def plan_views(
     if method == "exact":
         return _plan_exact(scored)
     if method == "blockwise":
-        if block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {block_size}")
         takes = {"mc": {"stratified"}, "sdmc": {"num_nodes"}, "exact": set()}.get(opts["inner"], set())
         foreign = set(options) - {"inner"} - takes
         if foreign:
             raise ValueError(f"blockwise with inner={opts['inner']!r} takes {sorted(takes) or 'no options'}, "
                              f"not {sorted(foreign)}")
         gen = None if opts["inner"] == "exact" else _need_generator(generator, "blockwise")
-        return _plan_blockwise(scored, num_samples, block_size, opts["inner"], opts["num_nodes"], opts["stratified"], gen)
+        return _plan_blockwise(scored, num_samples, block_size, offset, opts["inner"], opts["num_nodes"],
+                               opts["stratified"], gen)
     # mean_field
     p_prompt = opts["p_prompt"]
     if prompt_ids is None:
@@ -528,10 +558,10 @@ def _view_terms(
     if plan.prompt_masked is not None:
         prm = prm.masked_fill(plan.prompt_masked[idx].to(device), policy.mask_token_id)
     L = comp.size(1)
-    if plan.block_size is not None:  # one staircase pass over [q ; y ; ỹ], logits read at ỹ
-        x = torch.cat([prm, completion_ids[b], comp], dim=1)  # (n, P+2L)
-        attn = staircase_attention_mask(prompt_mask[b], L, plan.block_size)  # (n, P+2L, P+2L)
-        logits = policy.logits(x, attn, staircase_position_ids(prompt_mask[b], L))[:, -L:].float()  # (n, L, V)
+    if plan.block_size is not None:  # one staircase pass over [q ; y ; q̃ ; ỹ], logits read at ỹ
+        x, attn, pos = staircase_inputs(prm, prompt_mask[b], completion_ids[b], comp, plan.block_size,
+                                        _prompt_attention(policy))  # (n, T), (n, T, T), (n, T)
+        logits = policy.logits(x, attn, pos)[:, -L:].float()  # (n, L, V)
     else:
         x = torch.cat([prm, comp], dim=1)  # (n, P+L)
         attn = torch.cat([prompt_mask[b], torch.ones_like(comp)], dim=1)
@@ -549,19 +579,32 @@ def block_logprobs_by_separate_passes(
 ) -> torch.Tensor:
     """(B, L) log p(y_i | q, y_<b, ỹ_b) for slot i of block b, ỹ_b = y_b with `masked`
     slots replaced by MASK: NB separate passes over [q ; y_<b ; ỹ_b] under the block-causal
-    mask. The slow reference that the one staircase pass of `blockwise` equals (tests and
+    mask of the policy's `prompt_attention` (a row's block b may end before another's: the
+    pass runs to the last end, and the later slots, clean, are hidden from block b). The
+    slow reference that the one staircase pass of `blockwise` equals (tests and
     benchmarks/block.py); not used in training."""
-    P, L = prompt_ids.size(1), completion_ids.size(1)
+    P, L, S = prompt_ids.size(1), completion_ids.size(1), policy.block_size
+    conv = _prompt_attention(policy)
     pos = position_ids(torch.cat([prompt_mask, torch.ones_like(completion_ids)], dim=1))  # (B, P+L)
-    out = []
-    for blk in block_slices(L, policy.block_size):
-        noisy = completion_ids[:, blk].masked_fill(masked[:, blk], policy.mask_token_id)
-        x = torch.cat([prompt_ids, completion_ids[:, : blk.start], noisy], dim=1)  # (B, P+hi)
-        attn = block_causal_attention_mask(prompt_mask, blk.stop, policy.block_size)
-        logits = policy.logits(x, attn, pos[:, : P + blk.stop])
-        logp = logits[:, P + blk.start :].float().log_softmax(-1)  # (B, W, V)
-        out.append(logp.gather(-1, completion_ids[:, blk, None]).squeeze(-1))
-    return torch.cat(out, dim=1)
+    blk_of = completion_blocks(block_offset(prompt_mask, S, conv), L, S)  # (B, L)
+    out = torch.zeros(completion_ids.shape, device=completion_ids.device)
+    for j in range(int(blk_of.max()) + 1 if L else 0):
+        member = blk_of == j  # (B, L)
+        cols = member.any(0).nonzero().flatten()
+        lo, hi = int(cols[0]), int(cols[-1]) + 1
+        noisy = completion_ids[:, :hi].masked_fill(masked[:, :hi] & member[:, :hi], policy.mask_token_id)
+        x = torch.cat([prompt_ids, noisy], dim=1)  # (B, P+hi): [q ; y_<j ; ỹ_j ; (later slots, hidden)]
+        attn = block_causal_attention_mask(prompt_mask, hi, S, conv)
+        logits = policy.logits(x, attn, pos[:, : P + hi])
+        logp = logits[:, P + lo :].float().log_softmax(-1)  # (B, W, V)
+        logp = logp.gather(-1, completion_ids[:, lo:hi, None]).squeeze(-1)  # (B, W)
+        out[:, lo:hi] = torch.where(member[:, lo:hi], logp, out[:, lo:hi])
+    return out
+
+
+def _prompt_attention(policy: Policy) -> str:
+    """Where a block policy's prompt blocks fall (`stabledrl.models.attention`); bidirectional if it does not say."""
+    return getattr(policy, "prompt_attention", "bidirectional")
 
 
 def _check_scoring(policy, plan, prompt_ids, completion_ids, completion_mask, prompt_mask, reduction):
@@ -576,6 +619,16 @@ def _check_scoring(policy, plan, prompt_ids, completion_ids, completion_mask, pr
                          f"block size (this one: {kind}, block size {getattr(policy, 'block_size', None)})")
     if plan.batch_size != completion_ids.size(0):
         raise ValueError(f"the plan is for {plan.batch_size} sequences, got {completion_ids.size(0)}")
+    conv = _prompt_attention(policy)
+    if plan.block_size is not None and (plan.block_offset is not None or conv == "sequence_blocks"):
+        # The plan's blocks must be the model's: under sequence_blocks the prompt's tail shortens the first.
+        pm = torch.ones_like(prompt_ids) if prompt_mask is None else prompt_mask
+        want = block_offset(pm.cpu(), plan.block_size, conv)  # (B,)
+        have = torch.zeros_like(want) if plan.block_offset is None else plan.block_offset
+        if not torch.equal(have, want):
+            raise ValueError(f"the plan's blocks are not the policy's: its prompt_attention is {conv!r} (each row's "
+                             "first completion block holds the prompt's tail under 'sequence_blocks'); draw the "
+                             f"plan with plan_views(..., prompt_attention={conv!r}, prompt_mask=...)")
     scored = _check_inputs(policy, prompt_ids, completion_ids, completion_mask, prompt_mask)
     pm = torch.ones_like(prompt_ids) if prompt_mask is None else prompt_mask
     return scored, pm
@@ -689,7 +742,7 @@ def estimate(
         method, completion_mask, num_samples=num_samples, generator=generator, prompt_ids=prompt_ids,
         prompt_mask=prompt_mask, bos_token_id=getattr(policy.tokenizer, "bos_token_id", None),
         block_size=policy.block_size if method == "blockwise" or (method == "path" and block) else None,
-        unmask_step=unmask_step, **options,
+        prompt_attention=_prompt_attention(policy) if block else "bidirectional", unmask_step=unmask_step, **options,
     )
     if (method == "exact" or options.get("inner") == "exact") and max_views_per_forward is None:
         max_views_per_forward = 4096  # up to 2^16 views per sequence: never all at once

@@ -21,6 +21,11 @@ Deliberate choices:
   row's noise comes from its own generator, so a row's completion does not depend on
   which other rows share its batch (or its process, in a multi-process run).
 - The prompt columns are never written.
+- Block models decode in their own blocks (``prompt_attention``, `stabledrl.models.attention`):
+  under ``sequence_blocks`` (SDAR, TraDo) a row's first block holds the prompt's tail and
+  S − r slots, as SDAR's sampler decodes it, so L slots can span ceil((L + S − 1) / S) blocks;
+  each row splits its steps over its own blocks. Deviation: the last block is cut at L, where
+  SDAR's sampler denoises it whole and drops what runs past its length.
 
 Options that depart from the exact sampler (all off by default; off, the tokens are those
 of the sampler without them, bit for bit):
@@ -50,7 +55,7 @@ from tqdm.auto import tqdm
 
 from stabledrl.data import completion_mask as _completion_mask
 from stabledrl.data import position_ids
-from stabledrl.models.attention import block_causal_attention_mask, block_slices
+from stabledrl.models.attention import block_causal_attention_mask, block_offset, completion_blocks, tail_width
 from stabledrl.models.policy import Policy
 from stabledrl.settings import SamplingConfig  # defined without torch, for the command line
 
@@ -87,12 +92,22 @@ def _rows_topk(scores: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
 Generators = torch.Generator | Sequence[torch.Generator] | None
 
 
-def _rand(shape: torch.Size, generator: Generators, rows: torch.Tensor, device, dtype=torch.float32) -> torch.Tensor:
-    """Uniform noise of `shape` (A, ...) for batch rows `rows`: from the one generator, or
-    row b's part from generator[b]."""
+def _rand(shape: torch.Size, generator: Generators, rows: torch.Tensor, device, dtype=torch.float32,
+          own: torch.Tensor | None = None) -> torch.Tensor:
+    """Uniform noise of `shape` (A, W, ...) for batch rows `rows`: from the one generator, or
+    row b's part from generator[b]. With per-row generators, `own` (A, W) bool limits row
+    b's draws to its own columns (the others get 0.5, never used), so that what a row draws
+    does not depend on the columns its batch spans."""
     if generator is None or isinstance(generator, torch.Generator):
         return torch.rand(shape, generator=generator, device=device, dtype=dtype)
-    return torch.stack([torch.rand(shape[1:], generator=generator[b], dtype=dtype) for b in rows.tolist()]).to(device)
+    if own is None:
+        return torch.stack([torch.rand(shape[1:], generator=generator[b], dtype=dtype) for b in rows.tolist()]).to(device)
+    out = torch.full(shape, 0.5, dtype=dtype)
+    for a, b in enumerate(rows.tolist()):
+        cols = own[a].nonzero().flatten().cpu()
+        if cols.numel():
+            out[a, cols] = torch.rand((cols.numel(), *shape[2:]), generator=generator[b], dtype=dtype)
+    return out.to(device)
 
 
 def restrict_logits(logits: torch.Tensor, top_k: int | None = None, top_p: float | None = None) -> torch.Tensor:
@@ -114,16 +129,18 @@ def restrict_logits(logits: torch.Tensor, top_k: int | None = None, top_p: float
 
 
 def _pick(
-    logits: torch.Tensor, eligible: torch.Tensor, steps_left: int, temperature: float, remasking: str,
+    logits: torch.Tensor, eligible: torch.Tensor, steps_left: int | torch.Tensor, temperature: float, remasking: str,
     generator: Generators, banned: list[int], rows: torch.Tensor, top_k: int | None = None,
     top_p: float | None = None, eos_confidence_scale: float = 1.0, stop_ids: Sequence[int] = (),
+    own: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One denoising step over W columns: (A, W, V) logits and (A, W) eligible slots of
-    batch rows `rows` (A,) -> the slots to commit (A, W) bool, their tokens x0 (A, W) and
-    the entropy (A, W)."""
+    batch rows `rows` (A,), with `steps_left` (an int, or (A,) one per row) -> the slots to
+    commit (A, W) bool, their tokens x0 (A, W) and the entropy (A, W). `own` (A, W): the
+    columns a row draws noise for (`_rand`); None: all."""
     logits[..., banned] = -math.inf
     if temperature > 0:
-        u = _rand(logits.shape, generator, rows, logits.device, torch.float64)
+        u = _rand(logits.shape, generator, rows, logits.device, torch.float64, own)
         gumbel = -torch.log(-torch.log(u.clamp_min(1e-300)))
         tempered = logits.double() / temperature  # (A, W, V)
         if top_k is not None or top_p is not None:
@@ -134,7 +151,7 @@ def _pick(
     if remasking == "low_confidence":
         score = logits.softmax(-1).gather(-1, x0[..., None]).squeeze(-1)  # (A, W) p(x0)
     else:
-        score = _rand(x0.shape, generator, rows, logits.device)
+        score = _rand(x0.shape, generator, rows, logits.device, own=own)
     if eos_confidence_scale != 1:  # EOS damping: a slot that drew a stop token waits
         drew_stop = torch.isin(x0, torch.as_tensor(stop_ids, dtype=torch.long, device=x0.device))  # (A, W)
         score = torch.where(drew_stop, score * eos_confidence_scale, score)
@@ -159,8 +176,9 @@ class _Decoding:
         self.committed = torch.zeros(B, device=device)
         self.passes = 0
 
-    def commit(self, rows: torch.Tensor, cols: slice, chosen, x0, ent, step: int) -> None:
-        """Write the chosen tokens of rows `rows` in columns `cols`; PAD after any EOS."""
+    def commit(self, rows: torch.Tensor, cols: slice, chosen, x0, ent, step: int | torch.Tensor) -> None:
+        """Write the chosen tokens of rows `rows` in columns `cols`; PAD after any EOS.
+        `step`: the step number, or (A,) each row's own."""
         self.entropy_sum[rows] += (ent * chosen).sum(-1)
         self.committed[rows] += chosen.sum(-1)
         comp = self.comp[rows]  # (A, L)
@@ -171,6 +189,7 @@ class _Decoding:
         newly = after_eos.clone()
         newly[:, cols] |= chosen
         stamped = self.unmask_step[rows]  # (A, L); a slot keeps the step it was first filled at
+        step = step[:, None] if isinstance(step, torch.Tensor) else step
         self.unmask_step[rows] = torch.where(newly & (stamped < 0), step, stamped)
 
     def output(self, prompt_ids: torch.Tensor) -> GenerationOutput:
@@ -232,8 +251,13 @@ def generate(
     if L < 1 or steps < 1 or block_length < 1:
         raise ValueError(f"gen_length, steps and block_length must be >= 1, got {L}, {steps}, {block_length}")
     num_blocks = math.ceil(L / block_length)
+    shared = policy.attention_kind == "block" and _prompt_attention(policy) == "sequence_blocks"
+    if shared:  # the prompt's tail shortens the first block: L slots can span one block more
+        num_blocks = math.ceil((L + block_length - 1) / block_length)
     if steps < num_blocks:
-        raise ValueError(f"steps ({steps}) must be at least the number of blocks ({num_blocks})")
+        raise ValueError(f"steps ({steps}) must be at least the number of blocks ({num_blocks})" + (
+            f": with prompt_attention 'sequence_blocks' the prompt's tail shares the first block, so {L} slots "
+            f"can span {num_blocks} blocks of {block_length}" if shared else ""))
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0, got {temperature}")
     if remasking not in ("low_confidence", "random"):
@@ -258,7 +282,7 @@ def generate(
     pick = dict(temperature=temperature, remasking=remasking, generator=generator, banned=dec.banned,
                 top_k=top_k, top_p=top_p, eos_confidence_scale=eos_confidence_scale, stop_ids=dec.stop_ids)
     if policy.attention_kind == "block":
-        _decode_blocks(policy, dec, prompt_ids, prompt_mask, block_length, per_block,
+        _decode_blocks(policy, dec, prompt_ids, prompt_mask, block_length, steps,
                        kv_cache and hasattr(policy, "new_cache"), pick, synced)
     else:
         _decode_full(policy, dec, prompt_ids, prompt_mask, block_length, per_block, pick, synced)
@@ -294,45 +318,96 @@ def _decode_full(policy, dec: _Decoding, prompt_ids, prompt_mask, block_length, 
             step += 1
 
 
-def _decode_blocks(policy, dec: _Decoding, prompt_ids, prompt_mask, S, per_block, use_cache, pick, synced) -> None:
-    """Block diffusion: block b is denoised attending to the prompt and the clean blocks
-    < b, then frozen. With the cache, the prompt and each finished block are run once
-    and their keys/values kept, and a step feeds only the current block; without it,
-    each step runs [q ; y_<b ; block b] under the block-causal mask. Same mathematics."""
+def _prompt_attention(policy) -> str:
+    """Where a block policy's prompt blocks fall (`stabledrl.models.attention`); bidirectional if it does not say."""
+    return getattr(policy, "prompt_attention", "bidirectional")
+
+
+def _block_schedule(num_blocks: torch.Tensor, steps: int, width: int) -> torch.Tensor:
+    """(R,) blocks per row -> (R, width) steps of each row's block j: `steps` split as evenly as
+    possible, earlier blocks taking the remainder; 0 past a row's last block."""
+    j = torch.arange(width, device=num_blocks.device)
+    per = (steps // num_blocks)[:, None] + (j[None] < (steps % num_blocks)[:, None]).long()  # (R, width)
+    return per.masked_fill(j[None] >= num_blocks[:, None], 0)
+
+
+def _decode_blocks(policy, dec: _Decoding, prompt_ids, prompt_mask, S, steps, use_cache, pick, synced) -> None:
+    """Block diffusion: block j is denoised attending to the clean blocks < j, then frozen.
+    Without the cache each step runs [q ; y_≤j] under the block-causal mask; with it, the
+    prompt's whole blocks and each finished block are run once and their keys/values kept,
+    and a step feeds only block j. Same mathematics.
+
+    The blocks are the policy's (`prompt_attention`). Under ``sequence_blocks`` a row's
+    first block holds its prompt's tail, r = (prompt length mod S) tokens, and S − r slots:
+    the rows' blocks are then shifted against each other, and block j is decoded for all
+    rows at once over the columns it covers in any row (a row's other columns there belong
+    to its blocks j − 1 or j + 1: hidden from block j, never written). The tail is fed with
+    the first block (with the cache: once more, its prefilled keys are not used) and frozen
+    with it. Each row splits its `steps` over its own blocks, and its steps are counted
+    over its own blocks (`unmask_step`), so a row's tokens do not depend on its batch."""
     B, P = prompt_ids.shape
     L = dec.comp.size(1)
     device = prompt_ids.device
+    conv = _prompt_attention(policy)
     keys = torch.cat([prompt_mask.bool(), torch.ones((B, L), dtype=torch.bool, device=device)], dim=1)  # (B, P+L)
     pos = position_ids(torch.cat([prompt_mask, torch.ones_like(dec.comp)], dim=1))  # (B, P+L)
+    offset = block_offset(prompt_mask, S, conv)  # (B,) prompt tokens in each row's first block
+    blk_of = completion_blocks(offset, L, S)  # (B, L) each slot's block
+    W = tail_width(P, S, conv)
+    tail = prompt_mask[:, P - W :].bool() & (torch.arange(W, device=device) >= W - offset[:, None])  # (B, W)
+    # Every block count a row of this model can have (so that synced processes make the same calls).
+    counts = torch.arange(S if conv == "sequence_blocks" else 1, device=device)
+    counts = torch.div(counts + L + S - 1, S, rounding_mode="floor").unique()  # ceil((r + L) / S) for each r
+    NB = int(counts.max())
+    sched = _block_schedule(blk_of[:, -1] + 1, steps, NB)  # (B, NB) each row's steps per block
+    first_step = sched.cumsum(1) - sched  # (B, NB) each row's step number at the start of block j
+    iters = _block_schedule(counts, steps, NB).max(0).values.tolist()  # (NB,) calls per block, batch-independent
     rows = torch.arange(B, device=device)
-    cache = None
-    if use_cache:
+    cache, valid = None, None
+    if use_cache:  # prefill the prompt; its keys are valid but for a tail that shares the first block
         cache = policy.new_cache()
-        policy.logits(prompt_ids, keys[:, None, :P].expand(B, P, P), pos[:, :P], cache=cache, extend_cache=True)
+        mask = block_causal_attention_mask(prompt_mask, 0, S, conv)  # (B, P, P)
+        policy.logits(prompt_ids, mask, pos[:, :P], cache=cache, extend_cache=True)
         dec.passes += 1
-    step = 0
-    for cols, block_steps in zip(block_slices(L, S), per_block):
-        lo, hi = cols.start, cols.stop
-        for s in range(block_steps):
-            eligible = dec.comp[:, cols] == dec.mask_id  # (B, W)
+        valid = keys[:, :P].clone()  # (B, Tc) cached keys a later query may attend to
+        valid[:, P - W :] &= ~tail
+    for j in range(NB):
+        member = blk_of == j  # (B, L) the slots of block j, per row
+        cols = member.any(0).nonzero().flatten()
+        if cols.numel() == 0 and not synced:
+            continue
+        lo, hi = (int(cols[0]), int(cols[-1]) + 1) if cols.numel() else (L - 1, L)  # none: a discarded call
+        member = member[:, lo:hi]  # (B, W_j)
+        head = W if j == 0 else 0  # the prompt's tail denoises with the first block (cache path: fed again)
+        if use_cache:
+            fresh = torch.cat([tail[:, W - head :], member], dim=1)  # (B, F) the columns of each row's block j
+            fed_pos = torch.cat([pos[:, P - head : P], pos[:, P + lo : P + hi]], dim=1)  # (B, F)
+            mask = fresh[:, :, None] & torch.cat([valid, fresh], dim=1)[:, None, :]  # (B, F, Tc+F)
+        for s in range(iters[j]):
+            active = s < sched[:, j]  # (B,) rows still within their steps of block j
+            eligible = (dec.comp[:, lo:hi] == dec.mask_id) & member & active[:, None]  # (B, W_j)
             if not eligible.any() and not synced:
-                step += block_steps - s
                 break
-            if use_cache:  # the block attends to every cached key and to itself
-                mask = keys[:, None, : P + hi].expand(B, hi - lo, P + hi)  # (B, W, P+hi)
-                logits = policy.logits(dec.comp[:, cols], mask, pos[:, P + lo : P + hi], cache=cache)
+            if use_cache:  # block j (and the tail) attend to the valid cached keys and to themselves
+                fed = torch.cat([prompt_ids[:, P - head :], dec.comp[:, lo:hi]], dim=1)  # (B, F)
+                logits = policy.logits(fed, mask, fed_pos, cache=cache)[:, head:]
             else:
                 x = torch.cat([prompt_ids, dec.comp[:, :hi]], dim=1)  # (B, P+hi)
-                mask = block_causal_attention_mask(prompt_mask, hi, S)  # (B, P+hi, P+hi)
-                logits = policy.logits(x, mask, pos[:, : P + hi])[:, P + lo :]
+                attn = block_causal_attention_mask(prompt_mask, hi, S, conv)  # (B, P+hi, P+hi)
+                logits = policy.logits(x, attn, pos[:, : P + hi])[:, P + lo :]
             dec.passes += 1
             if eligible.any():  # (synced calls with nothing left to decode are discarded)
-                chosen, x0, ent = _pick(logits.float(), eligible, block_steps - s, rows=rows, **pick)
-                dec.commit(rows, cols, chosen, x0, ent, step)
-            step += 1
-        if use_cache and hi < L and (synced or (dec.comp[:, hi:] == dec.mask_id).any()):  # freeze the clean block
-            mask = keys[:, None, : P + hi].expand(B, hi - lo, P + hi)
-            policy.logits(dec.comp[:, cols], mask, pos[:, P + lo : P + hi], cache=cache, extend_cache=True)
+                steps_left = (sched[:, j] - s).clamp(min=1)  # (B,)
+                # A row draws noise for its own block's columns, and only while it has slots to fill: its
+                # draws do not depend on the other rows (a row without any has none left: EOS came).
+                own = member & eligible.any(1, keepdim=True)  # (B, W_j)
+                chosen, x0, ent = _pick(logits.float(), eligible, steps_left, rows=rows, own=own, **pick)
+                dec.commit(rows, slice(lo, hi), chosen, x0, ent, first_step[:, j] + s)
+        later = blk_of > j
+        if use_cache and j < NB - 1 and (synced or (dec.comp[later] == dec.mask_id).any()):  # freeze block j
+            fed = torch.cat([prompt_ids[:, P - head :], dec.comp[:, lo:hi]], dim=1)  # (B, F)
+            policy.logits(fed, mask, fed_pos, cache=cache, extend_cache=True)
+            valid = torch.cat([valid, fresh], dim=1)
             dec.passes += 1
 
 

@@ -43,6 +43,12 @@ class ModelConfig:
     """The mask token; None: the checkpoint's config, then the tokenizer (an error if neither has one)."""
     block_size: int | None = None
     """decoder only: the block size S of the block-diffusion reading; None: the checkpoint's (SDAR's config)."""
+    prompt_attention: Literal["auto", "bidirectional", "sequence_blocks", "prompt_blocks"] = "auto"
+    """decoder only: where the prompt's blocks fall (`stabledrl.models.attention`). auto: as saved with a
+    stabledrl policy, else sequence_blocks (SDAR's and TraDo's: blocks of S over the whole sequence from its
+    first token, so the prompt's tail shares the first completion block); prompt_blocks: the prompt's blocks
+    end where it ends (dLLM-RL's trainers); bidirectional: the prompt is one block (stabledrl's tiny block
+    models, which store theirs)."""
     shift_logits: bool | None = None
     """True if the model's logits[:, i] predict token i+1; None: true for dream only."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
@@ -80,6 +86,11 @@ class ModelConfig:
         check(self.block_size is None or self.block_size >= 1, f"model.block_size must be >= 1, got {self.block_size}")
         check(self.block_size is None or self.adapter in ("decoder", "auto"),
               "model.block_size is for the decoder adapter (tiny block models store theirs)")
+        check(self.prompt_attention in ("auto", "bidirectional", "sequence_blocks", "prompt_blocks"),
+              f"model.prompt_attention must be auto, bidirectional, sequence_blocks or prompt_blocks, "
+              f"got {self.prompt_attention!r}")
+        check(self.prompt_attention == "auto" or self.adapter in ("decoder", "auto"),
+              "model.prompt_attention is for the decoder adapter (tiny block models store theirs)")
 
 
 @dataclass

@@ -15,9 +15,12 @@ Block models (``model.attention_kind: block``) train with the one-pass block-dif
 loss of BD3-LM (Arriola et al. 2025, Eq. 8 with the vectorised [x_t ; x] input): the
 input is [q ; y ; ỹ] under the staircase mask (`stabledrl.models.attention`), each block
 of ỹ noised at its own level t, and every block's term is read from ỹ in the same pass.
-With stratification the B·NB levels take one stratum each, in row-major order, so the
-blocks of one sequence get neighbouring strata (each level is still U(t_min, 1], and a
-noisy block never sees another noisy block, so the loss stays unbiased):
+The blocks are the policy's (``prompt_attention``): under ``sequence_blocks`` (SDAR) a
+row's first block holds its prompt's tail, never noised, as SDAR's own SFT loss has it,
+and NB counts the blocks of the row with the most. With stratification the B·NB levels
+take one stratum each, in row-major order, so the blocks of one sequence get neighbouring
+strata (each level is still U(t_min, 1], and a noisy block never sees another noisy
+block, so the loss stays unbiased):
 
     L = -(1 / (B L)) Σ_b Σ_blocks j (1 / t_bj) Σ_{i in block j, masked} log p_θ(y_i | ỹ_j, y_<j, q).
 
@@ -54,7 +57,7 @@ from stabledrl.config import check, to_dict
 from stabledrl.data import encode_completions, encode_policy_prompts, position_ids
 from stabledrl.evaluate import evaluate
 from stabledrl.metrics import metrics_line
-from stabledrl.models.attention import staircase_attention_mask, staircase_position_ids
+from stabledrl.models.attention import block_offset, completion_blocks, staircase_inputs
 from stabledrl.models.policy import Policy, TinyPolicy
 from stabledrl.models.tiny import TinyDiffusionConfig, TinyDiffusionLM
 from stabledrl.sampling import SamplingConfig
@@ -128,15 +131,16 @@ def block_diffusion_loss(
     S = policy.block_size
     if policy.attention_kind != "block" or not S:
         raise ValueError("block_diffusion_loss needs a block-attention policy with a block_size")
-    NB = math.ceil(L / S)
+    conv = getattr(policy, "prompt_attention", "bidirectional")
+    blk_of = completion_blocks(block_offset(prompt_mask, S, conv), L, S)  # (B, L) each slot's block
+    NB = int(blk_of.max()) + 1  # ceil(L / S) unless a prompt's tail shortens the first block
     device = completion_ids.device
     t_blocks = sample_mask_levels(B * NB, generator=generator, t_min=t_min, stratified=stratified_t, device=device)
-    t = t_blocks.view(B, NB).repeat_interleave(S, dim=1)[:, :L]  # (B, L) the level of each slot's block
+    t = t_blocks.view(B, NB).gather(1, blk_of)  # (B, L) the level of each slot's block
     masked = torch.rand((B, L), generator=generator, device=device) < t  # (B, L)
     noisy = completion_ids.masked_fill(masked, policy.mask_token_id)  # (B, L)
-    x = torch.cat([prompt_ids, completion_ids, noisy], dim=1)  # (B, P+2L)
-    attn = staircase_attention_mask(prompt_mask, L, S)  # (B, P+2L, P+2L)
-    logits = policy.logits(x, attn, staircase_position_ids(prompt_mask, L))[:, -L:]  # (B, L, V) read at ỹ
+    x, attn, pos = staircase_inputs(prompt_ids, prompt_mask, completion_ids, noisy, S, conv)  # [q ; y ; q̃ ; ỹ]
+    logits = policy.logits(x, attn, pos)[:, -L:]  # (B, L, V) read at ỹ
     nll = F.cross_entropy(logits.float().transpose(1, 2), completion_ids, reduction="none")  # (B, L)
     loss = (nll * masked / t).sum() / (B * L)
     with torch.no_grad():

@@ -36,6 +36,11 @@ SDAR / TraDo (``SDARForCausalLM``, model_type ``sdar``)
     needs ``labels`` and returns no logits.
   - Logits unshifted (its sampler reads position i for token i); ``position_ids`` default to
     0..T-1.
+  - Its blocks: S = ``config.block_size`` tokens counted from each sequence's first token,
+    prompt and answer alike, so the prompt's tail and the first answer tokens share a block.
+    ``block_diff_mask`` / ``block_attn_mask`` (module functions, as in SDAR's file) build its
+    SFT mask over [x_t ; x_0] that way; SDAR's ``generate.py`` builds its sampling mask the
+    same way (``tests/test_prompt_attention.py`` writes that one out).
 """
 
 import torch
@@ -281,6 +286,31 @@ class SDARConfig(PretrainedConfig):
         self.block_size, self.fuse_cross_entropy = block_size, fuse_cross_entropy
         kwargs.setdefault("tie_word_embeddings", False)
         super().__init__(**kwargs)
+
+
+def block_diff_mask(b, h, q_idx, kv_idx, block_size=None, n=None):
+    """SDAR's SFT mask over one sample's [x_t ; x_0] (n tokens each; True = may attend): a
+    token's block is its index in its copy // block_size; x_t attends to its own block of
+    x_t and to x_0's earlier blocks, x_0 to x_0's blocks up to its own."""
+    noisy_q, noisy_kv = q_idx < n, kv_idx < n
+    blk_q = torch.where(noisy_q, q_idx, q_idx - n) // block_size
+    blk_kv = torch.where(noisy_kv, kv_idx, kv_idx - n) // block_size
+    own_block = (blk_q == blk_kv) & (noisy_q == noisy_kv)
+    earlier_clean = noisy_q & ~noisy_kv & (blk_kv < blk_q)
+    clean_causal = ~noisy_q & ~noisy_kv & (blk_kv <= blk_q)
+    return own_block | earlier_clean | clean_causal
+
+
+def block_attn_mask(num_tokens, block_size, device):
+    """(B, 2N, 2N) bool: for each row, one block_diff_mask per packed sample (its lengths
+    `num_tokens[b]`), on the diagonal."""
+    rows = []
+    for counts in num_tokens:
+        per_sample = [block_diff_mask(None, None, torch.arange(2 * n, device=device)[:, None],
+                                      torch.arange(2 * n, device=device)[None, :], block_size, n)
+                      for n in (int(c) for c in counts)]
+        rows.append(torch.block_diag(*per_sample))
+    return torch.stack(rows)
 
 
 class _SDARLayer(_Layer):

@@ -133,6 +133,8 @@ def test_every_adapter_loads_with_its_mask_token_and_attention_kind(dirs, name):
     assert policy.mask_token_id == (SDAR_SPECIALS.index("<|MASK|>") if name == "sdar" else 1)
     assert policy.attention_kind == ("block" if adapter == "decoder" else "full")
     assert policy.block_size == (4 if adapter == "decoder" else None)
+    # SDAR's blocks run over the whole sequence (tests/test_prompt_attention.py)
+    assert policy.prompt_attention == ("sequence_blocks" if adapter == "decoder" else "bidirectional")
     assert policy.trust_remote_code == (name in ("llada", "dream", "sdar"))
 
 
@@ -261,7 +263,8 @@ def test_decoder_staircase_likelihood_equals_separate_passes(dirs, name, L):
     policy = _policy(dirs, name, explicit=True)
     p_ids, p_mask, c_ids = _batch(policy, L)
     c_mask = completion_mask(c_ids, policy.eos_token_id)
-    plan = plan_views("blockwise", c_mask, num_samples=3, block_size=4, generator=torch.Generator().manual_seed(0))
+    plan = plan_views("blockwise", c_mask, num_samples=3, block_size=4, prompt_attention=policy.prompt_attention,
+                      prompt_mask=p_mask, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         one = score_views(policy, plan, p_ids, c_ids, c_mask, prompt_mask=p_mask).token.double()  # (B, L)
     sep = terms_by_separate_passes(policy, plan, p_ids, p_mask, c_ids, c_mask)
@@ -283,6 +286,22 @@ def test_decoder_blocks_do_not_see_later_blocks(dirs, name):
     P = p_ids.size(1)
     assert torch.equal(a[:, : P + 4], b[:, : P + 4])  # prompt and block 0 unchanged
     assert not torch.equal(a[:, P + 4:], b[:, P + 4:])
+
+
+def test_the_decoders_prompt_attention_can_be_named_and_is_saved(dirs, tmp_path):
+    # sequence_blocks by default (SDAR's); model.prompt_attention names another, and a saved
+    # policy keeps it. Full-attention adapters have no prompt blocks to choose.
+    policy = _policy(dirs, "sdar", prompt_attention="prompt_blocks")
+    assert policy.prompt_attention == "prompt_blocks"
+    policy.save(tmp_path / "saved")
+    assert json.loads((tmp_path / "saved" / "stabledrl_adapter.json").read_text())["prompt_attention"] == "prompt_blocks"
+    assert load_policy(tmp_path / "saved").prompt_attention == "prompt_blocks"
+    assert load_policy(ModelConfig(path=str(tmp_path / "saved"), prompt_attention="sequence_blocks")).prompt_attention \
+        == "sequence_blocks"
+    with pytest.raises(ValueError, match="prompt_attention is for the decoder adapter"):
+        ModelConfig(path=str(dirs["llada"]), adapter="llada", prompt_attention="prompt_blocks")
+    with pytest.raises(ValueError, match="prompt_attention is for block models"):
+        HFPolicy(policy.model, policy.tokenizer, "masked_lm", 1, prompt_attention="sequence_blocks")
 
 
 def test_sdar_prompts_start_without_bos(dirs):

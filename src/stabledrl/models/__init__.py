@@ -1,10 +1,13 @@
 """Models behind one policy interface (docs/methods.md, "Policy interface")."""
 
 from stabledrl.models.attention import (
+    PROMPT_ATTENTION,
     block_causal_attention_mask,
     block_causal_mask,
+    block_ids,
     block_slices,
     staircase_attention_mask,
+    staircase_inputs,
     staircase_mask,
     staircase_position_ids,
 )
@@ -34,4 +37,7 @@ __all__ = [
     "block_causal_attention_mask",
     "staircase_attention_mask",
     "staircase_position_ids",
+    "PROMPT_ATTENTION",
+    "block_ids",
+    "staircase_inputs",
 ]

@@ -25,7 +25,11 @@ Every adapter answers ``logits(input_ids, attention_mask, position_ids)`` with
   ``attn_implementation="eager"``, which adds its mask to the scores, gets the additive form.
   Its logits are read unshifted by default (position i predicts token i, as SDAR's sampler
   reads them); ``shift_logits: true`` reads them as next-token logits. SDAR's tokenizer has
-  no BOS (prompts then start without one).
+  no BOS (prompts then start without one). Its blocks are SDAR's by default
+  (``prompt_attention: sequence_blocks``: blocks of S over the whole sequence from its first
+  token, the prompt's tail sharing the first completion block, as SDAR's sampler and SFT and
+  TraDo's rollouts have them); ``model.prompt_attention`` names another convention
+  (`stabledrl.models.attention` lists them, with where each was read).
 
 A completion ends at the first of the model's stop tokens (``stop_token_ids``): the
 tokenizer's EOS, the EOS ids of the checkpoint's generation config (SDAR-Chat and Dream
@@ -57,6 +61,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from stabledrl import _compat
+from stabledrl.models.attention import PROMPT_ATTENTION, PromptAttention
 from stabledrl.models.prompting import resolve_chat_template, resolve_stop_tokens
 
 __all__ = ["ADAPTERS", "HFPolicy", "load_hf_policy", "ADAPTER_FILE"]
@@ -88,6 +93,9 @@ class HFPolicy:
     """Wrap prompts in the tokenizer's chat template; None: when it has one (resolved at construction)."""
     stop_tokens: tuple[int | str, ...] = ()
     """More stop tokens, by id or text (resolved to ids at construction)."""
+    prompt_attention: PromptAttention | None = None
+    """decoder: where the prompt's blocks fall (`stabledrl.models.attention`); None: sequence_blocks
+    (SDAR's). Full-attention adapters: bidirectional (the prompt and completion see each other)."""
     pad_token_id: int = field(init=False)
     eos_token_id: int = field(init=False)
     stop_token_ids: tuple[int, ...] = field(init=False)
@@ -128,10 +136,17 @@ class HFPolicy:
             if not (self.block_size and self.block_size > 0):
                 raise ValueError("the decoder adapter is a block-diffusion model: set model.block_size (e.g. 4)")
             self.attention_kind = "block"
+            self.prompt_attention = self.prompt_attention or "sequence_blocks"
+            if self.prompt_attention not in PROMPT_ATTENTION:
+                raise ValueError(f"model.prompt_attention must be one of {PROMPT_ATTENTION}, got {self.prompt_attention!r}")
         else:
             if self.block_size is not None:
                 raise ValueError(f"model.block_size is for the decoder adapter; {self.adapter} models use full attention")
+            if self.prompt_attention not in (None, "bidirectional"):
+                raise ValueError(f"model.prompt_attention is for block models (the decoder adapter); {self.adapter} "
+                                 "models use full attention")
             self.attention_kind = "full"
+            self.prompt_attention = "bidirectional"
 
     @property
     def device(self) -> torch.device:
@@ -188,7 +203,9 @@ class HFPolicy:
         (path / ADAPTER_FILE).write_text(json.dumps(
             {"adapter": self.adapter, "mask_token_id": self.mask_token_id, "block_size": self.block_size,
              "shift_logits": self.shift_logits, "trust_remote_code": self.trust_remote_code,
-             "chat_template": self.chat_template, "stop_tokens": list(self.stop_tokens)}, indent=2) + "\n")
+             "chat_template": self.chat_template, "stop_tokens": list(self.stop_tokens),
+             "prompt_attention": self.prompt_attention if self.attention_kind == "block" else None},
+            indent=2) + "\n")
 
 
 def _stop_ids(eos: int, generation_config: Any) -> tuple[int, ...]:
@@ -231,10 +248,11 @@ def load_hf_policy(
     trust_remote_code: bool | None = None,
     chat_template: bool | None = None,
     stop_tokens: Sequence[int | str] = (),
+    prompt_attention: str | None = None,
 ) -> HFPolicy:
     """Load a checkpoint (a local directory or a Hub name) with the named adapter. A policy
     saved by stabledrl keeps the settings it was saved with unless they are given here
-    (`chat_template` None and `stop_tokens` empty take the saved ones)."""
+    (`chat_template`, `prompt_attention` None and `stop_tokens` empty take the saved ones)."""
     from transformers import AutoModel, AutoModelForCausalLM, AutoModelForMaskedLM, AutoTokenizer
 
     if adapter not in ADAPTERS:
@@ -250,6 +268,7 @@ def load_hf_policy(
         trust_remote_code = meta.get("trust_remote_code") if trust_remote_code is None else trust_remote_code
         chat_template = meta.get("chat_template") if chat_template is None else chat_template
         stop_tokens = stop_tokens or meta.get("stop_tokens", ())
+        prompt_attention = meta.get("prompt_attention") if prompt_attention is None else prompt_attention
     remote = (adapter in ("llada", "dream") or _names_its_code(path)) if trust_remote_code is None else trust_remote_code
     if remote:
         _compat.check_remote_code_supported(adapter)
@@ -262,4 +281,5 @@ def load_hf_policy(
         block_size = getattr(model.config, "block_size", None)
     shift = (adapter == "dream") if shift_logits is None else shift_logits
     return HFPolicy(model, tokenizer, adapter, mask_id, block_size=block_size, shift_logits=shift,
-                    trust_remote_code=remote, chat_template=chat_template, stop_tokens=tuple(stop_tokens))
+                    trust_remote_code=remote, chat_template=chat_template, stop_tokens=tuple(stop_tokens),
+                    prompt_attention=prompt_attention)

@@ -1,43 +1,95 @@
 """Attention masks for block-diffusion models (docs/methods.md, "Policy interface").
 
-A block-diffusion model (BD3-LM, Arriola et al. 2025; SDAR; TraDo) reads the prompt as
-one bidirectional prefix and the completion in blocks of S slots: a block attends to the
-prompt, to the earlier blocks and to itself (bidirectionally), never to later blocks.
+A block-diffusion model (BD3-LM, Arriola et al. 2025; SDAR; TraDo) reads a sequence in
+blocks of S slots: a block attends to the earlier blocks and to itself (bidirectionally),
+never to later blocks. Where the *prompt's* blocks fall is a property of the model,
+``prompt_attention`` (`PROMPT_ATTENTION`):
+
+- ``bidirectional`` (stabledrl's tiny block models, trained this way): the prompt is one
+  block, attending to itself both ways; the completion's blocks start at its first slot.
+- ``sequence_blocks`` (SDAR and TraDo, the decoder adapter's default): the whole sequence
+  [q ; y] is cut into blocks of S counted from its first real token. The prompt is
+  block-causal, and its last, partial block is completed by the first S − r completion
+  slots (r = prompt length mod S): the prompt's tail and those slots form one block, that
+  is denoised together (the tail as clean context inside the noisy block). Read from the
+  published code:
+  SDAR's sampler (JetAstra/SDAR ``generate.py``, ``block_diffusion_generate``): positions
+  0, 1, ...; the mask is ``tril`` over blocks of S expanded to tokens; the floor(P/S)
+  whole prompt blocks are prefilled into the KV cache, and the first decoded block is
+  ``x[floor(P/S)·S : (floor(P/S)+1)·S]``, the prompt's remainder followed by masks (only
+  the masks are ever written). SDAR's SFT loss (``training/model/SDAR-8B-Chat/
+  modeling_sdar.py``, ``block_diff_mask`` over each packed sample of [x_t ; x_0], blocks
+  ``q_idx // block_size`` from the sample's first token, prompt tokens never noised): the
+  same blocks in training. TraDo's rollouts (Gen-Verse/dLLM-RL ``sample/jetengine_ext/
+  engine/sequence.py``: ``num_prefill_tokens = (P // S)·S``, the first denoised block is
+  the prompt's remainder plus masks; ``kernels/triton/attention/
+  block_prefill_attention_v2.py``: staircase bands of S from each sequence's start).
+  Neither pads a prompt (one sequence, or variable-length batches); here left padding is
+  hidden and positions and blocks count real tokens only, which gives every row what it
+  would get alone.
+- ``prompt_blocks`` (dLLM-RL's trainers for SDAR/TraDo, ``train/rl_trado.py``,
+  ``rl_sdar.py``, ``sft_trado.py``: ``make_basic_block_attention`` and ``process_pad``):
+  the left-padded prompt is cut into blocks of S that *end* where it ends (its first block
+  is the partial one), padding keys hidden, positions counted over real tokens; the
+  completion's blocks start at its first slot. That repository trains with it, while its
+  own rollouts (above) share the prompt's tail with the first block whenever S does not
+  divide the prompt length.
+
+Block ids (`block_ids`) number the blocks of [q ; y] per row; a query may attend to a real
+key whose block id is not larger than its own (`block_causal_attention_mask`).
 
 **Staircase attention** computes every block's denoising term in one forward pass over
-[q ; y ; ỹ] (length P + 2L): y the clean completion, ỹ its noised copy, ỹ's position ids
-equal to y's. Allowed attention (True where query i may attend to key j):
+[q ; y ; q̃ ; ỹ]: y the clean completion, ỹ its noised copy, q̃ a copy of the last W prompt
+columns (W = min(P, S − 1) under ``sequence_blocks``, else 0: no columns), each copy with
+the position ids of what it copies. The copies q̃ that share the completion's first block
+are that block's noisy view of the prompt's tail (their tokens are the prompt's: it is
+never noised); the other copies are inert (no query attends to them). Allowed attention
+(True where query i may attend to key j):
 
-    q          → q
-    clean b    → q, clean blocks ≤ b
-    noisy b    → q, clean blocks < b, noisy block b
+    clean (q, y) of block b   → clean columns of blocks ≤ b
+    noisy (q̃, ỹ) of block b   → clean columns of blocks < b, noisy columns of block b
 
-The noisy-to-clean part is strictly block-lower-triangular: the staircase. Logits read
-at ỹ_b equal those of a separate pass over [q ; y_<b ; ỹ_b] with the block-causal mask.
+The noisy-to-clean part is strictly block-lower-triangular: the staircase. Logits read at
+ỹ_b equal those of a separate pass over [q ; y_<b ; ỹ_b] with the block-causal mask
+(under ``sequence_blocks`` the pass's prompt tail is then read against ỹ_b, as the noisy
+copy is). With W = 0 the layout is [q ; y ; ỹ].
 
-Masks are boolean; the batched helpers also hide left-padding keys. Blocks are counted
-from the first completion slot, so they do not depend on the prompt length; the last
-block is shorter when S does not divide L.
+Masks are boolean and hide left-padding keys. Completion blocks (`completion_blocks`) are
+numbered 0, 1, ... per row from the completion's first slot; the first is shorter by the
+row's `block_offset` (the prompt tokens it holds), the last is cut at L.
 
-Shapes: B batch, P prompt columns, L completion slots, S block size.
+Shapes: B batch, P prompt columns, L completion slots, S block size, W prompt tail copies.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Literal
 
 import torch
 
 from stabledrl.data import position_ids
 
 __all__ = [
+    "PROMPT_ATTENTION",
+    "PromptAttention",
     "block_slices",
     "block_causal_mask",
     "staircase_mask",
+    "block_ids",
+    "block_offset",
+    "completion_blocks",
+    "completion_block_slices",
+    "tail_width",
     "block_causal_attention_mask",
     "staircase_attention_mask",
     "staircase_position_ids",
+    "staircase_inputs",
 ]
+
+PromptAttention = Literal["bidirectional", "sequence_blocks", "prompt_blocks"]
+PROMPT_ATTENTION: tuple[str, ...] = ("bidirectional", "sequence_blocks", "prompt_blocks")
+"""Where a block model's prompt blocks fall (module docstring)."""
 
 
 def _check(prompt_len: int, completion_len: int, block_size: int) -> None:
@@ -81,29 +133,124 @@ def staircase_mask(prompt_len: int, completion_len: int, block_size: int, device
     return torch.cat([top, bottom], dim=0)
 
 
-def _key_padding(mask: torch.Tensor, prompt_mask: torch.Tensor) -> torch.Tensor:
-    """(T, T) mask, (B, P) prompt mask -> (B, T, T) with padding keys hidden."""
+def _check_prompt_attention(prompt_attention: str) -> None:
+    if prompt_attention not in PROMPT_ATTENTION:
+        raise ValueError(f"prompt_attention must be one of {PROMPT_ATTENTION}, got {prompt_attention!r}")
+
+
+def block_ids(
+    prompt_mask: torch.Tensor, completion_len: int, block_size: int, prompt_attention: PromptAttention = "bidirectional"
+) -> torch.Tensor:
+    """(B, P+L) the block of every column of [q ; y], comparable within a row: a query may
+    attend to a real key of a block not after its own. Padding columns get some prompt
+    block; they are hidden as keys and never read."""
     B, P = prompt_mask.shape
-    T = mask.size(0)
-    keys = torch.cat([prompt_mask.bool(), torch.ones((B, T - P), dtype=torch.bool, device=prompt_mask.device)], 1)
-    return mask[None] & keys[:, None, :]
+    L, S, device = completion_len, block_size, prompt_mask.device
+    _check(P, L, S)
+    _check_prompt_attention(prompt_attention)
+    if prompt_attention == "bidirectional":
+        return _blocks(P, L, S, device)[None].expand(B, P + L)  # 0 for the prompt, 1 + i // S after
+    ones = torch.ones((B, L), dtype=prompt_mask.dtype, device=device)
+    pos = position_ids(torch.cat([prompt_mask, ones], dim=1))  # (B, P+L) counted over real tokens
+    if prompt_attention == "sequence_blocks":
+        return pos // S  # blocks of S from the first real token, across the prompt's end
+    # prompt_blocks: the prompt's blocks end at its end (-1 for its last S tokens, ...), then 0, 1, ...
+    n = prompt_mask.long().sum(1, keepdim=True)  # (B, 1) real prompt tokens
+    prompt = torch.div(pos[:, :P] - n, S, rounding_mode="floor")  # (B, P)
+    return torch.cat([prompt, (torch.arange(L, device=device) // S).expand(B, L)], dim=1)
 
 
-def block_causal_attention_mask(prompt_mask: torch.Tensor, completion_len: int, block_size: int) -> torch.Tensor:
-    """(B, P+L, P+L) block-causal mask for left-padded prompts (padding keys hidden)."""
-    mask = block_causal_mask(prompt_mask.size(1), completion_len, block_size, prompt_mask.device)
-    return _key_padding(mask, prompt_mask)
+def block_offset(prompt_mask: torch.Tensor, block_size: int, prompt_attention: PromptAttention) -> torch.Tensor:
+    """(B,) long: the prompt tokens in each row's first completion block (its real prompt
+    length mod S under ``sequence_blocks``; 0 otherwise)."""
+    _check_prompt_attention(prompt_attention)
+    n = prompt_mask.long().sum(1)  # (B,)
+    return n % block_size if prompt_attention == "sequence_blocks" else torch.zeros_like(n)
 
 
-def staircase_attention_mask(prompt_mask: torch.Tensor, completion_len: int, block_size: int) -> torch.Tensor:
-    """(B, P+2L, P+2L) staircase mask for left-padded prompts (padding keys hidden)."""
-    mask = staircase_mask(prompt_mask.size(1), completion_len, block_size, prompt_mask.device)
-    return _key_padding(mask, prompt_mask)
+def completion_blocks(offset: torch.Tensor, completion_len: int, block_size: int) -> torch.Tensor:
+    """(B, L) the completion block (0, 1, ... per row) of each slot, given the (B,) `block_offset`."""
+    slot = torch.arange(completion_len, device=offset.device)
+    return torch.div(offset[:, None] + slot, block_size, rounding_mode="floor")
 
 
-def staircase_position_ids(prompt_mask: torch.Tensor, completion_len: int) -> torch.Tensor:
-    """(B, P+2L) positions of [q ; y ; ỹ]: counted over real prompt tokens, ỹ's equal y's."""
+def completion_block_slices(offset: int, completion_len: int, block_size: int) -> list[slice]:
+    """One row's completion blocks as slices: [0, S − offset), then S at a time, the last cut at L."""
+    _check(0, completion_len, block_size)
+    if not 0 <= offset < block_size:
+        raise ValueError(f"a block offset is in [0, {block_size}), got {offset}")
+    ends = list(range(block_size - offset, completion_len, block_size)) + [completion_len]
+    starts = [0] + ends[:-1]
+    return [slice(a, b) for a, b in zip(starts, ends) if b > a]
+
+
+def tail_width(prompt_len: int, block_size: int, prompt_attention: PromptAttention) -> int:
+    """W, the prompt columns copied into the staircase's noisy stream: min(P, S − 1) under
+    ``sequence_blocks`` (a row's tail sharing the first completion block is shorter than S), else 0."""
+    _check_prompt_attention(prompt_attention)
+    return min(prompt_len, block_size - 1) if prompt_attention == "sequence_blocks" else 0
+
+
+def _real_keys(prompt_mask: torch.Tensor, completion_len: int) -> torch.Tensor:
+    """(B, P+L) bool: the columns of [q ; y] that are tokens, not left padding."""
     B = prompt_mask.size(0)
+    ones = torch.ones((B, completion_len), dtype=torch.bool, device=prompt_mask.device)
+    return torch.cat([prompt_mask.bool(), ones], dim=1)
+
+
+def block_causal_attention_mask(
+    prompt_mask: torch.Tensor, completion_len: int, block_size: int, prompt_attention: PromptAttention = "bidirectional"
+) -> torch.Tensor:
+    """(B, P+L, P+L) block-causal mask of [q ; y] for left-padded prompts (padding keys hidden)."""
+    blk = block_ids(prompt_mask, completion_len, block_size, prompt_attention)  # (B, P+L)
+    keys = _real_keys(prompt_mask, completion_len)  # (B, P+L)
+    return (blk[:, None, :] <= blk[:, :, None]) & keys[:, None, :]
+
+
+def staircase_attention_mask(
+    prompt_mask: torch.Tensor, completion_len: int, block_size: int, prompt_attention: PromptAttention = "bidirectional"
+) -> torch.Tensor:
+    """(B, T, T) staircase mask of [q ; y ; q̃ ; ỹ] (T = P + 2L + W, module docstring) for
+    left-padded prompts (padding keys hidden)."""
+    P, L = prompt_mask.size(1), completion_len
+    W = tail_width(P, block_size, prompt_attention)
+    blk = block_ids(prompt_mask, L, block_size, prompt_attention)  # (B, P+L) clean columns
+    keys = _real_keys(prompt_mask, L)  # (B, P+L)
+    first = blk[:, P : P + 1] if L else torch.full_like(blk[:, :1], P + 1)  # (B, 1) the first completion block
+    live_tail = keys[:, P - W : P] & (blk[:, P - W : P] == first)  # (B, W) copies in the first block's noisy view
+    noisy_blk = torch.cat([blk[:, P - W : P], blk[:, P:]], dim=1)  # (B, W+L)
+    noisy = torch.cat([live_tail, torch.ones_like(blk[:, P:], dtype=torch.bool)], dim=1)  # (B, W+L) non-inert
+    clean_to_clean = (blk[:, None, :] <= blk[:, :, None]) & keys[:, None, :]  # (B, P+L, P+L)
+    clean_to_noisy = torch.zeros(clean_to_clean.shape[:2] + (W + L,), dtype=torch.bool, device=blk.device)
+    noisy_to_clean = (blk[:, None, :] < noisy_blk[:, :, None]) & keys[:, None, :] & noisy[:, :, None]  # the staircase
+    noisy_to_noisy = (noisy_blk[:, None, :] == noisy_blk[:, :, None]) & noisy[:, None, :] & noisy[:, :, None]
+    top = torch.cat([clean_to_clean, clean_to_noisy], dim=2)  # (B, P+L, T)
+    bottom = torch.cat([noisy_to_clean, noisy_to_noisy], dim=2)  # (B, W+L, T)
+    return torch.cat([top, bottom], dim=1)
+
+
+def staircase_position_ids(
+    prompt_mask: torch.Tensor, completion_len: int, block_size: int | None = None,
+    prompt_attention: PromptAttention = "bidirectional",
+) -> torch.Tensor:
+    """(B, T) positions of [q ; y ; q̃ ; ỹ]: counted over real prompt tokens, each copy's
+    equal to what it copies (`block_size` is needed only under ``sequence_blocks``)."""
+    B, P = prompt_mask.shape
+    W = 0 if prompt_attention == "bidirectional" else tail_width(P, block_size, prompt_attention)
     ones = torch.ones((B, completion_len), dtype=prompt_mask.dtype, device=prompt_mask.device)
     pos = position_ids(torch.cat([prompt_mask, ones], dim=1))  # (B, P+L)
-    return torch.cat([pos, pos[:, prompt_mask.size(1):]], dim=1)
+    return torch.cat([pos, pos[:, P - W : P], pos[:, P:]], dim=1)
+
+
+def staircase_inputs(
+    prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_ids: torch.Tensor, noisy_ids: torch.Tensor,
+    block_size: int, prompt_attention: PromptAttention = "bidirectional",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The one staircase pass for (B, L) clean `completion_ids` and their noised copy
+    `noisy_ids`: input ids [q ; y ; q̃ ; ỹ] (B, T), the mask (B, T, T) and position ids
+    (B, T). The logits of ỹ are the last L columns."""
+    P, L = prompt_ids.size(1), completion_ids.size(1)
+    W = tail_width(P, block_size, prompt_attention)
+    ids = torch.cat([prompt_ids, completion_ids, prompt_ids[:, P - W :], noisy_ids], dim=1)  # (B, T)
+    mask = staircase_attention_mask(prompt_mask, L, block_size, prompt_attention)
+    return ids, mask, staircase_position_ids(prompt_mask, L, block_size, prompt_attention)

@@ -6,8 +6,11 @@ A policy gives logits for a batch of (possibly noised) token sequences, with
 and says which attention it uses: ``full`` (LLaDA, Dream, MDLM) or ``block`` with a block
 size (SDAR, BD3-LM). Adapters for real checkpoints implement the same protocol.
 
-A block policy takes a boolean (B, T, T) mask (`stabledrl.models.attention`). One that can
-cache keys and values also has ``new_cache()`` and accepts ``cache=`` and
+A block policy takes a boolean (B, T, T) mask (`stabledrl.models.attention`) and says
+where its prompt's blocks fall, ``prompt_attention`` (one of
+`stabledrl.models.attention.PROMPT_ATTENTION`; read where present, else
+``bidirectional``): the sampler, the likelihood and SFT all build their masks from it. One
+that can cache keys and values also has ``new_cache()`` and accepts ``cache=`` and
 ``extend_cache=`` in `logits`; the block sampler uses them when present.
 
 Optional attributes, read where present (both policies here have them): ``chat_template``
@@ -28,6 +31,7 @@ from safetensors import SafetensorError, safe_open
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from stabledrl.models.adapters import ADAPTER_FILE, ADAPTERS, load_hf_policy
+from stabledrl.models.attention import PROMPT_ATTENTION
 from stabledrl.models.prompting import resolve_chat_template, resolve_stop_tokens
 from stabledrl.models.tiny import KVCache, TinyDiffusionConfig, TinyDiffusionLM
 from stabledrl.settings import ModelConfig  # defined without torch, for the command line
@@ -95,6 +99,11 @@ class TinyPolicy:
             raise ValueError(f"mask_token_id {self.mask_token_id} is one of the stop tokens {self.stop_token_ids}")
         self.attention_kind = getattr(cfg, "attention_kind", "full")
         self.block_size = getattr(cfg, "block_size", None)
+        # stabledrl's block models read the prompt as one bidirectional block (they are trained so);
+        # a config may name another convention (`stabledrl.models.attention`).
+        self.prompt_attention = getattr(cfg, "prompt_attention", "bidirectional")
+        if self.prompt_attention not in PROMPT_ATTENTION:
+            raise ValueError(f"prompt_attention must be one of {PROMPT_ATTENTION}, got {self.prompt_attention!r}")
 
     @property
     def device(self) -> torch.device:
@@ -208,7 +217,8 @@ def _load_policy(model: str | Path | ModelConfig, *, device: str | torch.device 
     policy = load_hf_policy(path if path.exists() else cfg.path, adapter, mask_token_id=cfg.mask_token_id,
                             block_size=cfg.block_size, shift_logits=cfg.shift_logits, dtype=dtype, device=device,
                             trust_remote_code=cfg.trust_remote_code, chat_template=chat_template,
-                            stop_tokens=cfg.stop_tokens)
+                            stop_tokens=cfg.stop_tokens,
+                            prompt_attention=None if cfg.prompt_attention == "auto" else cfg.prompt_attention)
     if path.exists():
         _record_base_path(policy.model, path)
     return policy
@@ -229,4 +239,5 @@ def _lora_base(path: Path, cfg: ModelConfig) -> ModelConfig:
     return dataclasses.replace(cfg, path=base, adapter=pick("adapter", "auto"), mask_token_id=pick("mask_token_id", None),
                                block_size=pick("block_size", None), shift_logits=pick("shift_logits", None),
                                trust_remote_code=pick("trust_remote_code", None),
-                               chat_template=pick("chat_template", "auto"), stop_tokens=pick("stop_tokens", []))
+                               chat_template=pick("chat_template", "auto"), stop_tokens=pick("stop_tokens", []),
+                               prompt_attention=pick("prompt_attention", "auto") or "auto")
