@@ -16,6 +16,17 @@ module covers the rest:
   saving a Dream model raises ``TypeError``. `save_pretrained` saves the model with a plain
   ``GenerationConfig`` in its place and then writes Dream's own generation config to
   ``generation_config.json`` unvalidated (as it was loaded).
+- **Activation checkpointing only in train mode.** transformers' layers
+  (``GradientCheckpointingLayer.__call__``) and the remote code built like them (Dream's
+  ``DreamBaseModel.forward``, SDAR's decoder layers) checkpoint only when ``self.training``
+  and ``gradient_checkpointing`` are both set, while stabledrl's update runs in eval mode (no
+  dropout; SDAR's ``forward`` in train mode is its own SFT loss). `checkpointing_in_eval_mode`
+  marks the modules that gate it (those whose ``gradient_checkpointing`` is on) as training
+  while a forward with gradients runs, and only them: their submodules, which hold the
+  dropout and the attention's train-mode paths, stay in eval mode. The checkpointed
+  function is the layer's own ``__call__``, so its recomputation in the backward is the same
+  eval-mode computation. LLaDA's own hook (``set_activation_checkpointing``) needs none of
+  this: it checkpoints in eval mode too.
 - **transformers 5.x** breaks LLaDA's code (``all_tied_weights_keys``: its model class never
   calls ``post_init``; ``tie_weights(missing_keys=...)``: its override takes no arguments) and
   Dream's (``ROPE_INIT_FUNCTIONS["default"]`` is gone; ``validate(user_set_attributes=...)``).
@@ -27,6 +38,7 @@ Nothing here runs at import time: `stabledrl.models.adapters` calls these functi
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import json
 from pathlib import Path
@@ -35,7 +47,8 @@ from typing import Any, Optional, TypedDict
 import torch
 import transformers
 
-__all__ = ["REMOTE_CODE_TRANSFORMERS", "install_remote_code_shims", "check_remote_code_supported", "save_pretrained"]
+__all__ = ["REMOTE_CODE_TRANSFORMERS", "install_remote_code_shims", "check_remote_code_supported", "save_pretrained",
+           "checkpointing_in_eval_mode"]
 
 REMOTE_CODE_TRANSFORMERS = ">=4.56,<4.58"
 """The transformers versions under which the real LLaDA, Dream and SDAR code runs (pyproject.toml)."""
@@ -89,3 +102,17 @@ def save_pretrained(model: Any, path: str | Path, *, state_dict: dict[str, torch
         model.generation_config = gen
     # Dream's config keeps its own fields (steps, alg, mask_token_id ...): all of them, no diff.
     (Path(path) / "generation_config.json").write_text(json.dumps(gen.to_dict(), indent=2, sort_keys=True) + "\n")
+
+
+@contextlib.contextmanager
+def checkpointing_in_eval_mode(model: torch.nn.Module):
+    """While open, the modules of `model` that gate transformers' activation checkpointing
+    (``gradient_checkpointing`` on) count as training, themselves only (module docstring)."""
+    gates = [m for m in model.modules() if getattr(m, "gradient_checkpointing", False) is True and not m.training]
+    for m in gates:
+        m.training = True  # the attribute alone: .train() would switch on its submodules' dropout
+    try:
+        yield
+    finally:
+        for m in gates:
+            m.training = False

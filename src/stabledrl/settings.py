@@ -62,7 +62,9 @@ class ModelConfig:
     gradient_checkpointing: bool = False
     """Recompute each transformer block's activations in the backward instead of keeping them
     (memory of the update: one block's activations per view plus the blocks' inputs; one more
-    forward of compute). stabledrl's tiny models only, for now."""
+    forward of compute). Every adapter, through the model's own hook: the tiny models', LLaDA's
+    set_activation_checkpointing, transformers' gradient_checkpointing_enable (also in the eval
+    mode the update runs in); a model with none is refused at load."""
     chat_template: bool | Literal["auto"] = "auto"
     """Wrap every prompt in the tokenizer's chat template as one user turn followed by the
     assistant's generation prompt (instruct checkpoints expect it): auto = when the tokenizer has

@@ -28,8 +28,13 @@ Dream (``DreamModel``, model_type ``Dream``)
     null (the key transformers 5.x removed).
   - ``from_pretrained`` replaces the generation config by ``DreamGenerationConfig``, whose
     ``validate(self, is_init=False)`` predates ``strict``: ``save_pretrained`` fails on it.
+  - ``supports_gradient_checkpointing``; the base model's loop checkpoints a layer
+    (``self._gradient_checkpointing_func(layer.__call__, ...)``) only when
+    ``self.gradient_checkpointing and self.training``.
 SDAR / TraDo (``SDARForCausalLM``, model_type ``sdar``)
   - Its module imports ``LossKwargs`` from ``transformers.utils`` (gone since 4.56).
+  - Decoder layers are transformers' ``GradientCheckpointingLayer`` (checkpointed only when
+    the layer itself is training); the attention inside refuses train mode (its flex path).
   - In eval mode the attention calls ``attention_mask.bool()`` and hands it to SDPA (an
     all-True mask takes a no-mask path): an additive 0/-inf mask would be inverted.
   - In train mode ``forward`` is its own block-diffusion SFT loss: it noises the input itself,
@@ -49,6 +54,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 from transformers import GenerationConfig, GenerationMixin, PretrainedConfig, PreTrainedModel
 from transformers.modeling_flash_attention_utils import FlashAttentionKwargs
+from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import CausalLMOutputWithPast, MaskedLMOutput
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.utils import LossKwargs  # as SDAR's file does: missing from transformers >= 4.56
@@ -249,7 +255,10 @@ class DreamBaseModel(DreamPreTrainedModel):
         x = self.embed_tokens(input_ids)
         mask = attention_mask if isinstance(attention_mask, torch.Tensor) else None  # "full" -> none
         for layer in self.layers:
-            x = layer(x, cos, sin, mask)
+            if self.gradient_checkpointing and self.training:  # Dream's gate: train mode only
+                x = self._gradient_checkpointing_func(layer.__call__, x, cos, sin, mask)
+            else:
+                x = layer(x, cos, sin, mask)
         return self.norm(x)
 
 
@@ -313,7 +322,9 @@ def block_attn_mask(num_tokens, block_size, device):
     return torch.stack(rows)
 
 
-class _SDARLayer(_Layer):
+class _SDARAttention(_Layer):
+    """Attention and MLP of a decoder layer (SDAR's attention checks the mode, not the layer)."""
+
     def forward(self, x, cos, sin, mask):
         if self.training:
             raise RuntimeError("SDAR's training attention takes a flex-attention BlockMask built by its own "
@@ -322,6 +333,15 @@ class _SDARLayer(_Layer):
         if mask is not None and torch.all(mask):
             mask = None  # its flash-attention path: no mask at all
         return super().forward(x, cos, sin, mask)
+
+
+class _SDARDecoderLayer(GradientCheckpointingLayer):
+    def __init__(self, d, heads):
+        super().__init__()
+        self.inner = _SDARAttention(d, heads)
+
+    def forward(self, x, cos, sin, mask):
+        return self.inner(x, cos, sin, mask)
 
 
 class SDARPreTrainedModel(PreTrainedModel):
@@ -335,11 +355,12 @@ class SDARModel(SDARPreTrainedModel):
     def __init__(self, config):
         super().__init__(config)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(_SDARLayer(config.hidden_size, config.num_attention_heads)
+        self.layers = nn.ModuleList(_SDARDecoderLayer(config.hidden_size, config.num_attention_heads)
                                     for _ in range(config.num_hidden_layers))
         self.norm = nn.RMSNorm(config.hidden_size)
         inv_freq, _ = ROPE_INIT_FUNCTIONS["default"](config, None)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.gradient_checkpointing = False
         self.post_init()
 
     def forward(self, input_ids, attention_mask=None, position_ids=None):

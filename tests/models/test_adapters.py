@@ -164,6 +164,58 @@ def test_llada_checkpoints_activations_only_through_its_own_hook(dirs):
     assert torch.allclose(grads[0], grads[1], rtol=1e-5, atol=1e-7)
 
 
+FIRST_LAYER = {"llada": lambda m: m.model.transformer.blocks[0], "dream": lambda m: m.model.layers[0],
+               "sdar": lambda m: m.model.layers[0], "masked_lm": lambda m: m.bert.encoder.layer[0],
+               "decoder": lambda m: m.model.layers[0]}
+
+
+@pytest.mark.parametrize("name", ["llada", "dream", "sdar", "masked_lm", "decoder"])
+def test_gradient_checkpointing_runs_the_models_own_hook_with_the_same_gradients(dirs, name):
+    # model.gradient_checkpointing for every adapter: each layer's activations are
+    # recomputed in the backward, so layer 0 runs twice per forward and backward (once under
+    # no_grad), through the model's own hook: LLaDA's set_activation_checkpointing (its
+    # stand-in counts the checkpointed layers), else transformers' gradient_checkpointing_enable,
+    # in the eval mode the update runs in (BERT's dropout stays off: the same gradients).
+    grads, calls = [], []
+    for ckpt in (False, True):
+        policy = _policy(dirs, name, gradient_checkpointing=ckpt)
+        model = policy.model
+        p_ids, p_mask, c_ids = _batch(policy)
+        x = torch.cat([p_ids, c_ids], dim=1)
+        keys = torch.cat([p_mask, torch.ones_like(c_ids)], dim=1)
+        attn = (block_causal_attention_mask(p_mask, c_ids.size(1), 4, policy.prompt_attention)
+                if policy.attention_kind == "block" else keys)
+        n = [0]
+        FIRST_LAYER[name](model).register_forward_pre_hook(lambda *a: n.__setitem__(0, n[0] + 1))
+        logp = policy.logits(x, attn, position_ids(keys)).double().log_softmax(-1)  # (B, T, V)
+        logp.gather(-1, x[..., None]).mean().backward()
+        grads.append({k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None})
+        with torch.no_grad():
+            policy.logits(x, attn, position_ids(keys))
+        calls.append(n[0])
+        assert not any(m.training for m in model.modules())  # still in eval mode everywhere
+    assert calls == [2, 3]  # plain: 1 + 1 (no_grad); checkpointed: 2 + 1
+    assert policy.checkpointing_hook == ("set_activation_checkpointing" if name == "llada"
+                                         else "gradient_checkpointing_enable")
+    if name == "llada":
+        assert policy.model.model.checkpointed_calls == 2 * 2  # 2 layers, 2 forwards
+    assert grads[0].keys() == grads[1].keys() and len(grads[0]) > 0
+    for k, g in grads[0].items():  # recomputed in float32: relative 1e-5 of the largest entry
+        assert (g - grads[1][k]).abs().max() <= 1e-5 * g.abs().max(), k
+    assert any(g.abs().max() > 0 for g in grads[0].values())
+
+
+def test_gradient_checkpointing_is_refused_for_a_model_without_a_hook():
+    class NoCheckpointing(BertForMaskedLM):
+        supports_gradient_checkpointing = False
+
+    tok = build_char_tokenizer()
+    model = NoCheckpointing(BertConfig(vocab_size=len(tok), hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                       intermediate_size=64, max_position_embeddings=64, pad_token_id=tok.pad_token_id))
+    with pytest.raises(ValueError, match="supports neither transformers' gradient_checkpointing_enable"):
+        HFPolicy(model.eval(), tok, "masked_lm", tok.mask_token_id, gradient_checkpointing=True)
+
+
 def test_dream_logits_are_unshifted_by_one_position(dirs):
     policy = _policy(dirs, "dream")
     ids, mask = encode_prompts(policy.tokenizer, PROMPTS)

@@ -136,10 +136,3 @@ def test_gradient_checkpointing_gives_the_same_gradients_and_recomputes_each_blo
     assert calls == [2, 3]  # plain: 1 + 1 (no_grad); checkpointed: 2 + 1
     assert all(torch.equal(a, b) for a, b in zip(*grads))
     assert any(g.abs().sum() > 0 for g in grads[0])
-
-
-def test_gradient_checkpointing_is_refused_for_other_adapters_for_now(tmp_path):
-    from stabledrl.models import ModelConfig
-
-    with pytest.raises(ValueError, match="gradient_checkpointing is implemented for stabledrl's tiny models"):
-        load_policy(ModelConfig(path=str(tmp_path), adapter="masked_lm", gradient_checkpointing=True))

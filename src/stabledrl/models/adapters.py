@@ -38,6 +38,14 @@ name their end-of-turn ``<|im_end|>`` there, as their samplers read it) and thos
 bans them. Prompts are wrapped in the tokenizer's chat template when it has one
 (``chat_template``, `stabledrl.models.prompting`). Both settings are saved with the policy.
 
+``gradient_checkpointing`` (`ModelConfig.gradient_checkpointing`) switches on the model's
+own activation checkpointing: LLaDA's ``set_activation_checkpointing("whole_layer")`` (its
+remote code; its class declares no transformers support), else transformers'
+``gradient_checkpointing_enable()`` (non-reentrant), whose layers checkpoint only in train
+mode: while a forward with gradients runs, `stabledrl._compat.checkpointing_in_eval_mode`
+marks the modules that gate it as training (themselves only, no dropout). A model with
+neither is refused at load.
+
 ``trust_remote_code`` (the checkpoint's own modelling code) is on for llada and dream, and
 for any local checkpoint whose config.json names its code (``auto_map``); a saved policy
 records it, so that a run's final model loads again. Workarounds for that code (SDAR's
@@ -51,6 +59,7 @@ Shapes: B batch, T tokens, V vocabulary.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 from dataclasses import dataclass, field
@@ -96,6 +105,11 @@ class HFPolicy:
     prompt_attention: PromptAttention | None = None
     """decoder: where the prompt's blocks fall (`stabledrl.models.attention`); None: sequence_blocks
     (SDAR's). Full-attention adapters: bidirectional (the prompt and completion see each other)."""
+    gradient_checkpointing: bool = False
+    """Recompute each layer in the backward, through the model's own hook (module docstring)."""
+    checkpointing_hook: Literal["set_activation_checkpointing", "gradient_checkpointing_enable"] | None = field(
+        init=False, default=None)
+    """The hook that `gradient_checkpointing` switched on."""
     pad_token_id: int = field(init=False)
     eos_token_id: int = field(init=False)
     stop_token_ids: tuple[int, ...] = field(init=False)
@@ -132,6 +146,8 @@ class HFPolicy:
         embeddings = getattr(getattr(self.model, "base_model", None), "embeddings", None)
         pad_idx = getattr(embeddings, "padding_idx", None)
         self._position_offset = pad_idx + 1 if isinstance(pad_idx, int) else 0
+        if self.gradient_checkpointing:
+            self.checkpointing_hook = _enable_checkpointing(self.model)
         if self.adapter == "decoder":
             if not (self.block_size and self.block_size > 0):
                 raise ValueError("the decoder adapter is a block-diffusion model: set model.block_size (e.g. 4)")
@@ -189,7 +205,9 @@ class HFPolicy:
             kwargs = {"attention_mask": allowed, "position_ids": position_ids}
         if self.adapter != "masked_lm":
             kwargs["use_cache"] = False  # decoders would otherwise build a KV cache per call
-        out = self.model(input_ids=input_ids, **kwargs).logits  # (B, T, V)
+        eval_mode_checkpointing = self.checkpointing_hook == "gradient_checkpointing_enable" and torch.is_grad_enabled()
+        with _compat.checkpointing_in_eval_mode(self.model) if eval_mode_checkpointing else contextlib.nullcontext():
+            out = self.model(input_ids=input_ids, **kwargs).logits  # (B, T, V)
         if self.shift_logits:  # native[:, i] predicts token i+1: move it to column i+1
             out = torch.cat([out[:, :1], out[:, :-1]], dim=1)
         return out
@@ -206,6 +224,20 @@ class HFPolicy:
              "chat_template": self.chat_template, "stop_tokens": list(self.stop_tokens),
              "prompt_attention": self.prompt_attention if self.attention_kind == "block" else None},
             indent=2) + "\n")
+
+
+def _enable_checkpointing(model: PreTrainedModel) -> str:
+    """Switch on the model's own activation checkpointing; returns the hook used."""
+    inner = getattr(model, "model", None)
+    if callable(getattr(inner, "set_activation_checkpointing", None)):  # LLaDA's remote code, in eval mode too
+        inner.set_activation_checkpointing("whole_layer")  # its ActivationCheckpointingStrategy is a str enum
+        return "set_activation_checkpointing"
+    if getattr(model, "supports_gradient_checkpointing", False):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        return "gradient_checkpointing_enable"
+    raise ValueError(f"model.gradient_checkpointing: {type(model).__name__} supports neither transformers' "
+                     "gradient_checkpointing_enable() (supports_gradient_checkpointing) nor LLaDA's "
+                     "set_activation_checkpointing(); set model.gradient_checkpointing: false")
 
 
 def _stop_ids(eos: int, generation_config: Any) -> tuple[int, ...]:
@@ -249,6 +281,7 @@ def load_hf_policy(
     chat_template: bool | None = None,
     stop_tokens: Sequence[int | str] = (),
     prompt_attention: str | None = None,
+    gradient_checkpointing: bool = False,
 ) -> HFPolicy:
     """Load a checkpoint (a local directory or a Hub name) with the named adapter. A policy
     saved by stabledrl keeps the settings it was saved with unless they are given here
@@ -282,4 +315,4 @@ def load_hf_policy(
     shift = (adapter == "dream") if shift_logits is None else shift_logits
     return HFPolicy(model, tokenizer, adapter, mask_id, block_size=block_size, shift_logits=shift,
                     trust_remote_code=remote, chat_template=chat_template, stop_tokens=tuple(stop_tokens),
-                    prompt_attention=prompt_attention)
+                    prompt_attention=prompt_attention, gradient_checkpointing=gradient_checkpointing)

@@ -201,10 +201,6 @@ def _load_policy(model: str | Path | ModelConfig, *, device: str | torch.device 
         return policy
     adapter = resolve_adapter(path, cfg.adapter)
     chat_template = None if cfg.chat_template == "auto" else cfg.chat_template
-    if cfg.gradient_checkpointing and adapter != "tiny":
-        raise ValueError(f"model.gradient_checkpointing is implemented for stabledrl's tiny models, not yet for the "
-                         f"{adapter} adapter: transformers' layers checkpoint only in train mode, and the trainer "
-                         "updates in eval mode (no dropout)")
     if adapter == "tiny":
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"{path} is not a saved model directory (no config.json)")
@@ -218,7 +214,8 @@ def _load_policy(model: str | Path | ModelConfig, *, device: str | torch.device 
                             block_size=cfg.block_size, shift_logits=cfg.shift_logits, dtype=dtype, device=device,
                             trust_remote_code=cfg.trust_remote_code, chat_template=chat_template,
                             stop_tokens=cfg.stop_tokens,
-                            prompt_attention=None if cfg.prompt_attention == "auto" else cfg.prompt_attention)
+                            prompt_attention=None if cfg.prompt_attention == "auto" else cfg.prompt_attention,
+                            gradient_checkpointing=cfg.gradient_checkpointing)
     if path.exists():
         _record_base_path(policy.model, path)
     return policy
