@@ -274,7 +274,8 @@ def test_sequence_blocks_sampler_tokens_do_not_depend_on_the_cache_the_batch_or_
         assert torch.equal(o.unmask_step, runs[0].unmask_step)
     for b, prompt in enumerate(PROMPTS):  # each row alone, unpadded: its own blocks and steps
         one_ids, one_mask = encode_prompts(policy.tokenizer, [prompt])
-        alone = generate(policy, one_ids, one_mask, gen_length=L, steps=steps, temperature=1.0, generator=gens(b, b + 1))
+        alone = generate(policy, one_ids, one_mask, gen_length=L, steps=steps, temperature=1.0,
+                         generator=gens(b, b + 1))
         assert torch.equal(alone.completion_ids[0], runs[0].completion_ids[b])
         assert torch.equal(alone.unmask_step[0], runs[0].unmask_step[b])
     # A row's steps are counted over its own blocks (the tiny tokenizer adds a BOS; these

@@ -101,7 +101,8 @@ def _rand(shape: torch.Size, generator: Generators, rows: torch.Tensor, device, 
     if generator is None or isinstance(generator, torch.Generator):
         return torch.rand(shape, generator=generator, device=device, dtype=dtype)
     if own is None:
-        return torch.stack([torch.rand(shape[1:], generator=generator[b], dtype=dtype) for b in rows.tolist()]).to(device)
+        draws = [torch.rand(shape[1:], generator=generator[b], dtype=dtype) for b in rows.tolist()]
+        return torch.stack(draws).to(device)
     out = torch.full(shape, 0.5, dtype=dtype)
     for a, b in enumerate(rows.tolist()):
         cols = own[a].nonzero().flatten().cpu()

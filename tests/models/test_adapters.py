@@ -346,7 +346,8 @@ def test_the_decoders_prompt_attention_can_be_named_and_is_saved(dirs, tmp_path)
     policy = _policy(dirs, "sdar", prompt_attention="prompt_blocks")
     assert policy.prompt_attention == "prompt_blocks"
     policy.save(tmp_path / "saved")
-    assert json.loads((tmp_path / "saved" / "stabledrl_adapter.json").read_text())["prompt_attention"] == "prompt_blocks"
+    saved = json.loads((tmp_path / "saved" / "stabledrl_adapter.json").read_text())
+    assert saved["prompt_attention"] == "prompt_blocks"
     assert load_policy(tmp_path / "saved").prompt_attention == "prompt_blocks"
     assert load_policy(ModelConfig(path=str(tmp_path / "saved"), prompt_attention="sequence_blocks")).prompt_attention \
         == "sequence_blocks"

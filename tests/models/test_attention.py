@@ -201,7 +201,8 @@ def test_the_general_masks_reproduce_the_bidirectional_ones():
         bc = block_causal_attention_mask(pm, L, S)
         assert torch.equal(bc, block_causal_mask(P, L, S)[None] & keys[:, None, : P + L])
         x_ids = torch.arange(P)[None].expand(3, P)
-        ids, mask, pos = staircase_inputs(x_ids, pm, torch.ones(3, L, dtype=torch.long), torch.zeros(3, L, dtype=torch.long), S)
+        y, noisy = torch.ones(3, L, dtype=torch.long), torch.zeros(3, L, dtype=torch.long)
+        ids, mask, pos = staircase_inputs(x_ids, pm, y, noisy, S)
         assert ids.shape == (3, P + 2 * L) and torch.equal(pos, staircase_position_ids(pm, L))
 
 

@@ -154,7 +154,8 @@ class HFPolicy:
             self.attention_kind = "block"
             self.prompt_attention = self.prompt_attention or "sequence_blocks"
             if self.prompt_attention not in PROMPT_ATTENTION:
-                raise ValueError(f"model.prompt_attention must be one of {PROMPT_ATTENTION}, got {self.prompt_attention!r}")
+                raise ValueError(f"model.prompt_attention must be one of {PROMPT_ATTENTION}, "
+                                 f"got {self.prompt_attention!r}")
         else:
             if self.block_size is not None:
                 raise ValueError(f"model.block_size is for the decoder adapter; {self.adapter} models use full attention")
