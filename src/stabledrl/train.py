@@ -295,8 +295,8 @@ def _plan(cfg: TrainConfig, batch: Rollouts, step: int, slot: int, policy):
     return plan_views(method, batch.completion_mask, num_samples=cfg.estimator.num_samples,
                       generator=_seeded(cfg.seed, step, slot), prompt_ids=batch.prompt_ids,
                       prompt_mask=batch.prompt_mask, bos_token_id=policy.tokenizer.bos_token_id,
-                      block_size=block_size, unmask_step=batch.unmask_step if method == "path" else None,
-                      **cfg.estimator.options)
+                      block_size=block_size, prompt_attention=getattr(policy, "prompt_attention", "bidirectional"),
+                      unmask_step=batch.unmask_step if method == "path" else None, **cfg.estimator.options)
 
 
 def _score(cfg: TrainConfig, policy, plan, batch: Rollouts) -> torch.Tensor:
