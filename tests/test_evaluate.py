@@ -43,3 +43,44 @@ def test_the_micro_batch_comes_from_the_argument_then_the_sampling_settings_then
     evaluate(policy, task, problems, SamplingConfig(micro_batch=2), progress=False)
     evaluate(policy, task, problems, SamplingConfig(), progress=False)
     assert seen == [1, 2, 256]
+
+
+def test_each_completion_is_scored_once_and_the_figures_are_the_tasks():
+    # One `score` per completion gives both its reward and its correctness (no second pass
+    # for is_correct); the figures are those reward and is_correct give.
+    from stabledrl.tasks.countdown import Countdown
+
+    class Counting(Countdown):
+        calls = 0
+
+        def judge(self, completion, problem):
+            Counting.calls += 1
+            return super().judge(completion, problem)
+
+    policy, task = make_tiny_policy(seed=5), Counting()
+    problems = task.generate(6, split="test", seed=0)
+    res = evaluate(policy, task, problems, SamplingConfig(temperature=1.0), progress=False)
+    assert Counting.calls == 6
+    texts = [s["completion"] for s in res.samples]
+    rewards = task.reward(texts, problems)
+    correct = [task.is_correct(t, p) for t, p in zip(texts, problems)]
+    assert [s["reward"] for s in res.samples] == rewards and [s["correct"] for s in res.samples] == correct
+    assert res.mean_reward == sum(rewards) / 6 and res.accuracy == sum(correct) / 6
+
+
+def test_a_task_written_to_the_bare_protocol_is_evaluated_by_its_own_reward_and_is_correct():
+    class Bare:  # reward and is_correct only (no `score`): the README's minimal task
+        def __init__(self):
+            self.inner = get_task("countdown")
+            self.completion_length = self.inner.completion_length
+
+        def reward(self, completions, problems):
+            return [0.5] * len(completions)
+
+        def is_correct(self, completion, problem):
+            return True
+
+    task = Bare()
+    problems = task.inner.generate(3, split="test", seed=0)
+    res = evaluate(make_tiny_policy(seed=5), task, problems, progress=False)
+    assert (res.mean_reward, res.accuracy) == (0.5, 1.0)

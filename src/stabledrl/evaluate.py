@@ -1,4 +1,5 @@
-"""Held-out evaluation: sample completions for problems, score them with the task."""
+"""Held-out evaluation: sample completions for problems, score them with the task (each
+completion once: its reward and whether it is correct come from one `Score`)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import torch
 from stabledrl.data import decode_policy_completions, encode_policy_prompts
 from stabledrl.models.policy import Policy
 from stabledrl.sampling import SamplingConfig, generate_micro_batched, row_generators
-from stabledrl.tasks.base import Problem, Task
+from stabledrl.tasks.base import Problem, Task, score_all
 
 __all__ = ["EVAL_MICRO_BATCH", "EvalResult", "evaluate"]
 
@@ -71,15 +72,14 @@ def evaluate(
     texts = decode_policy_completions(policy, out.completion_ids.cpu())
     seconds = time.perf_counter() - t0
     policy.model.train(was_training)
-    rewards = task.reward(texts, problems)
-    correct = [task.is_correct(t, p) for t, p in zip(texts, problems)]
+    scores = score_all(task, texts, problems)  # each completion scored once, for its reward and correctness
     samples = [
-        {"prompt": p.prompt, "completion": t, "reward": r, "correct": c}
-        for p, t, r, c in zip(problems, texts, rewards, correct)
+        {"prompt": p.prompt, "completion": t, "reward": float(s), "correct": s.correct}
+        for p, t, s in zip(problems, texts, scores)
     ]
     return EvalResult(
-        accuracy=sum(correct) / len(problems),
-        mean_reward=sum(rewards) / len(problems),
+        accuracy=sum(s["correct"] for s in samples) / len(problems),
+        mean_reward=sum(s["reward"] for s in samples) / len(problems),
         n=len(problems),
         seconds=seconds,
         tokens_per_second=len(problems) * gen_length / seconds,

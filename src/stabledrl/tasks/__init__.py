@@ -9,12 +9,13 @@ Hub (gsm8k, math, code; see their modules for the `path` option).
     [1.0, 1.0, 1.0, 1.0]
 """
 
-from stabledrl.tasks.base import Problem, Split, Task, available_tasks, get_task, register_task
+from stabledrl.tasks.base import (Problem, Score, ScoredTask, Split, Task, available_tasks, get_task, register_task,
+                                  score_all)
 from stabledrl.tasks.countdown import Countdown
 from stabledrl.tasks.sudoku import Sudoku
 from stabledrl.tasks.gsm8k import GSM8K
 from stabledrl.tasks.math import MathTask
 from stabledrl.tasks.code import CodeTask
 
-__all__ = ["Problem", "Split", "Task", "available_tasks", "get_task", "register_task", "Countdown", "Sudoku",
-           "GSM8K", "MathTask", "CodeTask"]
+__all__ = ["Problem", "Score", "ScoredTask", "Split", "Task", "available_tasks", "get_task", "register_task",
+           "score_all", "Countdown", "Sudoku", "GSM8K", "MathTask", "CodeTask"]

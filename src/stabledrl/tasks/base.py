@@ -9,15 +9,23 @@ It reads text only, never raises on model output, and never evaluates it with `e
 A task may also offer ``problem_from_prompt(prompt) -> Problem`` (the problem a prompt
 written by hand states; ValueError if none): `stabledrl sample` then shows each
 completion's reward.
+
+The built-in tasks share one scoring path (`ScoredTask`): a task writes ``judge``, the
+verdict on one completion; `ScoredTask.score` wraps it in the never-raise guard (a
+completion that is not a string scores 0 unread, an exception in the judge scores 0 and
+is logged), and `reward` and `is_correct` both read that `Score`. `score_all` scores a
+batch once for both (what evaluation needs), also for a task written to the bare protocol.
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal, Protocol, Sequence
 
-__all__ = ["Problem", "Task", "Split", "SPLITS", "get_task", "register_task", "available_tasks", "split_of", "check_split"]
+__all__ = ["Problem", "Task", "Score", "ScoredTask", "Split", "SPLITS", "get_task", "register_task", "available_tasks",
+           "split_of", "check_split", "check_lengths", "score_all"]
 
 Split = Literal["train", "validation", "test"]
 SPLITS: tuple[str, ...] = ("train", "validation", "test")
@@ -47,6 +55,84 @@ class Task(Protocol):
     def reward(self, completions: Sequence[str], problems: Sequence[Problem]) -> list[float]: ...
 
     def is_correct(self, completion: str, problem: Problem) -> bool: ...
+
+
+class Score(float):
+    """One completion's reward (the float itself) with its verdict.
+
+    A float, so a score is the reward it always was (``task.score(c, p) == 1.0``, sums,
+    formatting); `ScoredTask.reward` hands out plain floats all the same."""
+
+    __slots__ = ("correct", "reason")
+    correct: bool
+    """Whether accuracy counts the completion; by default, whether the reward is 1.0 (sudoku asks more)."""
+    reason: str
+    """"ok", or why not: "wrong", "not a string", "scorer error", or the task's own (the code task's
+    sandbox reasons: "timeout", "assertion failed" ...)."""
+
+    def __new__(cls, reward: float, correct: bool | None = None, reason: str | None = None) -> Score:
+        self = super().__new__(cls, reward)
+        self.correct = reward == 1.0 if correct is None else bool(correct)
+        self.reason = reason if reason is not None else ("ok" if self.correct else "wrong")
+        return self
+
+    def __repr__(self) -> str:
+        return f"Score({float(self)!r}, correct={self.correct}, reason={self.reason!r})"
+
+
+class ScoredTask:
+    """`reward` and `is_correct` from one `score`: a task only writes `judge`.
+
+    `score` holds the guard every reward needs (never raise on model output), written once
+    here: a completion that is not a string scores 0 with reason "not a string" and is not
+    judged; an exception in `judge` scores 0 with reason "scorer error" and is logged, with
+    its traceback, on the task module's logger."""
+
+    def judge(self, completion: str, problem: Problem) -> float | Score:
+        """The verdict on one completion (a string): its reward, or a `Score` where
+        correctness is not "reward == 1.0" or a reason is worth keeping. May raise."""
+        raise NotImplementedError
+
+    def score(self, completion: str, problem: Problem) -> Score:
+        """`judge`'s verdict; never raises because of the completion (see the class docstring)."""
+        if not isinstance(completion, str):
+            return Score(0.0, correct=False, reason="not a string")
+        try:
+            verdict = self.judge(completion, problem)
+        except Exception:  # a reward never raises on model output
+            logging.getLogger(type(self).__module__).exception(
+                "%s: could not score a completion; reward 0", getattr(self, "name", type(self).__name__))
+            return Score(0.0, correct=False, reason="scorer error")
+        return verdict if isinstance(verdict, Score) else Score(verdict)
+
+    def scores(self, completions: Sequence[str], problems: Sequence[Problem]) -> list[Score]:
+        """`score` of each completion against its problem."""
+        check_lengths(completions, problems)
+        return [self.score(c, p) for c, p in zip(completions, problems)]
+
+    def reward(self, completions: Sequence[str], problems: Sequence[Problem]) -> list[float]:
+        """The reward of each completion, as plain floats."""
+        return [float(s) for s in self.scores(completions, problems)]
+
+    def is_correct(self, completion: str, problem: Problem) -> bool:
+        """Whether accuracy counts the completion (`Score.correct`)."""
+        return self.score(completion, problem).correct
+
+
+def score_all(task: Task, completions: Sequence[str], problems: Sequence[Problem]) -> list[Score]:
+    """Each completion's reward and correctness, each completion scored once: with
+    `ScoredTask.scores`, or for a task written to the bare protocol, from its `reward` and
+    `is_correct` (as that task defines them)."""
+    if isinstance(task, ScoredTask):
+        return task.scores(completions, problems)
+    rewards = task.reward(completions, problems)
+    return [Score(r, correct=task.is_correct(c, p)) for c, p, r in zip(completions, problems, rewards)]
+
+
+def check_lengths(completions: Sequence[object], problems: Sequence[Problem]) -> None:
+    """A ValueError unless there is one completion per problem."""
+    if len(completions) != len(problems):
+        raise ValueError(f"{len(completions)} completions for {len(problems)} problems")
 
 
 _REGISTRY: dict[str, Callable[..., Task]] = {}

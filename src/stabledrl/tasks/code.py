@@ -20,9 +20,10 @@ fake a pass (it runs in the same process as the tests).
 The reason ("ok", "timeout", "memory", "assertion failed", "syntax error", "network
 refused", "write refused", "process limit", "early exit", ...) is logged on the
 ``stabledrl.tasks.code`` logger (limits, refusals and early exits at WARNING, the rest at
-INFO) and kept in `last_reasons` for the last `reward` batch; `score_with_reason` returns
-it for one completion. Programs of a batch run `workers` at a time. Never raises, and
-leaves no processes or files behind (the sandbox's guarantee).
+INFO) and kept in `last_reasons` for the last `reward` (or `scores`) batch; it is also each
+`Score`'s reason, and `score_with_reason` returns it for one completion. Programs of a batch
+run `workers` at a time. Never raises, and leaves no processes or files behind (the
+sandbox's guarantee).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Sequence
 
 from stabledrl.sandbox import SandboxResult, run_python
-from stabledrl.tasks.base import Problem, Split, register_task
+from stabledrl.tasks.base import Problem, Score, ScoredTask, Split, check_lengths, register_task
 from stabledrl.tasks.datasets import DatasetTask, format_prompt
 
 __all__ = ["CodeTask", "build_program", "extract_code"]
@@ -44,7 +45,7 @@ logger = logging.getLogger(__name__)
 
 _FENCE = re.compile(r"```[ \t]*[\w+-]*[ \t]*\n(.*?)(?:```|\Z)", re.S)
 _ALARMING = {"early exit", "timeout", "memory", "cpu time", "output cap", "process limit", "file size",
-             "network refused", "write refused", "sandbox error"}
+             "network refused", "write refused", "sandbox error", "scorer error"}
 _DEFAULT_TEMPLATES = {
     "humaneval": "{prompt}",
     "mbpp": "{text}\nYour code should pass these tests:\n{tests}\n",
@@ -79,7 +80,7 @@ def _schema_of(row: dict[str, Any]) -> Literal["humaneval", "mbpp"]:
 
 
 @dataclass
-class CodeTask(DatasetTask):
+class CodeTask(DatasetTask, ScoredTask):
     """HumanEval- or MBPP-style code generation graded by running tests in the sandbox."""
 
     schema: Literal["auto", "humaneval", "mbpp"] = "auto"
@@ -103,7 +104,7 @@ class CodeTask(DatasetTask):
     name: str = "code"
     """The registry name."""
     last_reasons: list[str] = field(default_factory=list, init=False)
-    """Why each program of the last `reward` call scored what it did ("ok" when it passed)."""
+    """Why each program of the last `reward` or `scores` call scored what it did ("ok" when it passed)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -112,7 +113,6 @@ class CodeTask(DatasetTask):
         if self.workers < 1 or self.timeout_s <= 0:
             raise ValueError(f"workers must be >= 1 and timeout_s > 0, got {self.workers} and {self.timeout_s}")
         self._warned_layers = False
-        self._recent: dict[tuple[str, str, str], tuple[float, str]] = {}  # the last batch, for is_correct
 
     def _prompt(self, row: dict[str, Any], schema: str) -> str:
         template = self.prompt_template or _DEFAULT_TEMPLATES[schema]
@@ -141,20 +141,15 @@ class CodeTask(DatasetTask):
             problems.append(Problem(self._prompt(row, schema), answer, meta))
         return problems
 
-    def _run(self, completion: object, problem: Problem) -> tuple[float, str]:
-        if not isinstance(completion, str):
-            return 0.0, "not a string"
-        try:
-            code = extract_code(completion)
-            if not code.strip():
-                return 0.0, "empty program"
-            token = f"stabledrl-tests-passed-{secrets.token_hex(8)}"
-            result: SandboxResult = run_python(
-                build_program(code, problem.meta) + f"\nprint({token!r})\n", timeout_s=self.timeout_s,
-                memory_mb=self.memory_mb, max_processes=self.max_processes, max_output_bytes=self.max_output_bytes)
-        except Exception:  # a reward never raises on model output
-            logger.exception("code: could not run a program; reward 0")
-            return 0.0, "sandbox error"
+    def judge(self, completion: str, problem: Problem) -> Score:
+        """Run the completion's program with the problem's tests; the reason says why it scored 0."""
+        code = extract_code(completion)
+        if not code.strip():
+            return Score(0.0, reason="empty program")
+        token = f"stabledrl-tests-passed-{secrets.token_hex(8)}"
+        result: SandboxResult = run_python(
+            build_program(code, problem.meta) + f"\nprint({token!r})\n", timeout_s=self.timeout_s,
+            memory_mb=self.memory_mb, max_processes=self.max_processes, max_output_bytes=self.max_output_bytes)
         if not self._warned_layers:
             missing = {"net-ns", "pid-ns", "readonly-fs", "rlimits"} - set(result.layers)
             if not {"memory-cgroup", "memory-monitor"} & set(result.layers):
@@ -164,38 +159,30 @@ class CodeTask(DatasetTask):
                                sorted(missing), ",".join(result.layers))
             self._warned_layers = True
         if result.ok and token not in result.stdout:
-            return 0.0, "early exit"
-        return (1.0 if result.ok else 0.0), result.reason
+            return Score(0.0, reason="early exit")
+        return Score(1.0 if result.ok else 0.0, reason=result.reason)
 
     def score_with_reason(self, completion: str, problem: Problem) -> tuple[float, str]:
         """(reward, reason) for one completion; the reason is "ok" when the tests passed."""
-        score, reason = self._run(completion, problem)
-        self._log(problem, reason)
-        return score, reason
+        score = self.score(completion, problem)
+        self._log(problem, score.reason)
+        return float(score), score.reason
 
     def _log(self, problem: Problem, reason: str) -> None:
         if reason != "ok":
             level = logging.WARNING if reason in _ALARMING else logging.INFO
             logger.log(level, "code %s: reward 0 (%s)", problem.meta.get("task_id"), reason)
 
-    def reward(self, completions: Sequence[str], problems: Sequence[Problem]) -> list[float]:
-        if len(completions) != len(problems):
-            raise ValueError(f"{len(completions)} completions for {len(problems)} problems")
+    def scores(self, completions: Sequence[str], problems: Sequence[Problem]) -> list[Score]:
+        """`score` of each completion, `workers` programs at a time; logs each reason and
+        keeps them in `last_reasons`. (`reward` reads these scores.)"""
+        check_lengths(completions, problems)
         with ThreadPoolExecutor(max_workers=self.workers) as pool:
-            results = list(pool.map(self._run, completions, problems))
-        for p, (_, reason) in zip(problems, results):
-            self._log(p, reason)
-        self.last_reasons = [reason for _, reason in results]
-        self._recent = {(c, p.prompt, p.answer): r for c, p, r in zip(completions, problems, results)
-                        if isinstance(c, str)}
-        return [score for score, _ in results]
-
-    def is_correct(self, completion: str, problem: Problem) -> bool:
-        """Whether the tests pass; reuses the last `reward` call's verdict for the same
-        completion and problem (evaluation asks both) instead of running it again."""
-        key = (completion, problem.prompt, problem.answer) if isinstance(completion, str) else None
-        hit = self._recent.get(key) if key is not None else None
-        return (hit if hit is not None else self._run(completion, problem))[0] == 1.0
+            results = list(pool.map(self.score, completions, problems))
+        for p, score in zip(problems, results):
+            self._log(p, score.reason)
+        self.last_reasons = [score.reason for score in results]
+        return results
 
 
 @register_task("code")

@@ -29,9 +29,9 @@ import re
 from dataclasses import dataclass
 from fractions import Fraction
 from functools import lru_cache
-from typing import Literal, Sequence
+from typing import Literal
 
-from stabledrl.tasks.base import Problem, Split, check_split, register_task, split_of
+from stabledrl.tasks.base import Problem, ScoredTask, Split, check_split, register_task, split_of
 
 __all__ = ["Countdown", "all_solutions", "parse_expression", "solve"]
 
@@ -180,7 +180,7 @@ def all_solutions(numbers: tuple[int, ...], max_target: int = 100) -> dict[int, 
 
 
 @dataclass
-class Countdown:
+class Countdown(ScoredTask):
     """Countdown with `num_numbers` numbers drawn from [1, max_number]."""
 
     num_numbers: int = 3
@@ -263,12 +263,10 @@ class Countdown:
         answer = solve(numbers, self.max_target).get(target, "") if len(numbers) == self.num_numbers else ""
         return Problem(",".join(map(str, numbers)) + f"={target}", answer, {"numbers": numbers, "target": target})
 
-    def score(self, completion: str, problem: Problem) -> float:
-        if not isinstance(completion, str):
-            return 0.0
+    def judge(self, completion: str, problem: Problem) -> float:
         try:
             value, literals = parse_expression(completion)
-        except (ValueError, RecursionError):
+        except (ValueError, RecursionError):  # does not parse
             return 0.0
         ok = (
             value is not None
@@ -276,14 +274,6 @@ class Countdown:
             and sorted(literals) == sorted(problem.meta["numbers"])
         )
         return 1.0 if ok else 0.1
-
-    def reward(self, completions: Sequence[str], problems: Sequence[Problem]) -> list[float]:
-        if len(completions) != len(problems):
-            raise ValueError(f"{len(completions)} completions for {len(problems)} problems")
-        return [self.score(c, p) for c, p in zip(completions, problems)]
-
-    def is_correct(self, completion: str, problem: Problem) -> bool:
-        return self.score(completion, problem) == 1.0
 
 
 @register_task("countdown")

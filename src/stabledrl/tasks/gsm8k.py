@@ -17,18 +17,14 @@ Data files: see `stabledrl.tasks.datasets` (the `path` option).
 
 from __future__ import annotations
 
-import logging
 import re
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
-from typing import Sequence
 
-from stabledrl.tasks.base import Problem, Split, register_task
+from stabledrl.tasks.base import Problem, ScoredTask, Split, register_task
 from stabledrl.tasks.datasets import DatasetTask, _last_boxed_span, format_prompt
 
 __all__ = ["GSM8K", "extract_number", "parse_number", "reference_number"]
-
-logger = logging.getLogger(__name__)
 
 _NUMBER = re.compile(r"(?:(?<![\w)])-)?(?:[0-9]{1,3}(?:,[0-9]{3})+|[0-9]+)(?:\.[0-9]+)?")
 _MARKERS = re.compile(r"####(?P<hash>(?:(?!####)[^\n])*)|(?i:\banswer\s*(?:is|:))(?P<said>[^\n]*)")
@@ -68,7 +64,7 @@ def reference_number(answer: str) -> Decimal | None:
 
 
 @dataclass
-class GSM8K(DatasetTask):
+class GSM8K(DatasetTask, ScoredTask):
     """GSM8K from local files or the Hub; see the module docstring for `path`."""
 
     completion_length: int = 256
@@ -103,23 +99,9 @@ class GSM8K(DatasetTask):
                                     {"target": str(target), "index": i}))
         return problems
 
-    def score(self, completion: str, problem: Problem) -> float:
-        if not isinstance(completion, str):
-            return 0.0
-        try:
-            value = extract_number(completion)
-            return 1.0 if value is not None and value == Decimal(problem.meta["target"]) else 0.0
-        except Exception:  # a reward never raises on model output
-            logger.exception("gsm8k: could not score a completion; reward 0")
-            return 0.0
-
-    def reward(self, completions: Sequence[str], problems: Sequence[Problem]) -> list[float]:
-        if len(completions) != len(problems):
-            raise ValueError(f"{len(completions)} completions for {len(problems)} problems")
-        return [self.score(c, p) for c, p in zip(completions, problems)]
-
-    def is_correct(self, completion: str, problem: Problem) -> bool:
-        return self.score(completion, problem) == 1.0
+    def judge(self, completion: str, problem: Problem) -> float:
+        value = extract_number(completion)
+        return 1.0 if value is not None and value == Decimal(problem.meta["target"]) else 0.0
 
 
 @register_task("gsm8k")

@@ -32,9 +32,8 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass
-from typing import Sequence
 
-from stabledrl.tasks.base import Problem, Split, register_task
+from stabledrl.tasks.base import Problem, ScoredTask, Split, register_task
 from stabledrl.tasks.datasets import DatasetTask, format_prompt, last_boxed
 
 __all__ = ["MathTask", "MathVerifier", "extract_answer"]
@@ -174,7 +173,7 @@ def _stop(proc: subprocess.Popen) -> None:
 
 
 @dataclass
-class MathTask(DatasetTask):
+class MathTask(DatasetTask, ScoredTask):
     """MATH / MATH-500 from local files or the Hub; see the module docstring."""
 
     completion_length: int = 512
@@ -198,7 +197,6 @@ class MathTask(DatasetTask):
             raise ValueError("timeout_s must be positive and verify_timeout_s at least 1 (whole seconds)")
         self.verifier = MathVerifier(timeout_s=self.timeout_s, verify_timeout_s=self.verify_timeout_s,
                                      memory_mb=self.memory_mb)
-        self._recent: dict[tuple[str, str], float] = {}  # the last batch, for is_correct
 
     def generate(self, n: int, *, split: Split = "train", seed: int = 0) -> list[Problem]:
         """`n` distinct rows of `split` (without replacement), reproducible from `seed`."""
@@ -212,31 +210,11 @@ class MathTask(DatasetTask):
             problems.append(Problem(format_prompt(self.prompt_template, row), str(row.get("solution", gold)), meta))
         return problems
 
-    def score(self, completion: str, problem: Problem) -> float:
-        if not isinstance(completion, str):
+    def judge(self, completion: str, problem: Problem) -> float:
+        answer = extract_answer(completion)
+        if not answer or len(answer) > self.max_answer_chars:
             return 0.0
-        try:
-            answer = extract_answer(completion)
-            if not answer or len(answer) > self.max_answer_chars:
-                return 0.0
-            return 1.0 if self.verifier.equivalent(problem.meta["gold"], answer) else 0.0
-        except Exception:  # a reward never raises on model output
-            logger.exception("math: could not score a completion; reward 0")
-            return 0.0
-
-    def reward(self, completions: Sequence[str], problems: Sequence[Problem]) -> list[float]:
-        if len(completions) != len(problems):
-            raise ValueError(f"{len(completions)} completions for {len(problems)} problems")
-        scores = [self.score(c, p) for c, p in zip(completions, problems)]
-        self._recent = {(c, p.meta["gold"]): r for c, p, r in zip(completions, problems, scores) if isinstance(c, str)}
-        return scores
-
-    def is_correct(self, completion: str, problem: Problem) -> bool:
-        """Whether the answer is equivalent; reuses the last `reward` call's verdict for the
-        same completion and gold answer (evaluation asks both) instead of verifying again."""
-        key = (completion, problem.meta["gold"]) if isinstance(completion, str) else None
-        hit = self._recent.get(key) if key is not None else None
-        return (hit if hit is not None else self.score(completion, problem)) == 1.0
+        return 1.0 if self.verifier.equivalent(problem.meta["gold"], answer) else 0.0
 
     def close(self) -> None:
         """Stop the verifier's worker process (it also stops when the task is collected)."""

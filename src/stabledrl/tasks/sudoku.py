@@ -19,11 +19,10 @@ import itertools
 import random
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Sequence
 
 import numpy as np
 
-from stabledrl.tasks.base import Problem, Split, check_split, register_task, split_of
+from stabledrl.tasks.base import Problem, Score, ScoredTask, Split, check_split, register_task, split_of
 
 __all__ = ["Sudoku", "count_solutions", "all_grids"]
 
@@ -62,7 +61,7 @@ def count_solutions(puzzle: str) -> int:
 
 
 @dataclass
-class Sudoku:
+class Sudoku(ScoredTask):
     """4x4 Sudoku; each puzzle has between `min_empty` and `max_empty` empty cells."""
 
     min_empty: int = 4
@@ -136,25 +135,14 @@ class Sudoku:
             raise ValueError(f"sudoku prompt {prompt!r} has {len(fits)} solutions, not one")
         return Problem(puzzle, fits[0], {"puzzle": puzzle, "solution": fits[0]})
 
-    def score(self, completion: str, problem: Problem) -> float:
+    def judge(self, completion: str, problem: Problem) -> Score:
+        """Reward: the share of the empty cells filled right; correct: the whole grid, givens
+        included, exactly (the reward counts empty cells only)."""
         puzzle, solution = problem.meta["puzzle"], problem.meta["solution"]
-        empty = [i for i, c in enumerate(puzzle) if c == "."]
-        if not empty:
-            return 1.0
-        if not isinstance(completion, str):
-            return 0.0
         text = completion.strip()
+        empty = [i for i, c in enumerate(puzzle) if c == "."]
         right = sum(1 for i in empty if i < len(text) and text[i] == solution[i])
-        return right / len(empty)
-
-    def reward(self, completions: Sequence[str], problems: Sequence[Problem]) -> list[float]:
-        if len(completions) != len(problems):
-            raise ValueError(f"{len(completions)} completions for {len(problems)} problems")
-        return [self.score(c, p) for c, p in zip(completions, problems)]
-
-    def is_correct(self, completion: str, problem: Problem) -> bool:
-        """The whole grid, givens included, exactly (the reward counts empty cells only)."""
-        return isinstance(completion, str) and completion.strip() == problem.meta["solution"]
+        return Score(right / len(empty) if empty else 1.0, correct=text == solution)
 
 
 @register_task("sudoku")
