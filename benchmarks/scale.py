@@ -1,0 +1,783 @@
+"""Throughput and peak memory of one RL step at the presets' sizes, and a memory model for LLaDA-8B.
+
+    python benchmarks/scale.py --threads 1       # CPU: the scaled-down LLaDA shape, full FT and LoRA
+    python benchmarks/scale.py --shape llada-8b --preset gsm8k-llada --predict-only   # the memory model alone
+    # one GPU (not run here): LoRA on LLaDA-8B's shape; full fine-tuning is refused as predicted not to fit
+    python benchmarks/scale.py --device cuda --preset gsm8k-llada --set prompts_per_step=2 \
+        --set rollout.micro_batch=16 --set estimator.max_views_per_forward=8
+
+The model is `TinyDiffusionLM`, randomly initialised from a config. Its block is LLaDA's
+(pre-norm RMSNorm, bidirectional multi-head attention with RoPE, SwiGLU MLP, no biases, an
+untied output head; LLaDA's q, k, v and ff_proj, up_proj are one matrix each here, which
+changes no count), so with LLaDA-8B's config it has LLaDA-8B's 8,015,581,184 parameters.
+That shape is built on the `meta` device to count them and feed the memory model (32 GB in
+float32: no CPU here holds it) and is materialised only on a GPU. On CPU the default shape
+is `llada-cpu`: the same block with LLaDA's proportions at width 256 and 8 layers.
+
+One step is the trainer's (`stabledrl.train`, one process), wired from the library's own
+components: `generate_micro_batched` rollouts, `plan_views` and `score_views` for ℓ_old (and
+ℓ_ref under `drift_kl` or β > 0), then μ inner iterations of `score_views` with a graph (or
+`backward_views` under `estimator.max_views_per_forward`), the preset's objective, clipping
+and AdamW, the model and optimizer prepared by accelerate as the trainer prepares them
+(autocast under `mixed_precision: bf16`). Deviations, so that the step needs no task:
+prompts are random token ids (BOS, then tokens; no padding) of the preset's prompt length;
+rewards are uniform random numbers (every group has variance, none is skipped); no
+evaluation, checkpoint or metrics file; and the optimizer steps all parameters at once
+(the trainer steps them in chunks to measure the update norm: `predict_memory` has both).
+
+Measured, medians over `--repeats` steps after one warm-up step:
+- rollout tokens/s: completion slots written per second of sampling;
+- likelihood views/s: noised views scored per second without a graph (ℓ_old, ℓ_ref), and
+  per second of the update's forward and backward;
+- the step's split: rollout / scoring (ℓ_old, ℓ_ref) / update (forward, objective,
+  backward) / optimizer (clip, step);
+- peak memory, per phase, in one more step: on a GPU `torch.cuda.max_memory_allocated`; on
+  CPU, where torch keeps no statistics of its allocator, the bytes of live tensors counted
+  storage by storage (`LiveBytes`, the counterpart of memory_allocated), and, for scale, the
+  process's peak RSS above its size before the model was built (which also holds the
+  allocator's free lists and Python's own memory).
+
+Several modes (full FT, LoRA) run in fresh processes, one each, so that their RSS peaks are
+their own. Writes benchmarks/results/scale-<tag>.json: the machine, the shape, every
+setting, every figure and the memory model's prediction beside each measured peak.
+
+Shapes: B = P·G rollouts, Pl prompt columns, L completion slots, T = Pl + L, V vocabulary,
+d width, I MLP width, H heads, nl layers, n views.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import weakref
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from stabledrl.config import load_config
+from stabledrl.likelihood import backward_views, plan_views, score_views
+from stabledrl.models import TinyDiffusionConfig, TinyDiffusionLM, TinyPolicy, add_lora, base_policy
+from stabledrl.objectives import group_advantages, grpo_loss, stabledrl_loss
+from stabledrl.sampling import generate_micro_batched, row_generators
+from stabledrl.settings import LoraSettings, TrainConfig
+from stabledrl.tokenizer import build_char_tokenizer
+
+ROOT = Path(__file__).resolve().parent.parent
+GB = 1e9
+
+
+# ----------------------------------------------------------------------------- shapes
+@dataclass(frozen=True)
+class Shape:
+    """A `TinyDiffusionConfig` shape (LLaDA's block; see the module docstring)."""
+
+    vocab_size: int  # V
+    hidden_size: int  # d
+    num_hidden_layers: int  # nl
+    num_attention_heads: int  # H
+    intermediate_size: int  # I, the SwiGLU width
+    rope_theta: float = 500000.0
+    max_position_embeddings: int = 4096
+
+
+SHAPES = {
+    # GSAI-ML/LLaDA-8B-Base (and -Instruct) config.json: d_model 4096, n_layers 32, n_heads 32,
+    # n_kv_heads 32, mlp_hidden_size 12288 (block_type llama: ff_proj and up_proj 4096 -> 12288,
+    # ff_out 12288 -> 4096), vocab_size = embedding_size 126464, include_bias false,
+    # weight_tying false, layer_norm_type rms with affine weights and no bias, rope_theta 5e5,
+    # max_sequence_length 4096. Its safetensors index: total_size 16,031,162,368 bytes of
+    # bfloat16, i.e. 8,015,581,184 parameters, which `param_count` gives.
+    "llada-8b": Shape(126464, 4096, 32, 32, 12288),
+    # LLaDA's proportions (I = 3d, head width 128, V/d = 32) at width 256: 11.0 M parameters.
+    "llada-cpu": Shape(8192, 256, 8, 2, 768),
+    # for the tests
+    "tiny": Shape(256, 32, 2, 2, 96, max_position_embeddings=256),
+}
+
+
+def layer_params(shape: Shape) -> int:
+    """Parameters of one layer: q, k, v, out (4d²), gate, up (2dI), down (Id), two RMSNorm weights (2d)."""
+    d, I = shape.hidden_size, shape.intermediate_size
+    return 4 * d * d + 3 * d * I + 2 * d
+
+
+def param_count(shape: Shape) -> int:
+    """Parameters of the shape: the layers, the embedding and the untied output head (Vd
+    each) and the final norm (d)."""
+    return shape.num_hidden_layers * layer_params(shape) + 2 * shape.vocab_size * shape.hidden_size + shape.hidden_size
+
+
+def lora_param_count(shape: Shape, r: int) -> int:
+    """LoRA adapters of rank r on every linear layer but the output head (peft's
+    "all-linear"): r·(in + out) for qkv (d -> 3d), proj (d -> d), gate_up (d -> 2I), down (I -> d).
+    (LLaDA's own modules, with q, k, v and ff_proj, up_proj apart, take r·(11d + 3I) per layer.)"""
+    d, I = shape.hidden_size, shape.intermediate_size
+    return shape.num_hidden_layers * r * (4 * d + 2 * d + d + 2 * I + I + d)
+
+
+def build_model(shape: Shape, device: str | torch.device, dtype: torch.dtype = torch.float32) -> TinyDiffusionLM:
+    """A randomly initialised `TinyDiffusionLM` of this shape, made directly on `device`
+    (``meta``: no memory, for counting). The special tokens are those of the char tokenizer."""
+    tok = build_char_tokenizer()
+    cfg = TinyDiffusionConfig(**dataclasses.asdict(shape), mask_token_id=tok.mask_token_id,
+                              pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id,
+                              eos_token_id=tok.eos_token_id)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # made in `dtype`: a bfloat16 LoRA base never exists in float32
+    try:
+        with torch.device(device):
+            return TinyDiffusionLM(cfg).eval()
+    finally:
+        torch.set_default_dtype(previous)
+
+
+# ----------------------------------------------------------------------------- sizes
+@dataclass(frozen=True)
+class Preset:
+    """The sizes of a step: a training config and the prompt length it meets."""
+
+    config: TrainConfig
+    prompt_length: int  # Pl: BOS and the prompt's tokens
+    source: str
+
+
+def preset(name: str, overrides: list[str] = ()) -> Preset:
+    """`countdown`: the README's main preset, read from configs/countdown-stabledrl.yaml (P = 32,
+    G = 8, K = 2 mc views, μ = 1), with its task's longest prompt and completion.
+    `gsm8k-llada`: the StableDRL authors' GSM8K run of LLaDA-8B-Instruct (their
+    configs/gsm8k_math_spg_snis.yaml): 8 processes × 4 accumulation rounds × 1 prompt = P = 32,
+    G = 16 (8 generations × 2 repeats), L = 256 in 128 steps of blocks of 32, temperature 0.9,
+    K = 2 views, μ = 2, AdamW lr 2e-6, weight decay 0.1, clip 0.2, bf16. The prompt length is
+    ours, not theirs: 256 columns, as docs/scale-out.md assumes for GSM8K in LLaDA's chat
+    template. Their SPG estimator is not implemented here: the step uses mc with K = 2."""
+    if name == "countdown":
+        path = ROOT / "configs" / "countdown-stabledrl.yaml"
+        cfg = load_config(TrainConfig, path, overrides)
+        from stabledrl.tasks import get_task
+
+        task = get_task(cfg.task.name, **cfg.task.options)
+        if cfg.rollout.gen_length is None:
+            cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, gen_length=task.completion_length))
+        return Preset(cfg, task.prompt_length + 1, str(path.relative_to(ROOT)))
+    if name == "gsm8k-llada":
+        data = {"prompts_per_step": 32, "group_size": 16, "mu": 2, "lr": 2e-6, "weight_decay": 0.1,
+                "grad_clip": 0.2, "mixed_precision": "bf16", "drift_kl": False,
+                "rollout": {"gen_length": 256, "steps": 128, "block_length": 32, "temperature": 0.9},
+                "estimator": {"method": "mc", "num_samples": 2, "options": {"masking": "count"}},
+                "objective": {"name": "stabledrl", "clip": "upper", "clip_max": 5.0}}
+        return Preset(load_config(TrainConfig, data, overrides), 256,
+                      "JianyuanZhong/StableDRL configs/gsm8k_math_spg_snis.yaml (sizes), mc estimator")
+    raise ValueError(f"unknown preset {name!r}: countdown or gsm8k-llada")
+
+
+# ----------------------------------------------------------------------------- the memory model
+@dataclass(frozen=True)
+class Footprint:
+    """What the memory model reads besides the shape: one process's share of one step."""
+
+    prompt_length: int  # Pl
+    gen_length: int  # L
+    rows_per_call: int  # A: rollout rows in one sampler call (rollout.micro_batch, else the share)
+    views_per_forward: int  # scoring without a graph: views in one forward
+    views_with_graph: int  # the update: views whose activations are alive at once
+    lora_params: int = 0  # trainable adapter parameters; 0: full fine-tuning
+    weight_bytes: int = 4  # bytes per model weight: 4 (float32), 2 (a bfloat16 LoRA base)
+    autocast: bool = False  # mixed_precision bf16: the forwards compute in bfloat16
+    reference: bool = False  # a second copy of the weights (full FT with drift_kl or beta > 0)
+    shards: int = 1  # FSDP / ZeRO-3 processes sharing weights, gradients and AdamW states
+    optimizer_chunk: int | None = None  # elements stepped at a time (the trainer: 2**26); None: all
+    foreach: bool = False  # torch's multi-tensor AdamW (its default for CUDA tensors)
+    keeps_kv: bool = True  # a forward keeps every layer's qkv and k to its end (TinyDiffusionLM, not LLaDA's code)
+
+
+def activation_bytes(shape: Shape, f: Footprint) -> int:
+    """Bytes kept for the backward by one view of T = Pl + L tokens: TinyDiffusionLM's
+    forward, read from its code and checked op by op against `LiveBytes`.
+
+    Float32, per token and layer: the two RMSNorms' x·rsqrt and its product with the weight
+    (4d; with LoRA the weights are frozen and x·rsqrt is not kept: 2d), the qkv output (3d,
+    kept whole: SDPA keeps v, a view of it), the RoPE'd q and k (2d), SDPA's output and its
+    reshaped copy, proj's input (2d), the two residual sums (2d), the gate_up output (2I: SiLU
+    keeps the gate half, the product the up half), SiLU's output and the product (2I), SDPA's
+    float copy of the boolean mask (T), its logsumexp (H) and two rsqrt (2). Once per token:
+    the embedding output (d), RoPE's cos and sin (Dh), the final norm and the head's input
+    (2d; none with LoRA: the head is frozen). Per view: the log-softmax over the L completion
+    slots (L·V, float32).
+
+    Under autocast (measured with CPU autocast, whose policy for these ops, bfloat16
+    matmuls and SDPA, float32 norms, is CUDA's): bfloat16 are the casts of the two norm
+    outputs, the qkv output, the casts of the RoPE'd q and k, SDPA's output and its copy, the
+    MLP (4I) and the mask (9d + 4I + T); float32 the two residuals (or, over a bfloat16 LoRA
+    base, the norms' float32 copies of their inputs) and, with full fine-tuning, the norms'
+    x·rsqrt (2d + 2d). Once: the embedding output over float32 weights (d), cos and sin, and
+    with full fine-tuning the final norm (float32) and its cast (bfloat16)."""
+    d, I, V, H = shape.hidden_size, shape.intermediate_size, shape.vocab_size, shape.num_attention_heads
+    T, L, Dh = f.prompt_length + f.gen_length, f.gen_length, d // H
+    full = f.lora_params == 0
+    if f.autocast:
+        layer = 2 * (9 * d + 4 * I + T) + 4 * ((2 * d if full else 0) + 2 * d + H + 2)
+        once = 4 * (d * (f.weight_bytes == 4) + Dh) + (6 * d if full else 0)
+    else:
+        layer = 4 * ((4 * d if full else 2 * d) + 9 * d + 4 * I + T + H + 2)
+        once = 4 * (d + Dh + (2 * d if full else 0))
+    return T * (shape.num_hidden_layers * layer + once) + 4 * L * V
+
+
+def predict_memory(shape: Shape, f: Footprint) -> dict[str, Any]:
+    """Peak memory of one process in a step at steady state (AdamW's states exist; the
+    previous step's gradients are held until the update's zero_grad), in bytes, by phase.
+
+    Resident: the weights (a LoRA run's adapters in float32 besides), the reference copy
+    (never sharded), the gradients and AdamW's m and v (4 + 8 bytes per trainable parameter,
+    float32), the last three divided among `shards`. A forward also holds copies of weights
+    (`forward_weight_copies`): autocast's bfloat16 casts of every trainable float32 weight,
+    kept to the forward's end (2 bytes per parameter), or under FSDP the gathered unit and
+    the prefetched next one (a layer, or the embedding or head). On top, per phase:
+    - rollout: the larger of a forward (below) and the sampler's step over the L completion
+      columns: the logits (A, T, V), their float32 slice under autocast, and, in float64, the
+      Gumbel draw u, the noise, the tempered logits and their sum (4 × 8 bytes), then the
+      float32 softmax, log-softmax, exp and product of the entropy while u, the noise and the
+      tempered logits are held: 40·A·L·V bytes besides the logits;
+    - scoring: a forward without a graph: what the layers leave (`keeps_kv`: TinyDiffusionLM
+      collects every layer's keys and values, the whole qkv output and the RoPE'd k, until it
+      returns; LLaDA's code keeps nothing) and the larger of a layer's temporaries and the head
+      (the final residual, its norm and the logits (n, T, V)); then the log-softmax (n, L, V);
+    - update: the activations of the views with a graph (`activation_bytes`), the weight
+      copies, and the backward's first steps: the log-softmax's two gradients (2 × L·V per
+      view), then the logits' gradient (T·V) with the head's input and weight gradients;
+    - optimizer: all gradients and the step's temporaries: √v and its quotient for the
+      largest parameter (torch's per-tensor AdamW, on CPU), or √v of all that is stepped at
+      once (foreach; `optimizer_chunk` bounds it, and adds the trainer's copy of the chunk).
+    Rollouts of LLaDA (full attention) keep no KV cache; a block model's cache would add
+    2·nl·T·d bytes of activations per row."""
+    N = param_count(shape)
+    d, V, L = shape.hidden_size, shape.vocab_size, f.gen_length
+    T = f.prompt_length + f.gen_length
+    full = f.lora_params == 0
+    train = N if full else f.lora_params
+    shard = f.shards if full else 1
+    act = 2 if f.autocast else 4
+    logit = 2 if f.autocast else 4  # the head's output dtype
+    terms = {
+        "weights": N * f.weight_bytes // shard + (0 if full else 4 * f.lora_params),
+        "reference": N * f.weight_bytes if f.reference and full else 0,
+        "gradients": 4 * train // shard,
+        "adamw_states": 8 * train // shard,
+    }
+    if full and f.shards > 1:  # FSDP gathers a unit (a layer, the embedding, the head) and prefetches the next
+        terms["forward_weight_copies"] = 2 * max(layer_params(shape), V * d) * act
+    else:  # autocast casts every trainable float32 weight once per forward and keeps the casts to its end
+        terms["forward_weight_copies"] = 2 * N if f.autocast and full else 0
+    resident = terms["weights"] + terms["reference"] + terms["adamw_states"]
+    A, n, m = f.rows_per_call, f.views_per_forward, f.views_with_graph
+    I = shape.intermediate_size
+
+    def forward_peak(rows: int) -> int:  # a forward without a graph: the layers' leftovers, then the logits
+        left = rows * T * shape.num_hidden_layers * (3 * d * act + 4 * d) if f.keeps_kv else 0  # qkv; RoPE'd k
+        return terms["forward_weight_copies"] + left + rows * T * max((4 * I + 3 * d) * act, 3 * d * act + V * logit)
+
+    pick = A * T * V * logit + (4 * A * L * V if f.autocast else 0) + 40 * A * L * V
+    terms["rollout_transient"] = max(forward_peak(A), pick)
+    terms["scoring_transient"] = max(forward_peak(n), n * V * (T * logit + 4 * L))
+    terms["activations"] = m * activation_bytes(shape, f)
+    head_grad = 4 * V * d if full else 0
+    terms["update_backward_transient"] = max(8 * m * L * V, m * T * V * logit + m * T * d * act + head_grad)
+    stepped = train // shard
+    if f.foreach:
+        chunk = stepped if f.optimizer_chunk is None else min(stepped, f.optimizer_chunk)
+        temp = 4 * chunk * (2 if f.optimizer_chunk is not None else 1)  # √v (+ the trainer's copy)
+    else:  # the largest parameter: the embedding or the head (LoRA: an adapter of a few MB, left out)
+        temp = 2 * 4 * V * d if full else 0
+    terms["optimizer_transient"] = temp
+    phases = {
+        "start": resident + terms["gradients"],
+        "rollout": resident + terms["gradients"] + terms["rollout_transient"],
+        "scoring": resident + terms["gradients"] + terms["scoring_transient"],
+        "update": resident + terms["forward_weight_copies"] + terms["activations"]
+                  + terms["update_backward_transient"],
+        "optimizer": resident + terms["gradients"] + temp,
+    }
+    return {"terms": terms, "phases": phases, "peak": max(phases.values()), "params": N, "trainable": train}
+
+
+def views_per_row(cfg: TrainConfig) -> int:
+    """Noised views a rollout gets from the estimator (ℓ_old's plan; the update reuses its size)."""
+    e = cfg.estimator
+    if e.method == "sdmc":
+        return e.num_samples * e.options.get("num_nodes", 2)
+    if e.method in ("mc", "mean_field"):
+        return e.num_samples
+    raise ValueError(f"estimator.method {e.method!r}: the benchmark runs mc, sdmc and mean_field")
+
+
+def footprint(cfg: TrainConfig, prompt_length: int, *, lora_params: int = 0, weight_bytes: int = 4,
+              shards: int = 1, optimizer_chunk: int | None = None, foreach: bool = False) -> Footprint:
+    """The footprint of one process of `shards` running `cfg` (its share of the P·G rows)."""
+    rows = -(-cfg.prompts_per_step * cfg.group_size // shards)
+    views = rows * views_per_row(cfg)
+    budget = cfg.estimator.max_views_per_forward
+    return Footprint(prompt_length=prompt_length, gen_length=cfg.rollout.gen_length,
+                     rows_per_call=min(rows, cfg.rollout.micro_batch or rows),
+                     views_per_forward=min(views, budget or views), views_with_graph=min(views, budget or views),
+                     lora_params=lora_params, weight_bytes=weight_bytes, autocast=cfg.mixed_precision == "bf16",
+                     reference=cfg.lora is None and (cfg.drift_kl or cfg.objective.beta > 0), shards=shards,
+                     optimizer_chunk=optimizer_chunk, foreach=foreach)
+
+
+# ----------------------------------------------------------------------------- measuring
+class LiveBytes(TorchDispatchMode):
+    """Bytes of live CPU tensors, counted storage by storage: the counterpart of
+    `torch.cuda.memory_allocated`, which torch does not keep for its CPU allocator. A storage
+    counts from the op that makes it until it is freed (a finalizer on the storage's Python
+    object, which torch keeps for as long as the storage lives, views and autograd's saved
+    tensors included); tensors made before the mode is entered are added with `add`. Memory a
+    kernel allocates and frees inside itself is not seen. `peaks[phase]`: the largest count
+    while that phase ran."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = 0
+        self.phase = "start"
+        self.peaks: dict[str, int] = {}
+        self._seen: set[int] = set()
+
+    def add(self, t: torch.Tensor) -> None:
+        if t.device.type != "cpu":
+            return
+        storage = t.untyped_storage()
+        key, size = storage.data_ptr(), storage.nbytes()
+        if size == 0 or key in self._seen:
+            return
+        self._seen.add(key)
+        self.live += size
+        weakref.finalize(storage, self._free, key, size)
+        if self.live > self.peaks.get(self.phase, 0):
+            self.peaks[self.phase] = self.live
+
+    def _free(self, key: int, size: int) -> None:
+        self._seen.discard(key)
+        self.live -= size
+
+    def enter(self, phase: str) -> None:
+        self.phase = phase
+        self.peaks[phase] = max(self.peaks.get(phase, 0), self.live)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self.add(t)
+        return out
+
+
+class _Clock:
+    """Seconds per phase of a step and the peak memory of each phase: on a GPU from torch's
+    allocator (synchronised at each phase's end, so that a phase's time includes its
+    kernels), on CPU from a `LiveBytes` when one is given."""
+
+    def __init__(self, cuda: bool, live: LiveBytes | None = None) -> None:
+        self.cuda, self.live = cuda, live
+        self.seconds: dict[str, float] = {}
+        self.peaks: dict[str, int] = {}
+
+    @contextmanager
+    def __call__(self, phase: str) -> Iterator[None]:
+        if self.live is not None:
+            self.live.enter(phase)
+        if self.cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            if self.cuda:
+                torch.cuda.synchronize()
+                self.peaks[phase] = max(self.peaks.get(phase, 0), torch.cuda.max_memory_allocated())
+            self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - t0
+            if self.live is not None:
+                self.peaks = dict(self.live.peaks)
+
+
+def _rss() -> int:
+    import psutil
+
+    return psutil.Process().memory_info().rss
+
+
+def _peak_rss() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+
+
+# ----------------------------------------------------------------------------- one RL step
+@dataclass
+class _Run:
+    """What a step needs: the policy, its reference, the optimizer and the step's prompts."""
+
+    cfg: TrainConfig
+    policy: TinyPolicy
+    reference: Any
+    accelerator: Any
+    opt: torch.optim.Optimizer
+    params: list[torch.nn.Parameter]
+    prompt_ids: torch.Tensor  # (B, Pl)
+    prompt_mask: torch.Tensor  # (B, Pl)
+
+
+def _objective(cfg: TrainConfig, logp, old, advantages, completion_mask, ref, weight_kw: dict):
+    """The preset's objective, called as the trainer calls it."""
+    o = cfg.objective
+    if o.name == "grpo":
+        return grpo_loss(logp, old, advantages, group_size=cfg.group_size, clip_eps=o.clip_eps,
+                         ratio_level=o.ratio_level, completion_mask=completion_mask,
+                         ref_logp=ref if o.beta else None, beta=o.beta, token_aggregation=o.token_aggregation)
+    return stabledrl_loss(logp, old, advantages, group_size=cfg.group_size, clip=o.clip, clip_max=o.clip_max,
+                          clip_eps=o.clip_eps, ratio_level=o.ratio_level, completion_mask=completion_mask, **weight_kw)
+
+
+def rl_step(run: _Run, step: int, clock: _Clock) -> dict[str, int]:
+    """One step of the trainer (stabledrl.train, one process) on random prompts and rewards."""
+    cfg, policy, acc = run.cfg, run.policy, run.accelerator
+    B, G, L = run.prompt_ids.size(0), cfg.group_size, cfg.rollout.gen_length
+    e = cfg.estimator
+    with clock("rollout"):
+        roll = generate_micro_batched(policy, run.prompt_ids, run.prompt_mask, gen_length=L,
+                                      micro_batch=cfg.rollout.micro_batch,
+                                      generator=row_generators(f"{cfg.seed}/{step}/0", 0, B),
+                                      **cfg.rollout.generate_kwargs())
+    comp, cmask = roll.completion_ids, roll.completion_mask  # (B, L)
+    rewards = torch.rand(B, generator=torch.Generator().manual_seed(cfg.seed * 1_000_003 + step))  # (B,)
+    advantages = group_advantages(rewards, G, cfg.objective.advantage_scale)  # (B,)
+    token_level = cfg.objective.ratio_level == "token"
+
+    def plan(slot: int):
+        return plan_views(e.method, cmask, num_samples=e.num_samples,
+                          generator=torch.Generator().manual_seed(cfg.seed * 1_000_003 + step * 64 + slot),
+                          prompt_ids=run.prompt_ids, prompt_mask=run.prompt_mask,
+                          bos_token_id=policy.tokenizer.bos_token_id, **e.options)
+
+    def score(pol, pl) -> torch.Tensor:  # (B,) or (B, L)
+        est = score_views(pol, pl, run.prompt_ids, comp, cmask, prompt_mask=run.prompt_mask,
+                          reduction=e.reduction, max_views_per_forward=e.max_views_per_forward)
+        return (est.token if token_level else est.sequence).cpu()
+
+    scored = 0
+    with clock("scoring"), torch.no_grad():
+        plan_old = plan(1)
+        old = score(policy, plan_old)
+        scored += plan_old.num_views
+        ref = None
+        if run.reference is not None:
+            with acc.autocast():  # a reference copy is not prepared: the precision of ℓ_old
+                ref = score(run.reference, plan_old)
+            scored += plan_old.num_views
+        if cfg.objective.separate_weight_masks:
+            plan_w = plan(2)
+            w_old = score(policy, plan_w)
+            scored += plan_w.num_views
+    two_pass = e.max_views_per_forward is not None
+    trained = 0
+    for it in range(cfg.mu):
+        pl = plan_old if cfg.masks == "shared" else plan(3 + it)
+        with clock("update"):
+            w_kw = {}
+            if cfg.objective.separate_weight_masks:
+                with torch.no_grad():
+                    w_kw = {"weight_logp": score(policy, plan_w), "weight_old_logp": w_old}
+            run.opt.zero_grad(set_to_none=True)
+            if two_pass:  # ∂loss/∂ℓ on a leaf, pushed back one micro-batch of views at a time
+                with torch.no_grad():
+                    leaf = score(policy, pl).requires_grad_()
+                res = _objective(cfg, leaf, old, advantages, cmask, ref, w_kw)
+                res.loss.backward()
+                backward_views(policy, pl, run.prompt_ids, comp, cmask, leaf.grad.to(comp.device),
+                               prompt_mask=run.prompt_mask, reduction=e.reduction,
+                               max_views_per_forward=e.max_views_per_forward, backward=acc.backward)
+            else:
+                res = _objective(cfg, score(policy, pl), old, advantages, cmask, ref, w_kw)
+                acc.backward(res.loss)
+            trained += pl.num_views
+        with clock("optimizer"):
+            acc.clip_grad_norm_(run.params, cfg.grad_clip)
+            run.opt.step()
+    return {"rows": B, "completion_slots": B * L, "scored_tokens": int(cmask.sum()), "views_scored": scored,
+            "views_trained": trained, "forward_passes": roll.forward_passes}
+
+
+def _resident(run: _Run) -> list[torch.Tensor]:
+    """The tensors a step starts with: weights, buffers, gradients, AdamW states, prompts."""
+    models = [run.policy.model] + ([run.reference.model] if isinstance(run.reference, TinyPolicy) else [])
+    out = [t for m in models for t in (*m.parameters(), *m.buffers())]
+    out += [p.grad for p in run.params if p.grad is not None]
+    out += [v for s in run.opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    return out + [run.prompt_ids, run.prompt_mask]
+
+
+# ----------------------------------------------------------------------------- one mode
+def _with_lora(cfg: TrainConfig, mode: str, lora: LoraSettings) -> TrainConfig:
+    return cfg if mode == "full" else dataclasses.replace(cfg, lora=lora)
+
+
+def run_mode(shape_name: str, pre: Preset, mode: str, device: str, *, repeats: int, lora: LoraSettings,
+             lora_base_dtype: torch.dtype = torch.float32) -> dict[str, Any]:
+    """Build the model, run one warm-up step and `repeats` timed steps (and, on CPU, one more
+    under `LiveBytes`); return the figures and the memory model's prediction."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+
+    shape = SHAPES[shape_name]
+    cfg = _with_lora(pre.config, mode, lora)
+    cuda = torch.device(device).type == "cuda"
+    dtype = lora_base_dtype if mode == "lora" else torch.float32
+    lora_n = lora_param_count(shape, lora.r) if mode == "lora" else 0
+    f = footprint(cfg, pre.prompt_length, lora_params=lora_n, weight_bytes=dtype.itemsize, foreach=cuda)
+    predicted = predict_memory(shape, f)
+    if cuda:  # rejected at start-up, not discovered as an out-of-memory error
+        total = torch.cuda.mem_get_info()[1]
+        if predicted["peak"] > 0.95 * total:
+            return {"mode": mode, "skipped": f"predicted peak {predicted['peak'] / GB:.1f} GB > 95% of the GPU's "
+                    f"{total / GB:.1f} GB (full fine-tuning of this shape needs FSDP: see --predict-only)",
+                    "predicted": predicted, "footprint": dataclasses.asdict(f)}
+
+    rss_before = _rss()
+    policy = TinyPolicy(build_model(shape, device, dtype), build_char_tokenizer())
+    reference = None
+    if mode == "lora":  # as the trainer: the base model with the adapters off, no second copy
+        add_lora(policy, cfg.lora, seed=cfg.seed)
+        reference = base_policy(policy)
+    elif cfg.drift_kl or cfg.objective.beta > 0:  # the trainer loads a second copy of the initial model
+        reference = TinyPolicy(copy.deepcopy(policy.model).requires_grad_(False), policy.tokenizer)
+    AcceleratorState._reset_state()
+    acc = Accelerator(cpu=not cuda, mixed_precision=cfg.mixed_precision)
+    params = [p for p in policy.model.parameters() if p.requires_grad]
+    # the optimizer stabledrl.train builds (its `_optimizer`), prepared as it prepares it
+    opt = (torch.optim.SGD(params, lr=cfg.lr) if cfg.optimizer == "sgd"
+           else torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay))
+    policy.model, opt = acc.prepare(policy.model, opt)
+    params = [p for p in policy.model.parameters() if p.requires_grad]
+    if mode == "lora" and sum(p.numel() for p in params) != lora_n:
+        raise RuntimeError(f"peft made {sum(p.numel() for p in params)} adapter parameters, lora_param_count {lora_n}")
+    B = cfg.prompts_per_step * cfg.group_size
+    # BOS, then plain tokens (ids past the char tokenizer's five special tokens): (B, Pl)
+    ids = torch.randint(5, shape.vocab_size, (B, pre.prompt_length), generator=torch.Generator().manual_seed(cfg.seed))
+    ids[:, 0] = policy.tokenizer.bos_token_id
+    ids = ids.to(device)
+    run = _Run(cfg, policy, reference, acc, opt, params, ids, torch.ones_like(ids))
+
+    rl_step(run, 0, _Clock(cuda))  # warm-up: AdamW's states are made here
+    steps = []
+    for r in range(repeats):
+        clock = _Clock(cuda)
+        t0 = time.perf_counter()
+        counts = rl_step(run, 1 + r, clock)
+        steps.append({"seconds": time.perf_counter() - t0, **{f"{k}_seconds": v for k, v in clock.seconds.items()},
+                      **counts, **({"peaks": clock.peaks} if cuda else {})})
+    if cuda:
+        peaks = {k: max(s["peaks"][k] for s in steps) for k in steps[0]["peaks"]}
+    else:  # one more step, with every live tensor counted
+        live = LiveBytes()
+        with live:
+            for t in _resident(run):
+                live.add(t)
+            clock = _Clock(False, live)
+            rl_step(run, 1 + repeats, clock)
+        peaks = clock.peaks
+    measured = max(peaks.values())
+    med = {k: statistics.median(s[k] for s in steps) for k in steps[0] if k.endswith("seconds")}
+    last = steps[-1]
+    out = {
+        "mode": mode, "params": predicted["params"], "trainable": sum(p.numel() for p in params),
+        "weights_dtype": str(dtype).removeprefix("torch."),
+        "reference": "none" if reference is None else ("base model, adapters off" if mode == "lora" else "a copy"),
+        "median_seconds": med,
+        "split": {k.removesuffix("_seconds"): med[k] / med["seconds"] for k in med if k != "seconds"},
+        "rollout_tokens_per_s": last["completion_slots"] / med["rollout_seconds"],
+        "scoring_views_per_s": last["views_scored"] / med["scoring_seconds"],
+        "update_views_per_s": last["views_trained"] / med["update_seconds"],
+        "counts": {k: last[k] for k in ("rows", "completion_slots", "scored_tokens", "views_scored",
+                                        "views_trained", "forward_passes")},
+        "memory": {
+            "measured_by": "torch.cuda.max_memory_allocated" if cuda else "LiveBytes (live tensor storages)",
+            "measured_peak": measured, "measured_phases": peaks,
+            "predicted_peak": predicted["peak"], "predicted_phases": predicted["phases"],
+            "predicted_terms": predicted["terms"], "ratio_predicted_over_measured": predicted["peak"] / measured,
+        },
+        "footprint": dataclasses.asdict(f),
+        "steps": steps,
+    }
+    if not cuda:
+        rss = _peak_rss() - rss_before
+        out["memory"].update(rss_peak_above_start=rss, ratio_predicted_over_rss=predicted["peak"] / rss)
+    return out
+
+
+# ----------------------------------------------------------------------------- predictions alone
+def _largest(fits, hi: int) -> int:
+    """The largest k in [1, hi] with fits(k) (fits is monotone); 0 if none."""
+    lo = 0
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+    return lo
+
+
+def predict_layouts(shape_name: str, pre: Preset, *, shards: int, lora: LoraSettings, gpu_bytes: float,
+                    keeps_kv: bool = False) -> dict[str, Any]:
+    """The memory model, per process, for full fine-tuning sharded over `shards` processes
+    (FSDP, the trainer's chunked AdamW step, foreach) and for LoRA over a bfloat16 base in
+    one process, at the preset's sizes, and what fits in `gpu_bytes`: the largest
+    rollout.micro_batch and estimator.max_views_per_forward, and under FSDP the largest
+    share of rows that fits without a view budget (docs/scale-out.md: with sharded
+    parameters the trainer leaves `max_views_per_forward` unset). `keeps_kv` False: LLaDA's
+    own modelling code, which keeps nothing across layers in a forward without a graph."""
+    shape = SHAPES[shape_name]
+    n_meta = sum(p.numel() for p in build_model(shape, "meta").parameters())  # the real module tree
+    if n_meta != param_count(shape):
+        raise RuntimeError(f"the meta model has {n_meta} parameters, param_count {param_count(shape)}")
+    K = views_per_row(pre.config)
+    out: dict[str, Any] = {"params": n_meta, "lora_params": lora_param_count(shape, lora.r), "gpu_bytes": gpu_bytes,
+                           "keeps_kv": keeps_kv}
+    full = footprint(pre.config, pre.prompt_length, shards=shards, optimizer_chunk=2**26, foreach=True)
+    low = footprint(_with_lora(pre.config, "lora", lora), pre.prompt_length, lora_params=out["lora_params"],
+                    weight_bytes=2, optimizer_chunk=2**26, foreach=True)
+    for name, f in ((f"full FT, FSDP over {shards} processes", full), ("LoRA, one process", low)):
+        f = dataclasses.replace(f, keeps_kv=keeps_kv)
+        share = -(-pre.config.prompts_per_step * pre.config.group_size // f.shards)
+        peak = lambda **kw: predict_memory(shape, dataclasses.replace(f, **kw))["peak"]  # noqa: E731
+        rows = _largest(lambda k: peak(rows_per_call=k, views_per_forward=1, views_with_graph=1) <= gpu_bytes, share)
+        views = _largest(lambda k: peak(rows_per_call=1, views_per_forward=k, views_with_graph=k) <= gpu_bytes,
+                         share * K)
+        entry = {"footprint": dataclasses.asdict(f), "share_rows": share, **predict_memory(shape, f),
+                 "rollout_bytes_per_row": peak(rows_per_call=2, views_per_forward=1, views_with_graph=1)
+                 - peak(rows_per_call=1, views_per_forward=1, views_with_graph=1),
+                 "activation_bytes_per_view": activation_bytes(shape, f),
+                 "fits": {"rollout.micro_batch": rows, "estimator.max_views_per_forward": views,
+                          "peak": peak(rows_per_call=max(rows, 1), views_per_forward=max(views, 1),
+                                       views_with_graph=max(views, 1))}}
+        if f.shards > 1:
+            entry["fits"]["rows_per_process_without_view_budget"] = _largest(
+                lambda k: peak(rows_per_call=min(k, f.rows_per_call), views_per_forward=k * K,
+                               views_with_graph=k * K) <= gpu_bytes, share)
+        out[name] = entry
+    return out
+
+
+# ----------------------------------------------------------------------------- command line
+def _machine(device: str) -> dict[str, Any]:
+    m = {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+         "cpu_count": os.cpu_count(), "torch": torch.__version__, "threads": torch.get_num_threads(),
+         "python": platform.python_version()}
+    if torch.device(device).type == "cuda":
+        m["gpu"] = torch.cuda.get_device_name()
+        m["gpu_bytes"] = torch.cuda.mem_get_info()[1]
+    return m
+
+
+def _gb(x: float) -> str:
+    return f"{x / GB:.2f} GB"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", choices=sorted(SHAPES), help="default: llada-8b on cuda, llada-cpu on cpu")
+    ap.add_argument("--preset", choices=["countdown", "gsm8k-llada"], default="countdown")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="override a field of the preset's training config, e.g. rollout.micro_batch=16")
+    ap.add_argument("--prompt-length", type=int, help="prompt columns (BOS included); default: the preset's")
+    ap.add_argument("--modes", default="full,lora", help="full, lora or both (each in a fresh process)")
+    ap.add_argument("--lora-r", type=int, default=16)
+    ap.add_argument("--lora-alpha", type=float, default=32.0)
+    ap.add_argument("--lora-base-dtype", choices=["float32", "bfloat16"],
+                    help="the LoRA base's weights; default: bfloat16 on cuda, float32 on cpu")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--repeats", type=int, default=3, help="timed steps after one warm-up step")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--predict-only", action="store_true",
+                    help="no model is materialised: the parameter count of the meta model and the memory model's "
+                         "prediction for full FT under FSDP and for LoRA on one GPU")
+    ap.add_argument("--shards", type=int, default=8, help="--predict-only: FSDP processes of full fine-tuning")
+    ap.add_argument("--gpu-memory", type=float, default=80.0, help="--predict-only: GB of one GPU")
+    ap.add_argument("--tag", help="default: <shape>-<preset>")
+    ap.add_argument("--out", help="default: benchmarks/results/scale-<tag>.json")
+    ap.add_argument("--child-out", help=argparse.SUPPRESS)  # one mode, written here (internal)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    cuda = torch.device(args.device).type == "cuda"
+    if cuda and not torch.cuda.is_available():
+        ap.error("--device cuda: no GPU is visible")
+    shape_name = args.shape or ("llada-8b" if cuda else "llada-cpu")
+    shape = SHAPES[shape_name]
+    sets = list(args.set)
+    pre = preset(args.preset, sets)
+    if args.prompt_length:
+        pre = dataclasses.replace(pre, prompt_length=args.prompt_length)
+    lora = LoraSettings(r=args.lora_r, alpha=args.lora_alpha, dropout=0.0, target_modules=["all-linear"])
+    base_dtype = getattr(torch, args.lora_base_dtype or ("bfloat16" if cuda else "float32"))
+    tag = args.tag or f"{shape_name}-{args.preset}"
+    out_path = Path(args.out or ROOT / "benchmarks" / "results" / f"scale-{tag}.json")
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    if not modes or set(modes) - {"full", "lora"}:
+        ap.error("--modes: full, lora or full,lora")
+
+    if args.child_out:  # one mode, in this process
+        res = run_mode(shape_name, pre, modes[0], args.device, repeats=args.repeats, lora=lora,
+                       lora_base_dtype=base_dtype)
+        Path(args.child_out).write_text(json.dumps(res))
+        return
+    report: dict[str, Any] = {
+        "command": "python benchmarks/scale.py " + " ".join(sys.argv[1:]), "machine": _machine(args.device),
+        "shape": {"name": shape_name, **dataclasses.asdict(shape), "params": param_count(shape)},
+        "preset": {"name": args.preset, "source": pre.source, "prompt_length": pre.prompt_length, "sets": sets,
+                   "config": dataclasses.asdict(pre.config)},
+        "settings": {"device": args.device, "threads": args.threads, "repeats": args.repeats,
+                     "lora": dataclasses.asdict(lora), "lora_base_dtype": str(base_dtype).removeprefix("torch.")},
+    }
+    if args.predict_only:
+        pred = predict_layouts(shape_name, pre, shards=args.shards, lora=lora, gpu_bytes=args.gpu_memory * GB)
+        report["predicted"] = pred
+        print(f"{shape_name}: {pred['params']:,} parameters (meta model); LoRA r={lora.r}: {pred['lora_params']:,}")
+        for name, e in pred.items():
+            if isinstance(e, dict):
+                ph = ", ".join(f"{k} {_gb(v)}" for k, v in e["phases"].items())
+                print(f"  {name}: predicted peak {_gb(e['peak'])} per process ({ph})")
+    else:
+        report["modes"] = []
+        for mode in modes:
+            with tempfile.TemporaryDirectory() as tmp:  # a fresh process: its RSS peak is its own
+                child = Path(tmp) / "mode.json"
+                cmd = [sys.executable, __file__, *sys.argv[1:], "--modes", mode, "--child-out", str(child)]
+                subprocess.run(cmd, check=True, env={**os.environ, "OMP_NUM_THREADS": str(args.threads)})
+                res = json.loads(child.read_text())
+            report["modes"].append(res)
+            if "skipped" in res:
+                print(f"{mode}: skipped: {res['skipped']}")
+                continue
+            m, s = res["memory"], res["median_seconds"]
+            print(f"{mode}: step {s['seconds']:.2f} s (rollout {s['rollout_seconds']:.2f}, scoring "
+                  f"{s['scoring_seconds']:.2f}, update {s['update_seconds']:.2f}, optimizer "
+                  f"{s['optimizer_seconds']:.2f}); rollout {res['rollout_tokens_per_s']:.0f} tokens/s, "
+                  f"scoring {res['scoring_views_per_s']:.1f} views/s, update {res['update_views_per_s']:.1f} views/s; "
+                  f"peak {_gb(m['measured_peak'])} measured, {_gb(m['predicted_peak'])} predicted "
+                  f"(ratio {m['ratio_predicted_over_measured']:.3f})", flush=True)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    out_path.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {out_path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,96 @@
+"""benchmarks/scale.py: the memory model against hand arithmetic, the LLaDA-8B meta model's
+parameter count, the live-tensor counter, and one step of the benchmark on a tiny shape."""
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import scale  # noqa: E402
+
+TINY = scale.SHAPES["tiny"]  # V 256, d 32, 2 layers, 2 heads, I 96
+
+
+def test_parameter_count_of_the_tiny_shape_by_hand():
+    # per layer: q, k, v, out 4·32² = 4096; gate, up, down 3·32·96 = 9216; two norms 2·32 = 64
+    # -> 13,376; two layers 26,752; embedding and head 2·256·32 = 16,384; final norm 32: 43,168
+    assert scale.param_count(TINY) == 43_168
+    assert sum(p.numel() for p in scale.build_model(TINY, "cpu").parameters()) == 43_168
+
+
+def test_llada_8b_meta_model_has_the_published_parameter_count():
+    # LLaDA-8B's config: d 4096, 32 layers, MLP 12288, vocabulary 126464, no biases, untied head.
+    # per layer: 4·4096² = 67,108,864; 3·4096·12288 = 150,994,944; 2·4096 = 8,192 -> 218,112,000
+    # 32 layers: 6,979,584,000; embedding and head 2·126464·4096 = 1,035,993,088; final norm 4,096
+    # total 8,015,581,184, i.e. the 16,031,162,368 bytes of the checkpoint's bfloat16 safetensors / 2
+    model = scale.build_model(scale.SHAPES["llada-8b"], "meta")
+    assert sum(p.numel() for p in model.parameters()) == 8_015_581_184
+    assert scale.param_count(scale.SHAPES["llada-8b"]) == 8_015_581_184
+    assert next(model.parameters()).device.type == "meta"
+
+
+def _footprint(**kw):
+    return scale.Footprint(**{"prompt_length": 13, "gen_length": 11, "rows_per_call": 4, "views_per_forward": 8,
+                              "views_with_graph": 8, **kw})
+
+
+def test_resident_terms_by_hand():
+    N = 43_168
+    t = scale.predict_memory(TINY, _footprint(reference=True))["terms"]
+    # float32 weights 4N, reference copy 4N, gradients 4N, AdamW m and v 8N
+    assert (t["weights"], t["reference"], t["gradients"], t["adamw_states"]) == (4 * N, 4 * N, 4 * N, 8 * N)
+    sharded = scale.predict_memory(TINY, _footprint(reference=True, shards=8))["terms"]
+    # FSDP over 8 divides weights, gradients and AdamW states (43,168 / 8 = 5,396); the reference is whole
+    assert (sharded["weights"], sharded["gradients"], sharded["adamw_states"]) == (4 * 5_396, 4 * 5_396, 8 * 5_396)
+    assert sharded["reference"] == 4 * N
+
+
+def test_lora_terms_by_hand():
+    # r = 4 on qkv (32 -> 96), proj (32 -> 32), gate_up (32 -> 192), down (96 -> 32):
+    # 4·(128 + 64 + 224 + 128) = 2,176 per layer, 4,352 for two
+    assert scale.lora_param_count(TINY, 4) == 4_352
+    t = scale.predict_memory(TINY, _footprint(lora_params=4_352, weight_bytes=2))["terms"]
+    # a bfloat16 base (2 bytes per weight) and float32 adapters; gradients and AdamW only for the adapters
+    assert t["weights"] == 2 * 43_168 + 4 * 4_352
+    assert (t["gradients"], t["adamw_states"], t["reference"]) == (4 * 4_352, 8 * 4_352, 0)
+
+
+def test_activation_bytes_by_hand():
+    # T = 13 + 11 = 24 tokens, float32. Per token and layer: norms 4d = 128, qkv, RoPE'd q and
+    # k, SDPA output and copy, residuals 9d = 288, MLP 4I = 384, mask row T = 24, logsumexp
+    # H = 2, rsqrt 2: 828 elements = 3,312 bytes; two layers 6,624. Once per token: embedding
+    # d, cos and sin Dh = 16, final norm and head input 2d: 112 elements = 448 bytes.
+    # 24 · (6,624 + 448) = 169,728, plus the log-softmax 4·11·256 = 11,264: 180,992 per view
+    assert scale.activation_bytes(TINY, _footprint()) == 180_992
+    t = scale.predict_memory(TINY, _footprint())["terms"]
+    assert t["activations"] == 8 * 180_992
+
+
+def test_live_bytes_counts_a_saved_tensor_until_the_backward_frees_it():
+    x = torch.randn(1000, requires_grad=True)
+    with scale.LiveBytes() as live:
+        y = x.exp()  # 1000 float32: 4,000 bytes, kept by exp's backward
+        z = y.sum()
+        del y
+        assert live.live == 4_000 + 4  # the graph holds exp's output; z is one float
+        z.backward()
+        # the saved output is freed; x.grad (4,000 bytes) was made by the backward
+        assert live.live == 4 + 4_000
+    assert live.peaks["start"] >= 8_000
+
+
+@pytest.mark.parametrize("mode", ["full", "lora"])
+def test_a_step_on_the_tiny_shape_measures_what_the_model_predicts(mode):
+    pre = scale.preset("countdown", ["prompts_per_step=2", "group_size=2"])
+    lora = scale.LoraSettings(r=4, alpha=8.0)
+    res = scale.run_mode("tiny", pre, mode, "cpu", repeats=1, lora=lora)
+    assert res["counts"]["rows"] == 4 and res["counts"]["views_trained"] == 4 * 2  # K = 2 views a row
+    assert res["rollout_tokens_per_s"] > 0 and res["scoring_views_per_s"] > 0 and res["update_views_per_s"] > 0
+    assert set(res["split"]) == {"rollout", "scoring", "update", "optimizer"}
+    assert res["trainable"] == (43_168 if mode == "full" else 4_352)
+    mem = res["memory"]
+    # measured on CPU as live tensor bytes: the model is within 20% of it
+    assert 0.8 < mem["ratio_predicted_over_measured"] < 1.2
+    assert mem["measured_phases"]["update"] > mem["measured_phases"]["start"]
