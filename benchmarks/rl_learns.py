@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from stabledrl.checkpoint import finished_summary
-from stabledrl.config import load_config, to_dict
+from stabledrl.config import load_config
 from stabledrl.evaluate import evaluate
 from stabledrl.models import load_policy
 from stabledrl.report import load_metrics
@@ -87,7 +87,7 @@ def cmd_main(args) -> dict:
         cfg = load_config(TrainConfig, args.config, [f"seed={seed}", f"output_dir={out}", f"eval_split={args.split}",
                                                      f"eval_n={args.n}", *args.set])
         t0 = time.perf_counter()
-        summary = finished_summary(out, to_dict(cfg)) or run_train(cfg, progress=False)  # reuse a finished run
+        summary = finished_summary(out, cfg) or run_train(cfg, progress=False)  # reuse a finished run
         seconds = time.perf_counter() - t0
         task = get_task(cfg.task.name, **cfg.task.options)
         problems = task.generate(args.n, split=args.split, seed=0)

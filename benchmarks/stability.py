@@ -21,7 +21,7 @@ import statistics
 from pathlib import Path
 
 from stabledrl.checkpoint import finished_summary
-from stabledrl.config import load_config, to_dict
+from stabledrl.config import load_config
 from stabledrl.report import load_metrics, plot_runs
 from stabledrl.train import TrainConfig, run_train
 
@@ -84,7 +84,7 @@ def main() -> None:
             cfg = load_config(TrainConfig, f"configs/{args.preset}-{name}.yaml",
                               [f"output_dir={out}", f"seed={seed}", f"steps={args.steps}", f"lr={args.lr}",
                                "save_every=1000000", *args.set])
-            summary = finished_summary(out, to_dict(cfg))  # finished earlier with this config: reuse it
+            summary = finished_summary(out, cfg)  # finished earlier with this config: reuse it
             if summary is None:  # fresh, or resumed after an interruption
                 summary = run_train(cfg, resume=any(out.glob("checkpoint-*")))
             results.append({"objective": name, "seed": seed, **summarise(out, summary)})

@@ -221,13 +221,16 @@ def test_a_run_resumes_exactly_from_a_checkpoint_of_the_earlier_layout(tmp_path)
 
 
 def test_a_finished_run_is_reused_only_with_its_own_config(tmp_path):
-    from stabledrl.config import ConfigError
+    from stabledrl.config import ConfigError, load_config, to_dict
+    from stabledrl.train import TrainConfig
 
-    config = {"seed": 0, "lr": 5e-5, "objective": {"name": "stabledrl", "clip_max": 5.0}}
-    open_run_dir(tmp_path, config, resume=False)
-    assert finished_summary(tmp_path, config) is None  # not finished yet
+    cfg = load_config(TrainConfig, None, ["seed=3", "lr=5e-5"])
+    saved = to_dict(cfg)
+    del saved["model"]["prompt_attention"]  # a run saved before this field existed: its default
+    open_run_dir(tmp_path, saved, resume=False)
+    assert finished_summary(tmp_path, cfg) is None  # not finished yet
     write_atomic(tmp_path / "summary.json", json.dumps({"eval_final": {"accuracy": 0.5}}))
-    assert finished_summary(tmp_path, config) == {"eval_final": {"accuracy": 0.5}}
-    other = {**config, "lr": 1e-4, "objective": {"name": "grpo", "clip_max": 5.0}}
+    assert finished_summary(tmp_path, cfg) == {"eval_final": {"accuracy": 0.5}}
+    other = load_config(TrainConfig, None, ["seed=3", "lr=1e-4", "objective.name=grpo"])
     with pytest.raises(ConfigError, match="differs in lr, objective"):
         finished_summary(tmp_path, other)

@@ -244,18 +244,21 @@ def open_run_dir(run_dir: str | Path, config: dict, *, resume: bool) -> Path | N
     return ckpt
 
 
-def finished_summary(run_dir: str | Path, config: dict) -> dict | None:
-    """The summary of a finished run made with `config`, or None if the run has not finished.
+def finished_summary(run_dir: str | Path, cfg: Any) -> dict | None:
+    """The summary of a finished run made with the config `cfg`, or None if it has not finished.
 
     For benchmarks that reuse finished runs: a finished run made with another config (the
-    same output_dir, a changed setting) is refused rather than passed off as this one."""
+    same output_dir, a changed setting) is refused rather than passed off as this one. The
+    saved config is read through `cfg`'s class, so a field added since takes its default."""
     import yaml
+
+    from stabledrl.config import load_config, to_dict
 
     run_dir = Path(run_dir)
     if not (run_dir / "summary.json").is_file():
         return None
-    saved = yaml.safe_load((run_dir / "config.yaml").read_text())
-    wanted = yaml.safe_load(yaml.safe_dump(config, sort_keys=False))  # as open_run_dir wrote it
+    saved = to_dict(load_config(type(cfg), run_dir / "config.yaml"))
+    wanted = to_dict(cfg)
     if saved != wanted:
         changed = sorted(k for k in set(saved) | set(wanted) if saved.get(k) != wanted.get(k))
         raise ConfigError(f"{run_dir} holds a finished run made with another config (it differs in "
