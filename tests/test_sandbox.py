@@ -5,7 +5,11 @@ tests that check a specific OS layer are skipped where it is not in force.
 """
 
 import os
+import shutil
 import socket
+import subprocess
+import sys
+import tempfile
 import textwrap
 import threading
 import time
@@ -446,3 +450,31 @@ def test_bad_arguments_raise():
         run_python(None)
     with pytest.raises(ValueError):
         run_python("pass", timeout_s=0)
+
+
+# --- the bootstrap module (stabledrl/_sandbox_boot.py) --------------------------------
+def test_the_bootstrap_imports_under_the_sandbox_flags_and_does_nothing_on_import():
+    # -I -S: no site-packages, so only the standard library can be imported; on import it
+    # defines its helpers and does nothing (no output; main() runs only as a script).
+    code = ("import importlib.util, sys\n"
+            f"spec = importlib.util.spec_from_file_location('boot', {sandbox._BOOT!r})\n"
+            "spec.loader.exec_module(importlib.util.module_from_spec(spec))\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] not in sys.stdlib_module_names | {'__main__'}))\n")
+    r = subprocess.run([sys.executable, "-I", "-S", "-B", "-c", code], capture_output=True, text=True, timeout=30)
+    assert (r.returncode, r.stdout, r.stderr) == (0, "[]\n", "")
+
+
+def test_blocked_dirs_names_the_first_directory_the_sandbox_uid_cannot_cross():
+    from stabledrl import _sandbox_boot as boot
+
+    top = tempfile.mkdtemp(prefix="stabledrl-boot-test-", dir="/tmp")  # pytest's own tmp is mode 0700
+    try:
+        os.chmod(top, 0o755)
+        os.makedirs(os.path.join(top, "closed", "inner", "lib"))
+        os.makedirs(os.path.join(top, "open", "lib"))
+        os.chmod(os.path.join(top, "closed"), 0o700)  # no x for others: cannot be traversed
+        os.chmod(os.path.join(top, "closed", "inner"), 0o700)  # behind the first: not reached
+        paths = [os.path.join(top, "closed", "inner", "lib"), os.path.join(top, "open", "lib")]
+        assert boot.blocked_dirs(paths) == {os.path.join(top, "closed"): {"inner"}}
+    finally:
+        shutil.rmtree(top)
