@@ -176,6 +176,7 @@ def _cmd_sample(args: argparse.Namespace) -> int:
     from stabledrl.models import load_policy
     from stabledrl.sampling import generate
     from stabledrl.tasks import get_task
+    from stabledrl.tasks.base import score_all
 
     task = get_task(args.task, **options)
     policy = load_policy(_model_config(args))
@@ -192,8 +193,8 @@ def _cmd_sample(args: argparse.Namespace) -> int:
         if problem is None:
             print(f"{prompt}\t{text}")
             continue
-        reward = task.reward([text], [problem])[0]
-        print(f"{prompt}\t{text}\treward {reward:.3g} ({'correct' if task.is_correct(text, problem) else 'wrong'})")
+        score = score_all(task, [text], [problem])[0]  # scored once (the code task runs the program once)
+        print(f"{prompt}\t{text}\treward {score:.3g} ({'correct' if score.correct else 'wrong'})")
     return 0
 
 
