@@ -605,7 +605,9 @@ def run_mode(shape_name: str, pre: Preset, mode: str, device: str, *, repeats: i
         "weights_dtype": str(dtype).removeprefix("torch."),
         "reference": "none" if reference is None else ("base model, adapters off" if mode == "lora" else "a copy"),
         "median_seconds": med,
-        "split": {k.removesuffix("_seconds"): med[k] / med["seconds"] for k in med if k != "seconds"},
+        # shares of the summed step time (medians of different steps need not add up)
+        "split": {k.removesuffix("_seconds"): sum(s[k] for s in steps) / sum(s["seconds"] for s in steps)
+                  for k in med if k != "seconds"},
         "rollout_tokens_per_s": last["completion_slots"] / med["rollout_seconds"],
         "scoring_views_per_s": last["views_scored"] / med["scoring_seconds"],
         "update_views_per_s": last["views_trained"] / med["update_seconds"],
@@ -658,13 +660,14 @@ def predict_layouts(shape_name: str, pre: Preset, *, shards: int, lora: LoraSett
     for name, f in ((f"full FT, FSDP over {shards} processes", full), ("LoRA, one process", low)):
         f = dataclasses.replace(f, keeps_kv=keeps_kv)
         share = -(-pre.config.prompts_per_step * pre.config.group_size // f.shards)
-        peak = lambda **kw: predict_memory(shape, dataclasses.replace(f, **kw))["peak"]  # noqa: E731
+        predict = lambda **kw: predict_memory(shape, dataclasses.replace(f, **kw))  # noqa: E731
+        peak = lambda **kw: predict(**kw)["peak"]  # noqa: E731
         rows = _largest(lambda k: peak(rows_per_call=k, views_per_forward=1, views_with_graph=1) <= gpu_bytes, share)
         views = _largest(lambda k: peak(rows_per_call=1, views_per_forward=k, views_with_graph=k) <= gpu_bytes,
                          share * K)
         entry = {"footprint": dataclasses.asdict(f), "share_rows": share, **predict_memory(shape, f),
-                 "rollout_bytes_per_row": peak(rows_per_call=2, views_per_forward=1, views_with_graph=1)
-                 - peak(rows_per_call=1, views_per_forward=1, views_with_graph=1),
+                 "rollout_bytes_per_row": predict(rows_per_call=max(2, f.rows_per_call))["phases"]["rollout"]
+                 - predict(rows_per_call=max(1, f.rows_per_call - 1))["phases"]["rollout"],  # at the preset's size
                  "activation_bytes_per_view": activation_bytes(shape, f),
                  "fits": {"rollout.micro_batch": rows, "estimator.max_views_per_forward": views,
                           "peak": peak(rows_per_call=max(rows, 1), views_per_forward=max(views, 1),
