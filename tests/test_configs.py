@@ -119,3 +119,11 @@ def test_the_config_classes_are_still_importable_from_their_modules():
             TaskConfig, TinyModelConfig) == (settings.TrainConfig, settings.SFTConfig, settings.EstimatorConfig,
                                             settings.ObjectiveConfig, settings.ModelConfig, settings.LoraSettings,
                                             settings.SamplingConfig, settings.TaskConfig, settings.TinyModelConfig)
+
+
+def test_a_word_that_yaml_reads_as_a_bool_is_the_word_for_a_choice_of_words():
+    # YAML 1.1 reads `no` as False: `mixed_precision: no` (or --set mixed_precision=no) means "no"
+    assert load_config(TrainConfig, {"mixed_precision": False}).mixed_precision == "no"
+    assert load_config(TrainConfig, None, ["mixed_precision=no"]).mixed_precision == "no"
+    with pytest.raises(ConfigError, match="mixed_precision"):  # no word for True among no | bf16
+        load_config(TrainConfig, None, ["mixed_precision=yes"])

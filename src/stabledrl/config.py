@@ -123,11 +123,17 @@ def _yaml_problem(e: Exception) -> str:
 
 
 def _expand_shorthands(cls: Any, data: Any) -> None:
-    """In place: a bare value of a section with ``__shorthand__`` becomes {field: value}."""
+    """In place: a bare value of a section with ``__shorthand__`` becomes {field: value}; a
+    bool given for a choice among words becomes the word YAML read it from (``no``, ``off``,
+    ``yes``, ``on`` are booleans to YAML: ``mixed_precision: no`` means "no")."""
     if not (dataclasses.is_dataclass(cls) and isinstance(data, dict)):
         return
     hints = typing.get_type_hints(cls)
     for key, value in data.items():
+        if isinstance(value, bool) and typing.get_origin(hints.get(key)) is typing.Literal:
+            words = [w for w in (("yes", "on") if value else ("no", "off")) if w in typing.get_args(hints[key])]
+            if words and value not in typing.get_args(hints[key]):
+                data[key] = value = words[0]
         sub = _section(hints.get(key))
         if dataclasses.is_dataclass(sub):
             short = getattr(sub, "__shorthand__", None)
