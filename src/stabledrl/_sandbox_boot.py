@@ -75,19 +75,28 @@ def _enc(text: str | None) -> bytes | None:
     return None if text is None else os.fsencode(text)
 
 
-def join_cgroup(path: str) -> bool:
-    """Move ourselves (our only thread) into the program's memory cgroup by writing "0" to
-    `path`, its "tasks" or "cgroup.procs" file; False, with a line on stderr, if we cannot."""
+def open_cgroup(path: str) -> int | None:
+    """Open the program's memory cgroup's "tasks" or "cgroup.procs" file (`path`) for init to
+    join later, while this process may still open it (before the namespaces and the
+    read-only remount); None, with a line on stderr, if we cannot."""
     try:
-        fd = os.open(path, os.O_WRONLY)
-        try:
-            os.write(fd, b"0")
-        finally:
-            os.close(fd)
+        return os.open(path, os.O_WRONLY)
+    except OSError as e:
+        sys.stderr.write(f"stabledrl sandbox: could not open the memory cgroup: {e}\n")
+        return None
+
+
+def join_cgroup(fd: int) -> bool:
+    """Move ourselves (our only thread) into the cgroup whose file `fd` is, by writing "0";
+    False, with a line on stderr, if we cannot."""
+    try:
+        os.write(fd, b"0")
         return True
     except OSError as e:
         sys.stderr.write(f"stabledrl sandbox: could not join the memory cgroup: {e}\n")
         return False
+    finally:
+        os.close(fd)
 
 
 def blocked_dirs(paths: list[str]) -> dict[str, set[str]]:
@@ -449,7 +458,7 @@ def main(argv: list[str]) -> tuple[bytes, str, dict]:
     """Set up the sandbox and fork; returns only in the program's process: (main.py's source,
     its path, the namespace to run it in)."""
     s = Settings(argv)
-    cgroup = join_cgroup(s.join) if s.join else False  # first of all: everything forked later is in it
+    cgroup_fd = open_cgroup(s.join) if s.join else None
     with open(s.main_py, "rb") as f:
         source = f.read()
     layers: list[str] = []
@@ -459,7 +468,14 @@ def main(argv: list[str]) -> tuple[bytes, str, dict]:
     check(libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0), "prctl")
     init = os.fork()
     if init:
+        # The bootstrap stays out of the memory cgroup: its OOM kill takes the whole group
+        # (memory.oom.group), and a bootstrap killed with it could not reap init, which would
+        # then linger as a zombie of the host's PID 1.
+        if cgroup_fd is not None:
+            os.close(cgroup_fd)
         supervise(s, init, spaces)  # does not return
+    # init joins first of all: everything it forks later is in the cgroup
+    cgroup = join_cgroup(cgroup_fd) if cgroup_fd is not None else False
     # --- the namespace's init: PID 1 of the new PID namespace, unprivileged from here on ---
     # It reaps orphans and reports the program's status. The program is not PID 1 itself,
     # because the kernel shields PID 1 from its own namespace's signals: os.kill(os.getpid(),

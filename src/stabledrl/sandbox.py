@@ -555,7 +555,7 @@ def _collect(proc: subprocess.Popen, info: io.RawIOBase, ctl: io.RawIOBase, dead
         sel.close()
         ctl.close()  # EOF: the bootstrap kills everything (a no-op if it has exited)
     if killed_for:  # let the bootstrap finish: its last words are the status after the kill
-        _wait_exited(proc, 2.0)
+        _wait_exited(proc, _BOOTSTRAP_EXIT_S)
     # What is still in the pipes: all of it, once the bootstrap has exited (every process of a
     # PID namespace is gone by then), however late this thread got to run after the EOF.
     for fd in (inf, out, err):
@@ -567,6 +567,13 @@ def _collect(proc: subprocess.Popen, info: io.RawIOBase, ctl: io.RawIOBase, dead
     stdout = bytes(bufs[out][:cap])
     stderr = bytes(bufs[err][: cap - len(stdout)])
     return stdout, stderr, bytes(bufs[inf]).decode(errors="replace").splitlines(), killed_for
+
+
+# How long the bootstrap may take to exit once told to: it kills the namespace's init and
+# reaps it, which waits for the kernel to tear the namespace down (seconds for a program
+# the OOM killer stopped with hundreds of MB, on a loaded machine). Killed before that, it
+# would orphan init to the host's PID 1, a zombie of the sandbox's uid until that reaps it.
+_BOOTSTRAP_EXIT_S = 10.0
 
 
 def _wait_exited(proc: subprocess.Popen, timeout: float) -> bool:
@@ -587,7 +594,7 @@ def _wait_exited(proc: subprocess.Popen, timeout: float) -> bool:
 def _reap(proc: subprocess.Popen) -> None:
     """Kill whatever is left of the bootstrap's process group (nothing, with a PID
     namespace; the bootstrap too if it lingers), then reap the bootstrap."""
-    _wait_exited(proc, 2.0)
+    _wait_exited(proc, _BOOTSTRAP_EXIT_S)
     try:
         os.killpg(proc.pid, 9)  # SIGKILL
     except (ProcessLookupError, PermissionError):
