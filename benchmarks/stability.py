@@ -1,6 +1,10 @@
 """GRPO vs StableDRL under the same noisy estimator: does GRPO's instability loop appear?
 
-    python benchmarks/stability.py --seeds 0 1 2 --steps 100 --lr 1e-4 --set estimator.num_samples=1
+    # the README's regime: GRPO collapses, StableDRL gains (noisy ratios: independent masks)
+    python benchmarks/stability.py --seeds 0 1 2 --steps 120 --lr 1e-4 --set masks=independent \
+        --set estimator.num_samples=2 --set eval_n=1592 --set threads=1 --tag test-R5-120
+    # one process per run (2 at a time on 2 cores), then once more with all seeds for the JSON
+    python benchmarks/stability.py --seeds 1 --objectives grpo ... --tag test-R5-120
 
 Runs `configs/<preset>-grpo.yaml` and `configs/<preset>-stabledrl.yaml` for each seed
 (`--preset countdown`, the default, or `countdown-block` for the block-diffusion model)
