@@ -44,8 +44,9 @@ hook is a second layer that turns the common attempts into clear reasons:
    much). Where we may create a memory cgroup under our own cgroup (v1's memory hierarchy,
    e.g. as root where /sys/fs/cgroup/memory is writable; v2 where our cgroup has the memory
    controller in its cgroup.subtree_control), each program gets its own, limited to
-   `memory_mb` (swap included: memsw / memory.swap.max = 0). The bootstrap joins it before it
-   forks anything, so no process of the program is outside it; the program can neither
+   `memory_mb` (swap included: memsw / memory.swap.max = 0). The namespace's init joins it
+   before it forks the program, so no process of the program is outside it (the bootstrap
+   stays out, so that the group's OOM kill cannot take it before it reaps init); the program can neither
    leave it nor raise its limit (the mount is read-only in its namespace, and when we are
    root the files are root's). It counts what the kernel charges:
    anonymous and shared memory, tmpfs files, page cache, kernel memory such as pipe buffers.
