@@ -250,8 +250,6 @@ def finished_summary(run_dir: str | Path, cfg: Any) -> dict | None:
     For benchmarks that reuse finished runs: a finished run made with another config (the
     same output_dir, a changed setting) is refused rather than passed off as this one. The
     saved config is read through `cfg`'s class, so a field added since takes its default."""
-    import yaml
-
     from stabledrl.config import load_config, to_dict
 
     run_dir = Path(run_dir)

@@ -99,11 +99,12 @@ import torch
 
 from stabledrl.data import position_ids
 from stabledrl.models.attention import (
-    PROMPT_ATTENTION,
     block_causal_attention_mask,
     block_offset,
+    check_prompt_attention,
     completion_block_slices,
     completion_blocks,
+    prompt_attention_of,
     staircase_inputs,
 )
 from stabledrl.models.policy import Policy
@@ -496,8 +497,7 @@ def plan_views(
         raise ValueError(f"block_size is for the methods 'blockwise' and 'path', not {method!r}")
     if (method == "path") != (unmask_step is not None):
         raise ValueError("method 'path' needs the rollouts' unmask_step, and only it takes one")
-    if prompt_attention not in PROMPT_ATTENTION:
-        raise ValueError(f"prompt_attention must be one of {PROMPT_ATTENTION}, got {prompt_attention!r}")
+    check_prompt_attention(prompt_attention)
     if block_size is not None and block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
     offset = None  # the blocks start at the first completion slot
@@ -560,7 +560,7 @@ def _view_terms(
     L = comp.size(1)
     if plan.block_size is not None:  # one staircase pass over [q ; y ; q̃ ; ỹ], logits read at ỹ
         x, attn, pos = staircase_inputs(prm, prompt_mask[b], completion_ids[b], comp, plan.block_size,
-                                        _prompt_attention(policy))  # (n, T), (n, T, T), (n, T)
+                                        prompt_attention_of(policy))  # (n, T), (n, T, T), (n, T)
         logits = policy.logits(x, attn, pos)[:, -L:].float()  # (n, L, V)
     else:
         x = torch.cat([prm, comp], dim=1)  # (n, P+L)
@@ -584,7 +584,7 @@ def block_logprobs_by_separate_passes(
     slow reference that the one staircase pass of `blockwise` equals (tests and
     benchmarks/block.py); not used in training."""
     P, L, S = prompt_ids.size(1), completion_ids.size(1), policy.block_size
-    conv = _prompt_attention(policy)
+    conv = prompt_attention_of(policy)
     pos = position_ids(torch.cat([prompt_mask, torch.ones_like(completion_ids)], dim=1))  # (B, P+L)
     blk_of = completion_blocks(block_offset(prompt_mask, S, conv), L, S)  # (B, L)
     out = torch.zeros(completion_ids.shape, device=completion_ids.device)
@@ -602,11 +602,6 @@ def block_logprobs_by_separate_passes(
     return out
 
 
-def _prompt_attention(policy: Policy) -> str:
-    """Where a block policy's prompt blocks fall (`stabledrl.models.attention`); bidirectional if it does not say."""
-    return getattr(policy, "prompt_attention", "bidirectional")
-
-
 def _check_scoring(policy, plan, prompt_ids, completion_ids, completion_mask, prompt_mask, reduction):
     if reduction not in ("sum", "mean"):
         raise ValueError(f"reduction must be 'sum' or 'mean', got {reduction!r}")
@@ -619,7 +614,7 @@ def _check_scoring(policy, plan, prompt_ids, completion_ids, completion_mask, pr
                          f"block size (this one: {kind}, block size {getattr(policy, 'block_size', None)})")
     if plan.batch_size != completion_ids.size(0):
         raise ValueError(f"the plan is for {plan.batch_size} sequences, got {completion_ids.size(0)}")
-    conv = _prompt_attention(policy)
+    conv = prompt_attention_of(policy)
     if plan.block_size is not None and (plan.block_offset is not None or conv == "sequence_blocks"):
         # The plan's blocks must be the model's: under sequence_blocks the prompt's tail shortens the first.
         pm = torch.ones_like(prompt_ids) if prompt_mask is None else prompt_mask
@@ -742,7 +737,7 @@ def estimate(
         method, completion_mask, num_samples=num_samples, generator=generator, prompt_ids=prompt_ids,
         prompt_mask=prompt_mask, bos_token_id=getattr(policy.tokenizer, "bos_token_id", None),
         block_size=policy.block_size if method == "blockwise" or (method == "path" and block) else None,
-        prompt_attention=_prompt_attention(policy) if block else "bidirectional", unmask_step=unmask_step, **options,
+        prompt_attention=prompt_attention_of(policy) if block else "bidirectional", unmask_step=unmask_step, **options,
     )
     if (method == "exact" or options.get("inner") == "exact") and max_views_per_forward is None:
         max_views_per_forward = 4096  # up to 2^16 views per sequence: never all at once

@@ -55,7 +55,13 @@ from tqdm.auto import tqdm
 
 from stabledrl.data import completion_mask as _completion_mask
 from stabledrl.data import position_ids
-from stabledrl.models.attention import block_causal_attention_mask, block_offset, completion_blocks, tail_width
+from stabledrl.models.attention import (
+    block_causal_attention_mask,
+    block_offset,
+    completion_blocks,
+    prompt_attention_of,
+    tail_width,
+)
 from stabledrl.models.policy import Policy
 from stabledrl.settings import SamplingConfig  # defined without torch, for the command line
 
@@ -252,7 +258,7 @@ def generate(
     if L < 1 or steps < 1 or block_length < 1:
         raise ValueError(f"gen_length, steps and block_length must be >= 1, got {L}, {steps}, {block_length}")
     num_blocks = math.ceil(L / block_length)
-    shared = policy.attention_kind == "block" and _prompt_attention(policy) == "sequence_blocks"
+    shared = policy.attention_kind == "block" and prompt_attention_of(policy) == "sequence_blocks"
     if shared:  # the prompt's tail shortens the first block: L slots can span one block more
         num_blocks = math.ceil((L + block_length - 1) / block_length)
     if steps < num_blocks:
@@ -319,11 +325,6 @@ def _decode_full(policy, dec: _Decoding, prompt_ids, prompt_mask, block_length, 
             step += 1
 
 
-def _prompt_attention(policy) -> str:
-    """Where a block policy's prompt blocks fall (`stabledrl.models.attention`); bidirectional if it does not say."""
-    return getattr(policy, "prompt_attention", "bidirectional")
-
-
 def _block_schedule(num_blocks: torch.Tensor, steps: int, width: int) -> torch.Tensor:
     """(R,) blocks per row -> (R, width) steps of each row's block j: `steps` split as evenly as
     possible, earlier blocks taking the remainder; 0 past a row's last block."""
@@ -349,7 +350,7 @@ def _decode_blocks(policy, dec: _Decoding, prompt_ids, prompt_mask, S, steps, us
     B, P = prompt_ids.shape
     L = dec.comp.size(1)
     device = prompt_ids.device
-    conv = _prompt_attention(policy)
+    conv = prompt_attention_of(policy)
     keys = torch.cat([prompt_mask.bool(), torch.ones((B, L), dtype=torch.bool, device=device)], dim=1)  # (B, P+L)
     pos = position_ids(torch.cat([prompt_mask, torch.ones_like(dec.comp)], dim=1))  # (B, P+L)
     offset = block_offset(prompt_mask, S, conv)  # (B,) prompt tokens in each row's first block

@@ -53,14 +53,13 @@ from stabledrl.checkpoint import (
     save_final,
     write_atomic,
 )
-from stabledrl.config import check, to_dict
+from stabledrl.config import to_dict
 from stabledrl.data import encode_completions, encode_policy_prompts, position_ids
 from stabledrl.evaluate import evaluate
 from stabledrl.metrics import metrics_line
-from stabledrl.models.attention import block_offset, completion_blocks, staircase_inputs
+from stabledrl.models.attention import block_offset, completion_blocks, prompt_attention_of, staircase_inputs
 from stabledrl.models.policy import Policy, TinyPolicy
 from stabledrl.models.tiny import TinyDiffusionConfig, TinyDiffusionLM
-from stabledrl.sampling import SamplingConfig
 from stabledrl.settings import SFTConfig, TaskConfig, TinyModelConfig as ModelConfig  # no torch: for the CLI
 from stabledrl.tasks import Task, get_task
 from stabledrl.tokenizer import build_char_tokenizer
@@ -131,7 +130,7 @@ def block_diffusion_loss(
     S = policy.block_size
     if policy.attention_kind != "block" or not S:
         raise ValueError("block_diffusion_loss needs a block-attention policy with a block_size")
-    conv = getattr(policy, "prompt_attention", "bidirectional")
+    conv = prompt_attention_of(policy)
     blk_of = completion_blocks(block_offset(prompt_mask, S, conv), L, S)  # (B, L) each slot's block
     NB = int(blk_of.max()) + 1  # ceil(L / S) unless a prompt's tail shortens the first block
     device = completion_ids.device

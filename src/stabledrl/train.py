@@ -85,6 +85,7 @@ from stabledrl.diagnostics import CollapseMonitor, flat_grad_cosine
 from stabledrl.evaluate import EVAL_MICRO_BATCH, evaluate
 from stabledrl.likelihood import backward_views, plan_views, score_views
 from stabledrl.metrics import metrics_line
+from stabledrl.models.attention import prompt_attention_of
 from stabledrl.models.lora import add_lora, base_policy
 from stabledrl.models.policy import load_policy
 from stabledrl.objectives import LossOutput, group_advantages, grpo_loss, stabledrl_loss
@@ -295,7 +296,7 @@ def _plan(cfg: TrainConfig, batch: Rollouts, step: int, slot: int, policy):
     return plan_views(method, batch.completion_mask, num_samples=cfg.estimator.num_samples,
                       generator=_seeded(cfg.seed, step, slot), prompt_ids=batch.prompt_ids,
                       prompt_mask=batch.prompt_mask, bos_token_id=policy.tokenizer.bos_token_id,
-                      block_size=block_size, prompt_attention=getattr(policy, "prompt_attention", "bidirectional"),
+                      block_size=block_size, prompt_attention=prompt_attention_of(policy),
                       unmask_step=batch.unmask_step if method == "path" else None, **cfg.estimator.options)
 
 

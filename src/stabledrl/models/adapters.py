@@ -70,7 +70,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from stabledrl import _compat
-from stabledrl.models.attention import PROMPT_ATTENTION, PromptAttention
+from stabledrl.models.attention import PromptAttention, check_prompt_attention
 from stabledrl.models.prompting import resolve_chat_template, resolve_stop_tokens
 
 __all__ = ["ADAPTERS", "HFPolicy", "load_hf_policy", "ADAPTER_FILE"]
@@ -153,9 +153,7 @@ class HFPolicy:
                 raise ValueError("the decoder adapter is a block-diffusion model: set model.block_size (e.g. 4)")
             self.attention_kind = "block"
             self.prompt_attention = self.prompt_attention or "sequence_blocks"
-            if self.prompt_attention not in PROMPT_ATTENTION:
-                raise ValueError(f"model.prompt_attention must be one of {PROMPT_ATTENTION}, "
-                                 f"got {self.prompt_attention!r}")
+            check_prompt_attention(self.prompt_attention)
         else:
             if self.block_size is not None:
                 raise ValueError(f"model.block_size is for the decoder adapter; {self.adapter} models use full attention")

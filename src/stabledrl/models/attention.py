@@ -73,6 +73,8 @@ from stabledrl.data import position_ids
 __all__ = [
     "PROMPT_ATTENTION",
     "PromptAttention",
+    "check_prompt_attention",
+    "prompt_attention_of",
     "block_slices",
     "block_causal_mask",
     "staircase_mask",
@@ -133,9 +135,15 @@ def staircase_mask(prompt_len: int, completion_len: int, block_size: int, device
     return torch.cat([top, bottom], dim=0)
 
 
-def _check_prompt_attention(prompt_attention: str) -> None:
+def check_prompt_attention(prompt_attention: str) -> None:
+    """A ValueError unless `prompt_attention` is one of `PROMPT_ATTENTION`."""
     if prompt_attention not in PROMPT_ATTENTION:
         raise ValueError(f"prompt_attention must be one of {PROMPT_ATTENTION}, got {prompt_attention!r}")
+
+
+def prompt_attention_of(policy) -> str:
+    """Where a block policy's prompt blocks fall; ``bidirectional`` for a policy that does not say."""
+    return getattr(policy, "prompt_attention", "bidirectional")
 
 
 def block_ids(
@@ -147,7 +155,7 @@ def block_ids(
     B, P = prompt_mask.shape
     L, S, device = completion_len, block_size, prompt_mask.device
     _check(P, L, S)
-    _check_prompt_attention(prompt_attention)
+    check_prompt_attention(prompt_attention)
     if prompt_attention == "bidirectional":
         return _blocks(P, L, S, device)[None].expand(B, P + L)  # 0 for the prompt, 1 + i // S after
     ones = torch.ones((B, L), dtype=prompt_mask.dtype, device=device)
@@ -163,7 +171,7 @@ def block_ids(
 def block_offset(prompt_mask: torch.Tensor, block_size: int, prompt_attention: PromptAttention) -> torch.Tensor:
     """(B,) long: the prompt tokens in each row's first completion block (its real prompt
     length mod S under ``sequence_blocks``; 0 otherwise)."""
-    _check_prompt_attention(prompt_attention)
+    check_prompt_attention(prompt_attention)
     n = prompt_mask.long().sum(1)  # (B,)
     return n % block_size if prompt_attention == "sequence_blocks" else torch.zeros_like(n)
 
@@ -187,7 +195,7 @@ def completion_block_slices(offset: int, completion_len: int, block_size: int) -
 def tail_width(prompt_len: int, block_size: int, prompt_attention: PromptAttention) -> int:
     """W, the prompt columns copied into the staircase's noisy stream: min(P, S − 1) under
     ``sequence_blocks`` (a row's tail sharing the first completion block is shorter than S), else 0."""
-    _check_prompt_attention(prompt_attention)
+    check_prompt_attention(prompt_attention)
     return min(prompt_len, block_size - 1) if prompt_attention == "sequence_blocks" else 0
 
 

@@ -31,7 +31,7 @@ from safetensors import SafetensorError, safe_open
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from stabledrl.models.adapters import ADAPTER_FILE, ADAPTERS, load_hf_policy
-from stabledrl.models.attention import PROMPT_ATTENTION
+from stabledrl.models.attention import check_prompt_attention
 from stabledrl.models.prompting import resolve_chat_template, resolve_stop_tokens
 from stabledrl.models.tiny import KVCache, TinyDiffusionConfig, TinyDiffusionLM
 from stabledrl.settings import ModelConfig  # defined without torch, for the command line
@@ -102,8 +102,7 @@ class TinyPolicy:
         # stabledrl's block models read the prompt as one bidirectional block (they are trained so);
         # a config may name another convention (`stabledrl.models.attention`).
         self.prompt_attention = getattr(cfg, "prompt_attention", "bidirectional")
-        if self.prompt_attention not in PROMPT_ATTENTION:
-            raise ValueError(f"prompt_attention must be one of {PROMPT_ATTENTION}, got {self.prompt_attention!r}")
+        check_prompt_attention(self.prompt_attention)
 
     @property
     def device(self) -> torch.device:
