@@ -70,11 +70,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from stabledrl.config import load_config
-from stabledrl.likelihood import backward_views, plan_views, score_views
+from stabledrl.likelihood import _OPTIONS, backward_views
 from stabledrl.models import TinyDiffusionConfig, TinyDiffusionLM, TinyPolicy, add_lora, base_policy
-from stabledrl.objectives import group_advantages, grpo_loss, stabledrl_loss
+from stabledrl.objectives import group_advantages
 from stabledrl.sampling import generate_micro_batched, row_generators
 from stabledrl.settings import LoraSettings, TrainConfig
+from stabledrl.train import Rollouts, _needs_reference, _optimizer, _plan, _score, build_objective
 from stabledrl.tokenizer import build_char_tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -319,7 +320,7 @@ def views_per_row(cfg: TrainConfig) -> int:
     """Noised views a rollout gets from the estimator (ℓ_old's plan; the update reuses its size)."""
     e = cfg.estimator
     if e.method == "sdmc":
-        return e.num_samples * e.options.get("num_nodes", 2)
+        return e.num_samples * {**_OPTIONS["sdmc"], **e.options}["num_nodes"]  # the estimator's default if unset
     if e.method in ("mc", "mean_field"):
         return e.num_samples
     raise ValueError(f"estimator.method {e.method!r}: the benchmark runs mc, sdmc and mean_field")
@@ -335,7 +336,7 @@ def footprint(cfg: TrainConfig, prompt_length: int, *, lora_params: int = 0, wei
                      rows_per_call=min(rows, cfg.rollout.micro_batch or rows),
                      views_per_forward=min(views, budget or views), views_with_graph=min(views, budget or views),
                      lora_params=lora_params, weight_bytes=weight_bytes, autocast=cfg.mixed_precision == "bf16",
-                     reference=cfg.lora is None and (cfg.drift_kl or cfg.objective.beta > 0), shards=shards,
+                     reference=cfg.lora is None and _needs_reference(cfg), shards=shards,
                      optimizer_chunk=optimizer_chunk, foreach=foreach)
 
 
@@ -439,17 +440,6 @@ class _Run:
     prompt_mask: torch.Tensor  # (B, Pl)
 
 
-def _objective(cfg: TrainConfig, logp, old, advantages, completion_mask, ref, weight_kw: dict):
-    """The preset's objective, called as the trainer calls it."""
-    o = cfg.objective
-    if o.name == "grpo":
-        return grpo_loss(logp, old, advantages, group_size=cfg.group_size, clip_eps=o.clip_eps,
-                         ratio_level=o.ratio_level, completion_mask=completion_mask,
-                         ref_logp=ref if o.beta else None, beta=o.beta, token_aggregation=o.token_aggregation)
-    return stabledrl_loss(logp, old, advantages, group_size=cfg.group_size, clip=o.clip, clip_max=o.clip_max,
-                          clip_eps=o.clip_eps, ratio_level=o.ratio_level, completion_mask=completion_mask, **weight_kw)
-
-
 def rl_step(run: _Run, step: int, clock: _Clock) -> dict[str, int]:
     """One step of the trainer (stabledrl.train, one process) on random prompts and rewards."""
     cfg, policy, acc = run.cfg, run.policy, run.accelerator
@@ -461,20 +451,18 @@ def rl_step(run: _Run, step: int, clock: _Clock) -> dict[str, int]:
                                       generator=row_generators(f"{cfg.seed}/{step}/0", 0, B),
                                       **cfg.rollout.generate_kwargs())
     comp, cmask = roll.completion_ids, roll.completion_mask  # (B, L)
+    batch = Rollouts(run.prompt_ids, run.prompt_mask, comp, cmask, roll.unmask_step)
+    objective = build_objective(cfg)
     rewards = torch.rand(B, generator=torch.Generator().manual_seed(cfg.seed * 1_000_003 + step))  # (B,)
     advantages = group_advantages(rewards, G, cfg.objective.advantage_scale)  # (B,)
-    token_level = cfg.objective.ratio_level == "token"
 
-    def plan(slot: int):
-        return plan_views(e.method, cmask, num_samples=e.num_samples,
-                          generator=torch.Generator().manual_seed(cfg.seed * 1_000_003 + step * 64 + slot),
-                          prompt_ids=run.prompt_ids, prompt_mask=run.prompt_mask,
-                          bos_token_id=policy.tokenizer.bos_token_id, **e.options)
+    def plan(slot: int):  # the trainer's plan of seed slot `slot`
+        return _plan(cfg, batch, step, slot, policy)
 
-    def score(pol, pl) -> torch.Tensor:  # (B,) or (B, L)
-        est = score_views(pol, pl, run.prompt_ids, comp, cmask, prompt_mask=run.prompt_mask,
-                          reduction=e.reduction, max_views_per_forward=e.max_views_per_forward)
-        return (est.token if token_level else est.sequence).cpu()
+    def score(pol, pl) -> torch.Tensor:  # (B,) or (B, L), on the CPU as in the trainer
+        return _score(cfg, pol, pl, batch).cpu()
+
+    ocmask = cmask.cpu()  # the objective's completion mask, beside the CPU ℓ
 
     scored = 0
     with clock("scoring"), torch.no_grad():
@@ -503,13 +491,13 @@ def rl_step(run: _Run, step: int, clock: _Clock) -> dict[str, int]:
             if two_pass:  # ∂loss/∂ℓ on a leaf, pushed back one micro-batch of views at a time
                 with torch.no_grad():
                     leaf = score(policy, pl).requires_grad_()
-                res = _objective(cfg, leaf, old, advantages, cmask, ref, w_kw)
+                res = objective(leaf, old, advantages, completion_mask=ocmask, ref_logp=ref, **w_kw)
                 res.loss.backward()
                 backward_views(policy, pl, run.prompt_ids, comp, cmask, leaf.grad.to(comp.device),
                                prompt_mask=run.prompt_mask, reduction=e.reduction,
                                max_views_per_forward=e.max_views_per_forward, backward=acc.backward)
             else:
-                res = _objective(cfg, score(policy, pl), old, advantages, cmask, ref, w_kw)
+                res = objective(score(policy, pl), old, advantages, completion_mask=ocmask, ref_logp=ref, **w_kw)
                 acc.backward(res.loss)
             trained += pl.num_views
         with clock("optimizer"):
@@ -560,14 +548,12 @@ def run_mode(shape_name: str, pre: Preset, mode: str, device: str, *, repeats: i
     if mode == "lora":  # as the trainer: the base model with the adapters off, no second copy
         add_lora(policy, cfg.lora, seed=cfg.seed)
         reference = base_policy(policy)
-    elif cfg.drift_kl or cfg.objective.beta > 0:  # the trainer loads a second copy of the initial model
+    elif _needs_reference(cfg):  # the trainer loads a second copy of the initial model
         reference = TinyPolicy(copy.deepcopy(policy.model).requires_grad_(False), policy.tokenizer)
     AcceleratorState._reset_state()
     acc = Accelerator(cpu=not cuda, mixed_precision=cfg.mixed_precision)
     params = [p for p in policy.model.parameters() if p.requires_grad]
-    # the optimizer stabledrl.train builds (its `_optimizer`), prepared as it prepares it
-    opt = (torch.optim.SGD(params, lr=cfg.lr) if cfg.optimizer == "sgd"
-           else torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay))
+    opt = _optimizer(cfg, params)  # the trainer's optimizer, prepared as it prepares it
     policy.model, opt = acc.prepare(policy.model, opt)
     params = [p for p in policy.model.parameters() if p.requires_grad]
     if mode == "lora" and sum(p.numel() for p in params) != lora_n:

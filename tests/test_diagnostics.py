@@ -9,7 +9,7 @@ from stabledrl.config import load_config
 from stabledrl.diagnostics import CollapseMonitor, flat_grad_cosine
 from stabledrl.likelihood import plan_views, score_views
 from stabledrl.objectives import group_advantages, stabledrl_loss
-from stabledrl.train import Rollouts, TrainConfig, _backward_in_halves, _first_half_loss, run_train
+from stabledrl.train import Rollouts, TrainConfig, _backward_in_halves, _first_half_loss, build_objective, run_train
 from tests.conftest import make_tiny_policy
 
 
@@ -83,7 +83,7 @@ def test_gradient_agreement_equals_the_cosine_of_separately_computed_half_gradie
     # The trainer's way: one forward of all rows, the first half's part, two backward passes.
     full = ell(slice(0, B))
     res = stabledrl_loss(full, old, adv, group_size=G)
-    part = _first_half_loss(cfg, full, old, adv, batch, None, {}, groups)
+    part = _first_half_loss(cfg, full, old, adv, batch, None, {}, groups, objective=build_objective(cfg))
     policy.model.zero_grad(set_to_none=True)
     got = _backward_in_halves(res.loss, part, params, lambda x, **kw: x.backward(**kw))
     assert -0.99 < expected < 0.99  # a real angle, not a degenerate case

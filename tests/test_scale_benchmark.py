@@ -82,10 +82,12 @@ def test_live_bytes_counts_a_saved_tensor_until_the_backward_frees_it():
 
 
 @pytest.mark.parametrize("mode", ["full", "lora"])
-def test_a_step_on_the_tiny_shape_measures_what_the_model_predicts(mode):
-    pre = scale.preset("countdown", ["prompts_per_step=2", "group_size=2"])
+@pytest.mark.parametrize("precision", ["no", "bf16"])  # bf16: autocast (and a bfloat16 LoRA base), as at scale
+def test_a_step_on_the_tiny_shape_measures_what_the_model_predicts(mode, precision):
+    pre = scale.preset("countdown", ["prompts_per_step=2", "group_size=2", f"mixed_precision={precision}"])
     lora = scale.LoraSettings(r=4, alpha=8.0)
-    res = scale.run_mode("tiny", pre, mode, "cpu", repeats=1, lora=lora)
+    base = torch.bfloat16 if precision == "bf16" else torch.float32
+    res = scale.run_mode("tiny", pre, mode, "cpu", repeats=1, lora=lora, lora_base_dtype=base)
     assert res["counts"]["rows"] == 4 and res["counts"]["views_trained"] == 4 * 2  # K = 2 views a row
     assert res["rollout_tokens_per_s"] > 0 and res["scoring_views_per_s"] > 0 and res["update_views_per_s"] > 0
     assert set(res["split"]) == {"rollout", "scoring", "update", "optimizer"}
@@ -94,3 +96,9 @@ def test_a_step_on_the_tiny_shape_measures_what_the_model_predicts(mode):
     # measured on CPU as live tensor bytes: the model is within 20% of it
     assert 0.8 < mem["ratio_predicted_over_measured"] < 1.2
     assert mem["measured_phases"]["update"] > mem["measured_phases"]["start"]
+
+
+def test_largest_finds_the_last_size_that_fits_by_bisection():
+    assert scale._largest(lambda k: k <= 7, 10) == 7
+    assert scale._largest(lambda k: True, 10) == 10
+    assert scale._largest(lambda k: False, 10) == 0

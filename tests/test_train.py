@@ -179,7 +179,8 @@ def test_batch_token_mean_reaches_the_objective_and_splits_by_tokens_for_grad_ag
     assert res.loss.item() == pytest.approx(-1 / 6, abs=1e-6)
     # the first group's share: its tokens over all the batch's, −(3 − 1)/6 = −1/3
     # (a mean over groups would give −(2/4)·(1/2) = −0.25)
-    part = train_mod._first_half_loss(cfg, logp, logp, adv, batch, None, {}, num_groups=2)
+    part = train_mod._first_half_loss(cfg, logp, logp, adv, batch, None, {}, num_groups=2,
+                                      objective=train_mod.build_objective(cfg))
     assert part.item() == pytest.approx(-1 / 3, abs=1e-6)
 
 
@@ -258,11 +259,11 @@ def test_zero_variance_groups_are_kept_skipped_or_resampled(init_model, tmp_path
     cfg = _cfg(init_model, tmp_path / mode, steps=2, prompts_per_step=P, group_size=2, mu=1, save_every=5,
                task={"name": "countdown"}, zero_variance_groups=mode, max_resample_rounds=rounds)
     run = train_mod.set_up(cfg, task=task)
-    seen = []  # the reward groups that reach the advantages (score_groups), step by step
+    seen = []  # the advantages of the groups that reach the objective (score_groups), step by step
     for step in range(cfg.steps):
         res = train_mod.train_step(run, step)
-        seen.append(res.collected.groups.rewards)
-        assert (res.scored is None) == (len(res.collected.groups.problems) == 0)
+        if res.scored is not None:  # what reached the objective: each used group's advantages
+            seen.append(res.scored.advantages.view(-1, cfg.group_size))
     summary = train_mod.finish(run)
     rows = [json.loads(x) for x in (tmp_path / mode / "metrics.jsonl").read_text().splitlines() if '"loss"' in x
             or '"groups_used"' in x]
@@ -284,7 +285,7 @@ def test_zero_variance_groups_are_kept_skipped_or_resampled(init_model, tmp_path
             resampled += missing
             used += e_good
         assert row["groups_used"] == used
-    used_groups = torch.cat(seen)  # (groups, G) every group used, in every step
+    used_groups = torch.cat(seen)  # (groups, G) every group used, in every step; equal rewards, equal advantages
     assert len(used_groups) == sum(r["groups_used"] for r in rows)
     constant = (used_groups == used_groups[:, :1]).all(1)
     assert constant.any() if mode == "keep" else not constant.any()  # rows stayed aligned with their groups

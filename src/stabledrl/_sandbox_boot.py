@@ -341,9 +341,10 @@ def enter_namespaces(s: Settings, source: bytes, layers: list[str]) -> bool:
             sys.stderr.write(f"stabledrl sandbox: mount set-up incomplete: {e}\n")
     if s.root and not tmpfs:
         os.chown(s.home, s.uid, s.gid)
-        if blocked_dirs([p for p in sys.path if p]):
+        blocked = blocked_dirs([p for p in sys.path if p])
+        if blocked:
             sys.stderr.write("stabledrl sandbox: without a mount namespace the sandbox uid cannot read this "
-                             f"interpreter's files under {sorted(blocked_dirs(sys.path))}\n")
+                             f"interpreter's files under {sorted(blocked)}\n")
     return spaces
 
 

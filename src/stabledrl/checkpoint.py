@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from stabledrl.config import ConfigError
+from stabledrl.config import ConfigError, load_config, to_dict
 from stabledrl.metrics import metrics_line, read_metrics
 
 __all__ = ["ACCELERATE_STATE", "open_run_dir", "finished_summary", "save_checkpoint", "latest_checkpoint", "load_trainer_state",
@@ -250,8 +250,6 @@ def finished_summary(run_dir: str | Path, cfg: Any) -> dict | None:
     For benchmarks that reuse finished runs: a finished run made with another config (the
     same output_dir, a changed setting) is refused rather than passed off as this one. The
     saved config is read through `cfg`'s class, so a field added since takes its default."""
-    from stabledrl.config import load_config, to_dict
-
     run_dir = Path(run_dir)
     if not (run_dir / "summary.json").is_file():
         return None

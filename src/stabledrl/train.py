@@ -228,9 +228,9 @@ class Rollouts:
     def _scored(self) -> tuple[torch.Tensor, ...]:
         return self.prompt_ids, self.prompt_mask, self.completion_ids, self.completion_mask, self.unmask_step
 
-    def rows(self, lo: int, hi: int, device: Any = None) -> Rollouts:
-        """Rows lo:hi of the five scored tensors (moved to `device` if given)."""
-        return Rollouts(*(x[lo:hi] if device is None else x[lo:hi].to(device) for x in self._scored()))
+    def rows(self, lo: int, hi: int, device: Any) -> Rollouts:
+        """Rows lo:hi of the five scored tensors, moved to `device`."""
+        return Rollouts(*(x[lo:hi].to(device) for x in self._scored()))
 
     def flat(self) -> torch.Tensor:
         """(B/G,) True where every reward of the group is equal."""
@@ -352,14 +352,13 @@ def build_objective(cfg: TrainConfig) -> Objective:
 
 
 def _first_half_loss(cfg: TrainConfig, logp, old, advantages, batch: Rollouts, ref, weight_kw: dict,
-                     num_groups: int, *, objective: Objective | None = None) -> torch.Tensor:
+                     num_groups: int, *, objective: Objective) -> torch.Tensor:
     """The part of the step's loss that comes from its first ⌊n/2⌋ groups: both objectives
     are means over groups, so loss = Σ_g c_g / n and this is Σ_{g < n/2} c_g / n; with
     batch_token_mean the loss is a mean over scored tokens, and the half's share is its
-    fraction of them. `objective`: the step's (default: built from `cfg`)."""
+    fraction of them. `objective`: the step's."""
     half = num_groups // 2
     rows = half * cfg.group_size
-    objective = build_objective(cfg) if objective is None else objective
     kw = {k: v[:rows] for k, v in weight_kw.items()}
     res = objective(logp[:rows], old[:rows], advantages[:rows], completion_mask=batch.completion_mask[:rows],
                     ref_logp=None if ref is None else ref[:rows], **kw)
@@ -853,16 +852,17 @@ def _inner_iteration(run: Run, s: Scored, it: int, seconds: dict[str, float]) ->
     cfg = run.cfg
     pl = s.plan_old if cfg.masks == "shared" else _plan_rows(run, s.batch, s.step, 3 + it, s.lo, s.hi)
     w_kw = {}
-    if cfg.objective.separate_weight_masks:
+    if cfg.objective.separate_weight_masks:  # before the first step the weights' ℓ is their ℓ_old
         with torch.no_grad():
-            w_kw = {"weight_logp": _gather_scores(run, run.policy, s.plan_weight, s.mine, s.n_rows),
-                    "weight_old_logp": s.weight_old}
+            w_kw = {"weight_logp": s.weight_old if it == 0 else
+                    _gather_scores(run, run.policy, s.plan_weight, s.mine, s.n_rows), "weight_old_logp": s.weight_old}
     run.opt.zero_grad(set_to_none=True)
-    res, logp, leaf = _loss(run, s, pl, w_kw)
+    # Before the first step, on ℓ_old's own plan, ℓ_θ's value is ℓ_old's: with a view budget it is not scored again.
+    res, logp = _loss(run, s, pl, w_kw, old_is_current=it == 0 and cfg.masks == "shared")
     finite, grad_norm, agreement = bool(torch.isfinite(res.loss)), float("nan"), None
     if finite:
         with _timed(seconds, "backward", cuda=run.clock.cuda):
-            agreement = _backward(run, s, pl, res.loss, logp, leaf, w_kw, first=it == 0)
+            agreement = _backward(run, s, pl, res.loss, logp, w_kw, first=it == 0)
         norm = run.accelerator.clip_grad_norm_(run.params, cfg.grad_clip)
         # DeepSpeed clips inside its engine and may not report a norm
         grad_norm = float("nan") if norm is None else float(norm)
@@ -875,36 +875,43 @@ def _inner_iteration(run: Run, s: Scored, it: int, seconds: dict[str, float]) ->
     return _Iteration({**row, "update_norm": update}, True, agreement)
 
 
-def _loss(run: Run, s: Scored, pl, w_kw: dict) -> tuple[LossOutput, torch.Tensor, torch.Tensor | None]:
+def _loss(run: Run, s: Scored, pl, w_kw: dict, *, old_is_current: bool) -> tuple[LossOutput, torch.Tensor]:
     """The objective on ℓ_θ of all B' rows, of which only this process's carry a graph, so
     that its gradient is this process's part of the sum. With a view budget
     (max_views_per_forward) none does: ℓ_θ is a leaf, ∂loss/∂ℓ is taken on it and pushed
     back view batch by view batch (`_backward`), so the update never holds more than one
-    micro-batch's graph. Returns the loss, ℓ_θ, and that leaf (else None)."""
+    micro-batch's graph; `old_is_current` (θ = θ_old, ℓ_old's plan): the leaf is a copy of
+    ℓ_old, not scored again. Returns the loss and ℓ_θ."""
     cfg, procs = run.cfg, run.procs
-    if cfg.estimator.max_views_per_forward is not None:
+    if _view_budget(cfg):
         with torch.no_grad():
-            logp = leaf = _gather_scores(run, run.policy, pl, s.mine, s.n_rows).requires_grad_()
+            logp = s.old.clone() if old_is_current else _gather_scores(run, run.policy, pl, s.mine, s.n_rows)
+        logp.requires_grad_()
     else:
         mine_logp = _score(cfg, run.policy, pl, s.mine)  # (B'/N,) with a graph, on the device
-        logp, leaf = mine_logp, None
+        logp = mine_logp
         if procs.world > 1:  # the other processes' rows, as constants (gathered on the device)
             others = procs.gather(mine_logp, s.n_rows)
             logp = torch.cat([others[:s.lo], mine_logp, others[s.hi:]])
         logp = logp.cpu()
     res = run.objective(logp, s.old, s.advantages, completion_mask=s.batch.completion_mask, ref_logp=s.ref, **w_kw)
-    return res, logp, leaf
+    return res, logp
 
 
-def _backward(run: Run, s: Scored, pl, loss: torch.Tensor, logp: torch.Tensor, leaf: torch.Tensor | None,
-              w_kw: dict, *, first: bool) -> float | None:
+def _view_budget(cfg: TrainConfig) -> bool:
+    """Whether the update back-propagates view batch by view batch (estimator.max_views_per_forward)."""
+    return cfg.estimator.max_views_per_forward is not None
+
+
+def _backward(run: Run, s: Scored, pl, loss: torch.Tensor, logp: torch.Tensor, w_kw: dict, *,
+              first: bool) -> float | None:
     """∇loss into the parameters' .grad; returns the gradient agreement when it is measured
     (grad_agreement, the first inner iteration, two groups or more, no view budget)."""
     cfg, acc, world = run.cfg, run.accelerator, run.procs.world
-    if leaf is not None:
+    if _view_budget(cfg):  # ℓ_θ is a leaf: ∂loss/∂ℓ, then pushed back view batch by view batch
         loss.backward()
         backward_views(run.policy, pl, s.mine.prompt_ids, s.mine.completion_ids, s.mine.completion_mask,
-                       leaf.grad[s.lo:s.hi] * world, prompt_mask=s.mine.prompt_mask,
+                       logp.grad[s.lo:s.hi] * world, prompt_mask=s.mine.prompt_mask,
                        reduction=cfg.estimator.reduction, max_views_per_forward=cfg.estimator.max_views_per_forward,
                        backward=acc.backward, no_sync=lambda: acc.no_sync(run.policy.model))
         return None
