@@ -33,13 +33,12 @@ from pathlib import Path
 
 import torch
 
-from stabledrl.data import decode_completions, encode_prompts, position_ids
+from stabledrl.data import decode_completions, encode_prompts
 from stabledrl.evaluate import evaluate
 from stabledrl.likelihood import estimate
 from stabledrl.models import load_policy
-from stabledrl.models.attention import staircase_attention_mask, staircase_position_ids
 from stabledrl.sampling import generate
-from stabledrl.sft import sample_mask_levels
+from stabledrl.sft import diffusion_loss
 from stabledrl.tasks import get_task
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -47,27 +46,6 @@ from likelihood_fit import path_logprob  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = {"full": ("checkpoints/countdown-tiny", "mc"), "block": ("checkpoints/countdown-tiny-block", "blockwise")}
-
-
-def sft_elbo(policy, ids, mask, comp, gen) -> torch.Tensor:
-    """(B,) minus each row's SFT loss: one draw of t per block (per row for full models),
-    every slot a target, PAD after EOS included and maskable, as `stabledrl sft` trains."""
-    B, L = comp.shape
-    if policy.attention_kind == "block":
-        S = policy.block_size
-        NB = -(-L // S)
-        t = sample_mask_levels(B * NB, generator=gen).view(B, NB).repeat_interleave(S, 1)[:, :L]  # (B, L)
-        masked = torch.rand((B, L), generator=gen) < t
-        x = torch.cat([ids, comp, comp.masked_fill(masked, policy.mask_token_id)], dim=1)
-        logits = policy.logits(x, staircase_attention_mask(mask, L, S), staircase_position_ids(mask, L))[:, -L:]
-    else:
-        t = sample_mask_levels(B, generator=gen)[:, None].expand(B, L)
-        masked = torch.rand((B, L), generator=gen) < t
-        x = torch.cat([ids, comp.masked_fill(masked, policy.mask_token_id)], dim=1)
-        attn = torch.cat([mask, torch.ones_like(comp)], dim=1)
-        logits = policy.logits(x, attn, position_ids(attn))[:, -L:]
-    logp = logits.float().log_softmax(-1).gather(-1, comp[..., None]).squeeze(-1)  # (B, L)
-    return (logp * masked / t).sum(-1)
 
 
 def run(model: str, method: str, *, iterations: int, prompts: int, group: int, lr: float, seed: int,
@@ -97,7 +75,9 @@ def run(model: str, method: str, *, iterations: int, prompts: int, group: int, l
         if likelihood == "path":
             ell = path_logprob(policy, ids, mask, out)  # (prompts·G,)
         elif likelihood == "sft":
-            ell = sft_elbo(policy, ids, mask, out.completion_ids, gen)  # (prompts·G,)
+            # minus each row's SFT loss (one draw of t per row or block; every slot a target,
+            # PAD after EOS included, as `stabledrl sft` trains)
+            ell = -diffusion_loss(policy, ids, mask, out.completion_ids, generator=gen, reduction="none")[0]
         else:
             ell = estimate(policy, ids, out.completion_ids, out.completion_mask, prompt_mask=mask, method=method,
                            num_samples=2, generator=gen).sequence  # (prompts·G,)

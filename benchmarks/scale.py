@@ -70,7 +70,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from stabledrl.config import load_config
-from stabledrl.likelihood import _OPTIONS, backward_views
+from stabledrl.likelihood import backward_views, planner_options
 from stabledrl.models import TinyDiffusionConfig, TinyDiffusionLM, TinyPolicy, add_lora, base_policy
 from stabledrl.objectives import group_advantages
 from stabledrl.sampling import generate_micro_batched, row_generators
@@ -320,7 +320,7 @@ def views_per_row(cfg: TrainConfig) -> int:
     """Noised views a rollout gets from the estimator (ℓ_old's plan; the update reuses its size)."""
     e = cfg.estimator
     if e.method == "sdmc":
-        return e.num_samples * {**_OPTIONS["sdmc"], **e.options}["num_nodes"]  # the estimator's default if unset
+        return e.num_samples * {**planner_options("sdmc"), **e.options}["num_nodes"]  # the estimator's default if unset
     if e.method in ("mc", "mean_field"):
         return e.num_samples
     raise ValueError(f"estimator.method {e.method!r}: the benchmark runs mc, sdmc and mean_field")

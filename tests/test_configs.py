@@ -112,7 +112,7 @@ def test_the_config_classes_are_still_importable_from_their_modules():
     from stabledrl.models import ModelConfig
     from stabledrl.models.lora import LoraSettings
     from stabledrl.sampling import SamplingConfig
-    from stabledrl.sft import ModelConfig as TinyModelConfig, TaskConfig
+    from stabledrl.sft import TaskConfig, TinyModelConfig
     from stabledrl.train import EstimatorConfig, ObjectiveConfig
 
     assert (TrainConfig, SFTConfig, EstimatorConfig, ObjectiveConfig, ModelConfig, LoraSettings, SamplingConfig,

@@ -108,6 +108,7 @@ def assert_same_update(a: dict, b: dict) -> None:
     assert _max_diff(a, b) < 1e-5 * scale  # measured: 6e-8 against a scale of 0.4
 
 
+@pytest.mark.slow  # two launches (about 9 s): .ci/run's second step, `python -m pytest -m slow`
 @pytest.mark.parametrize("objective, common, extra, fsdp", [
     # G = 3: 9 rows, 4 on one process and 5 on the other
     ("grpo", {"group_size": 3}, {}, False),
@@ -177,11 +178,8 @@ _LAYOUTS = {
 }
 
 
-# The FSDP launches are kept out of the default run: under heavy load a rank of the
-# sharded case was once killed by SIGABRT (gloo, 1 of 5 full suites beside 4 other jobs),
-# a verdict that depends on the machine's load. `python -m pytest -m slow` runs them.
-@pytest.mark.parametrize("layout", [pytest.param(k, marks=pytest.mark.slow) if k.startswith("fsdp") else k
-                                    for k in _LAYOUTS])
+@pytest.mark.slow  # two launches of two processes each (about 25 s): .ci/run's second step
+@pytest.mark.parametrize("layout", list(_LAYOUTS))
 def test_two_processes_resume_exactly(init_model, tmp_path, layout):
     # Two processes, stopped right after the step-2 checkpoint and resumed, against the same
     # two processes uninterrupted: the same metrics and final weights, bit for bit. Under FSDP

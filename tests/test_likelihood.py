@@ -1,5 +1,6 @@
 """Estimators against exact values computed independently, by enumerating masks."""
 
+import dataclasses
 import itertools
 import math
 
@@ -8,7 +9,9 @@ import torch
 
 from stabledrl.data import completion_mask as make_completion_mask
 from stabledrl.data import encode_completions, encode_prompts
-from stabledrl.likelihood import backward_views, estimate, gauss_legendre, plan_views, score_views
+from stabledrl.likelihood import (PLANNERS, backward_views, estimate, gauss_legendre, plan_views, planner_options,
+                                  score_views)
+from stabledrl.settings import METHODS
 from tests.conftest import ScriptedPolicy, make_tiny_policy
 
 
@@ -149,7 +152,8 @@ def test_sdmc_node_weights_by_hand_at_n3():
                           generator=torch.Generator().manual_seed(0))
         k = plan.masked.sum(1).tolist()
         assert k == [1, 1, 1, 2, 2, 2]
-        assert plan.weight.tolist() == pytest.approx([per_view[0]] * 3 + [per_view[1]] * 3, rel=1e-12)
+        assert plan.weight.max(1).values.tolist() == pytest.approx([per_view[0]] * 3 + [per_view[1]] * 3, rel=1e-12)
+        assert (plan.weight[~plan.masked] == 0).all() and (plan.weight[plan.masked] > 0).all()
     # The scripted policy is context-free: slot i's log-prob is c_i − log(e^c_i + V − 1) however the
     # rest is masked. Each slot is in 1 of the 3 one-subsets and 2 of the 3 two-subsets, so
     # count: ℓ = (0.5·1 + 0.25·2)·Σ log p = Σ log p (exact at every n);
@@ -327,3 +331,22 @@ def test_loud_errors(setup):
 
     with pytest.raises(ValueError, match="mask_token_id"):
         estimate(NoMask(), p_ids, c_ids, c_mask, method="mc", generator=gen)
+
+
+def test_one_planner_per_method_and_one_plan_shape():
+    # The config's list of methods is the registry's; every plan's weight is (Nv, L),
+    # zero wherever the view counts nothing; mean_field masks all L slots and counts the
+    # scored ones (2 of 4 here: the PAD after EOS is masked but not counted).
+    assert sorted(PLANNERS) == sorted(METHODS)
+    assert planner_options("sdmc") == {"num_nodes": 2, "weight": "count"}
+    c_mask = torch.tensor([[True, True, False, False], [True, True, True, True]])
+    gen = torch.Generator().manual_seed(0)
+    for method, kw in [("mc", {}), ("sdmc", {}), ("exact", {}), ("blockwise", {"block_size": 2}),
+                       ("mean_field", {"prompt_ids": torch.full((2, 3), 7), "p_prompt": 0.0})]:
+        plan = plan_views(method, c_mask, num_samples=1, generator=gen, **kw)
+        assert plan.weight.shape == plan.masked.shape == (plan.num_views, 4) and plan.weight.dtype == torch.float64
+        assert (plan.weight[~plan.masked] == 0).all()
+        assert not (plan.weight.bool() & ~c_mask[plan.seq_index]).any()  # never an unscored slot
+    assert plan.masked.all() and plan.weight.tolist() == [[1, 1, 0, 0], [1, 1, 1, 1]]
+    with pytest.raises(ValueError, match="float64 of the masks' shape"):
+        dataclasses.replace(plan, weight=torch.ones(2))

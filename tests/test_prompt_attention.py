@@ -26,7 +26,7 @@ from stabledrl.data import completion_mask, encode_completions, encode_prompts
 from stabledrl.likelihood import estimate, plan_views, score_views
 from stabledrl.models import HFPolicy
 from stabledrl.sampling import generate, row_generators
-from stabledrl.sft import block_diffusion_loss, sample_mask_levels
+from stabledrl.sft import diffusion_loss, sample_mask_levels
 from tests.conftest import make_tiny_policy
 from tests.models.test_adapters import fake_dllm, sdar_tokenizer
 
@@ -301,7 +301,7 @@ def test_sequence_blocks_need_a_step_for_the_extra_block():
 def test_sdar_sft_loss_is_the_loss_over_sdars_own_training_layout():
     # SDAR's SFT (modeling_sdar.py, prepare_for_bd_training) runs [x_t ; x_0] of each sample
     # under block_diff_mask: blocks of S from the sample's first token, the prompt never
-    # noised. Replaying block_diffusion_loss's draws (one level per row and SDAR block,
+    # noised. Replaying diffusion_loss's draws (one level per row and SDAR block,
     # stratified; a uniform per slot), its loss equals
     #   (1 / (B L)) Σ_b Σ_{i masked} −log p(y_i | x_t, x_0) / t_{b, block(i)}
     # read from that layout, row by row (normalised as stabledrl's; SDAR divides by the
@@ -313,7 +313,7 @@ def test_sdar_sft_loss_is_the_loss_over_sdars_own_training_layout():
     gen = torch.Generator().manual_seed(3)
     replay = torch.Generator().set_state(gen.get_state())
     with torch.no_grad():
-        loss, _ = block_diffusion_loss(policy, p_ids, p_mask, c_ids, generator=gen)
+        loss, _ = diffusion_loss(policy, p_ids, p_mask, c_ids, generator=gen)
     n = p_mask.sum(1)  # (B,) real prompt lengths
     first = n // S  # SDAR's block of each row's first completion slot
     NB = int(((n + L - 1) // S - first).max()) + 1  # the most blocks a row's completion spans

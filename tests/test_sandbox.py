@@ -24,6 +24,7 @@ import stabledrl.sandbox as sandbox
 from stabledrl.sandbox import UID_RANGE, run_python
 
 FAST = dict(timeout_s=1.5, memory_mb=256, max_processes=16)
+SLOW = pytest.mark.slow  # hostile programs (bombs, runaway loops): .ci/run's second step, `pytest -m slow`
 LAYERS = run_python("pass", timeout_s=10).layers
 needs = lambda *layers: pytest.mark.skipif(not set(layers) <= set(LAYERS), reason=f"needs {layers}")
 
@@ -62,12 +63,14 @@ def test_every_layer_is_in_force_as_root():
                       "uid", "no-new-privs", "rlimits", *memory, "audit-hook")
 
 
+@SLOW
 def test_infinite_loop_is_killed_at_the_wall_time_limit(no_leftovers):
     r = run_python("while True:\n    pass", **FAST)
     assert (r.ok, r.reason, r.returncode) == (False, "timeout", -9)
     assert 1.5 <= r.seconds < 4.0
 
 
+@SLOW
 def test_sleeping_program_is_killed_too(no_leftovers):
     # Not CPU-bound, so only the wall-time limit (not RLIMIT_CPU) can stop it.
     r = run_python("import time\ntime.sleep(60)", **FAST)
@@ -78,18 +81,21 @@ def test_sleeping_program_is_killed_too(no_leftovers):
     "x = bytearray(8 * 2**30)",                                  # one 8 GiB allocation
     "chunks = []\nwhile True:\n    chunks.append(bytearray(2**20))",  # 1 MiB at a time up to the limit
 ])
+@SLOW
 def test_memory_bomb_hits_the_address_space_limit(code, no_leftovers):
     r = run_python(code, **FAST)
     assert (r.ok, r.reason) == (False, "memory")
     assert "MemoryError" in r.stderr
 
 
+@SLOW
 @needs("uid", "pid-ns")
 def test_fork_bomb_hits_the_process_limit_and_leaves_no_process(no_leftovers):
     r = run_python("import os\nwhile True:\n    os.fork()", **FAST)
     assert (r.ok, r.reason) == (False, "process limit")
 
 
+@SLOW
 @needs("uid", "pid-ns")
 def test_fork_bomb_that_ignores_errors_is_killed_with_every_child(no_leftovers):
     code = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass"
@@ -97,6 +103,7 @@ def test_fork_bomb_that_ignores_errors_is_killed_with_every_child(no_leftovers):
     assert (r.ok, r.reason) == (False, "timeout")
 
 
+@SLOW
 @needs("pid-ns")
 def test_a_daemon_that_escapes_the_process_group_dies_with_the_program(no_leftovers):
     # Double fork + setsid: the grandchild leaves the process group that a plain
@@ -208,6 +215,7 @@ def assert_bounded(r, peak: int, mechanism: str) -> None:
     assert peak < allowed * 2**20, f"the program held {peak / 2**20:.0f} MB at once"
 
 
+@SLOW
 @pytest.mark.parametrize("mechanism", MECHANISMS, indirect=True)
 @pytest.mark.parametrize("piece_mb", [PIECE_MB, 420])
 def test_forked_children_share_one_memory_bound(mechanism, piece_mb, no_leftovers):
@@ -230,6 +238,7 @@ def test_forked_children_share_one_memory_bound(mechanism, piece_mb, no_leftover
     assert r.seconds < 6  # stopped at the bound, not at the children's 10 s sleep or the time limit
 
 
+@SLOW
 @pytest.mark.parametrize("mechanism", MECHANISMS, indirect=True)
 def test_threads_share_one_memory_bound(mechanism, no_leftovers):
     # Threads share their process's address space, so RLIMIT_AS already bounds them together;
@@ -270,6 +279,7 @@ def test_threads_share_one_memory_bound(mechanism, no_leftovers):
             os.waitpid(pid, 0)
     """),
 ], ids=["one-4GiB-map", "8-children-shared-maps"])
+@SLOW
 def test_mapped_memory_counts_against_the_bound(mechanism, code, no_leftovers):
     with peak_program_memory() as peak:
         r = run_python(code, memory_mb=BOUND_MB, timeout_s=6)
@@ -277,6 +287,7 @@ def test_mapped_memory_counts_against_the_bound(mechanism, code, no_leftovers):
     assert r.seconds < 6
 
 
+@SLOW
 @needs("memory-cgroup")
 def test_the_cgroup_also_counts_memory_that_no_process_maps(no_leftovers):
     # 40 memfd files of 15 MB, written, never mapped: the kernel charges the program's cgroup
@@ -432,6 +443,7 @@ def test_unicode_output_round_trips():
     assert r.stdout == "\u00e9\u4e2d\U0001f600\n"
 
 
+@SLOW
 def test_concurrent_runs_do_not_interfere(no_leftovers):
     # A fork bomb next to ordinary programs: with a uid per run, its process count is its own.
     # Each ordinary program forks a child that prints, and waits for it: the run ends when the

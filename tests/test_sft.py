@@ -7,7 +7,7 @@ import torch
 from stabledrl.config import ConfigError, load_config
 from stabledrl.data import encode_completions, encode_prompts
 from stabledrl.likelihood import block_logprobs_by_separate_passes
-from stabledrl.sft import SFTConfig, block_diffusion_loss, masked_diffusion_loss, run_sft, sample_mask_levels
+from stabledrl.sft import SFTConfig, diffusion_loss, run_sft, sample_mask_levels
 from stabledrl.tasks import get_task
 from tests.conftest import make_tiny_policy
 
@@ -41,10 +41,10 @@ def test_loss_is_unbiased_for_the_completion_nll(stratified, block):
     gen = torch.Generator().manual_seed(0)
     # The block loss draws one level per block (B·NB levels, stratified across all of
     # them), and each block's term has the same expectation.
-    policy, loss_fn = (UniformBlockPolicy(V), block_diffusion_loss) if block else (policy, masked_diffusion_loss)
+    policy = UniformBlockPolicy(V) if block else policy
     values = torch.tensor([
-        float(loss_fn(policy, prompts, torch.ones_like(prompts), comp, generator=gen,
-                      t_min=1e-3, stratified_t=stratified)[0].detach())
+        float(diffusion_loss(policy, prompts, torch.ones_like(prompts), comp, generator=gen,
+                                   t_min=1e-3, stratified_t=stratified)[0].detach())
         for _ in range(400)
     ])
     se = values.std() / math.sqrt(len(values))
@@ -70,7 +70,7 @@ def test_loss_matches_a_hand_computation():
     comp = encode_completions(policy.tokenizer, ["3*5+7"], 7)
     gen = torch.Generator().manual_seed(5)
     state = gen.get_state()
-    loss, _ = masked_diffusion_loss(policy, p_ids, p_mask, comp, generator=gen, t_min=1e-3, stratified_t=False)
+    loss, _ = diffusion_loss(policy, p_ids, p_mask, comp, generator=gen, t_min=1e-3, stratified_t=False)
     gen.set_state(state)
     t = 1 - (1 - 1e-3) * torch.rand(1, generator=gen)
     masked = torch.rand((1, 7), generator=gen) < t
@@ -79,6 +79,20 @@ def test_loss_matches_a_hand_computation():
     nll = -logp.gather(-1, comp[0, :, None]).squeeze(-1)
     expected = (nll * masked[0]).sum() / t / 7
     assert torch.allclose(loss, expected.squeeze(), atol=1e-6)
+
+
+def test_per_row_reduction_adds_up_to_the_loss():
+    # reduction "none" gives each row's Σ (1/t) Σ_masked −log p on the same draws: their
+    # sum over rows, divided by B·L, is the loss; rows differ (their own levels and masks).
+    policy = make_tiny_policy(seed=11)
+    p_ids, p_mask = encode_prompts(policy.tokenizer, ["3,5,7=22", "1,2=3", "4,4,4=12"])
+    comp = encode_completions(policy.tokenizer, ["3*5+7", "1+2", "4+4+4"], 7)
+    with torch.no_grad():
+        loss, _ = diffusion_loss(policy, p_ids, p_mask, comp, generator=torch.Generator().manual_seed(4))
+        rows, _ = diffusion_loss(policy, p_ids, p_mask, comp, generator=torch.Generator().manual_seed(4),
+                                 reduction="none")
+    assert rows.shape == (3,) and len(set(rows.tolist())) == 3
+    assert torch.allclose(rows.sum() / (3 * 7), loss, rtol=1e-5)
 
 
 @pytest.mark.parametrize("L", [8, 7])  # S = 3: blocks 3,3,2 and 3,3,1
@@ -90,7 +104,7 @@ def test_block_loss_equals_separate_passes_per_block(L):
     comp = encode_completions(policy.tokenizer, ["3*5+7", "1"], L)
     gen = torch.Generator().manual_seed(6)
     state = gen.get_state()
-    loss, _ = block_diffusion_loss(policy, p_ids, p_mask, comp, generator=gen, stratified_t=False)
+    loss, _ = diffusion_loss(policy, p_ids, p_mask, comp, generator=gen, stratified_t=False)
     gen.set_state(state)
     B, NB = 2, math.ceil(L / 3)
     t = (1 - (1 - 1e-3) * torch.rand(B * NB, generator=gen)).view(B, NB)
@@ -106,7 +120,6 @@ def test_a_few_steps_lower_the_loss(kind):
     # From random weights: the masked-diffusion loss, or the one-pass block loss (S = 4).
     torch.manual_seed(0)
     policy = make_tiny_policy(seed=12, **({"attention_kind": "block", "block_size": 4} if kind == "block" else {}))
-    loss_fn = block_diffusion_loss if kind == "block" else masked_diffusion_loss
     task = get_task("countdown")
     problems = task.generate(64, seed=3)
     p_ids, p_mask = encode_prompts(policy.tokenizer, [p.prompt for p in problems])
@@ -114,14 +127,14 @@ def test_a_few_steps_lower_the_loss(kind):
 
     def held_loss():  # the same masks every time
         with torch.no_grad():
-            return float(loss_fn(policy, p_ids, p_mask, comp, generator=torch.Generator().manual_seed(99))[0])
+            return float(diffusion_loss(policy, p_ids, p_mask, comp, generator=torch.Generator().manual_seed(99))[0])
 
     before = held_loss()
     opt = torch.optim.AdamW(policy.model.parameters(), lr=3e-3)
     gen = torch.Generator().manual_seed(0)
     policy.model.train()
     for _ in range(30):
-        loss, _ = loss_fn(policy, p_ids, p_mask, comp, generator=gen)
+        loss, _ = diffusion_loss(policy, p_ids, p_mask, comp, generator=gen)
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -145,8 +158,9 @@ def test_run_writes_model_metrics_and_resumes_exactly(tmp_path):
     run = tmp_path / "run"
     assert (run / "final" / "model.safetensors").is_file()
     assert (run / "config.yaml").is_file()
-    assert json.loads((run / "eval.json").read_text())["n"] == 8
-    assert 0.0 <= summary["eval_accuracy"] <= 1.0
+    evaluated = json.loads((run / "eval.json").read_text())
+    assert evaluated["n"] == 8 and len(evaluated["samples"]) == 8
+    assert summary["eval_accuracy"] == sum(s["correct"] for s in evaluated["samples"]) / 8
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "loss" in r] == [2, 4, 6]
     with pytest.raises(FileExistsError):

@@ -1,4 +1,5 @@
 import json
+import math
 
 import pytest
 import torch
@@ -7,6 +8,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 import stabledrl.train as train_mod
 from stabledrl.config import ConfigError, load_config
+from stabledrl.tasks import get_task
 from stabledrl.train import TrainConfig, run_train
 from tests.conftest import make_tiny_policy, metric_rows
 
@@ -67,10 +69,15 @@ def test_a_short_run_changes_parameters_and_logs_every_diagnostic(init_model, tm
     summary = run_train(cfg, progress=False)
     step_rows = _changed_weights_and_step_rows(init_model, tmp_path / "run")
     assert len(step_rows) == 2
-    for key in ("reward_mean", "reward_std", "ratio_mean", "ratio_std", "ratio_max", "clip_fraction",
-                "bypass_fraction", "grad_norm", "update_norm", "drift_kl", "completion_length", "entropy"):
-        assert key in step_rows[0], key
-    assert step_rows[0]["update_norm"] > 0
+    for row in step_rows:  # every diagnostic is logged, with a value that means what it says
+        keys = ("reward_mean", "reward_std", "ratio_mean", "ratio_std", "ratio_max", "clip_fraction",
+                "bypass_fraction", "grad_norm", "update_norm", "drift_kl", "completion_length", "entropy")
+        assert all(isinstance(row[k], float) and math.isfinite(row[k]) for k in keys), row
+        assert 0 <= row["reward_mean"] <= 1 and row["reward_std"] >= 0
+        assert 0 < row["ratio_mean"] <= row["ratio_max"] and row["ratio_std"] >= 0
+        assert 0 <= row["clip_fraction"] <= 1 and 0 <= row["bypass_fraction"] <= 1
+        assert row["grad_norm"] > 0 and row["update_norm"] > 0 and row["entropy"] > 0
+        assert 1 <= row["completion_length"] <= get_task("sudoku").completion_length
     if objective["name"] == "stabledrl":
         assert 1 <= step_rows[0]["ess"] <= 4
     assert "eval_initial" in summary and "eval_final" in summary

@@ -1,8 +1,10 @@
 """stabledrl: reinforcement-learning post-training for diffusion language models.
 
-Components (`models`, `sampling`, `tasks`, `data`) are importable on their own; the
-`sft` loop and the `stabledrl` command wire them. The names below are imported on first
-use, so that `stabledrl.config` and `stabledrl.settings` load without torch.
+Components (`models`, `sampling`, `likelihood`, `objectives`, `tasks`, `data`,
+`diagnostics`, `checkpoint`, `sandbox`) are importable on their own and import no loop;
+two loops wire them, `train` (RL) and `sft`, and the `stabledrl` command (`cli`) runs
+the loops. The names below are imported on first use, so that `stabledrl.config` and
+`stabledrl.settings` load without torch.
 """
 
 import importlib

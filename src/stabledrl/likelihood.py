@@ -1,4 +1,4 @@
-"""Likelihood estimators for diffusion LMs: mc, sdmc, mean_field, blockwise
+"""Likelihood estimators for diffusion LMs: mc, sdmc, exact, mean_field, blockwise, path
 (docs/methods.md, "Likelihood estimators", with where they part from the papers).
 
 A dLLM's log π(y|q) is intractable; RL needs an estimate ℓ(y). Every estimator here is
@@ -60,7 +60,7 @@ Methods (n = the number of scored slots of a sequence, K = `num_samples`):
   of every block, the reference) and is scored in one pass over [q ; y ; ỹ] under the
   staircase mask (`stabledrl.models.attention`): noisy block j sees only the prompt, the
   clean blocks < j and itself, so all blocks' terms come from the same forward pass.
-  Weights are per slot (one per block) instead of per view. The blocks are the model's
+  Each block's slots carry their block's weight. The blocks are the model's
   (its ``prompt_attention``): under ``sequence_blocks`` (SDAR, TraDo) a row's first block
   holds its prompt's tail and only S − r slots, so the plan needs the prompt mask and the
   convention (`plan_views`), and `score_views` refuses a plan drawn for other blocks.
@@ -89,10 +89,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import itertools
 import math
 from dataclasses import dataclass
-from typing import Callable, ContextManager, Literal
+from typing import Any, Callable, ContextManager, Literal
 
 import numpy as np
 import torch
@@ -108,7 +109,7 @@ from stabledrl.models.attention import (
     staircase_inputs,
 )
 from stabledrl.models.policy import Policy
-from stabledrl.settings import METHODS
+from stabledrl.settings import METHODS, Method
 
 __all__ = [
     "ViewPlan",
@@ -117,11 +118,13 @@ __all__ = [
     "score_views",
     "backward_views",
     "estimate",
+    "completion_logits",
     "gauss_legendre",
+    "planner_options",
+    "PLANNERS",
     "METHODS",
 ]
 
-Method = Literal["mc", "sdmc", "mean_field", "exact", "blockwise", "path"]
 MAX_EXACT_SLOTS = 16
 
 
@@ -132,23 +135,26 @@ class ViewPlan:
     seq_index: torch.Tensor
     """(Nv,) the sequence each view noises."""
     masked: torch.Tensor
-    """(Nv, L) bool: the slots replaced by the mask token, whose log-probabilities the
-    view counts with `weight` (only the scored ones)."""
+    """(Nv, L) bool: the completion slots the view replaces by the mask token."""
     weight: torch.Tensor
-    """(Nv,) float64 weight of the view's masked log-probabilities, or (Nv, L) one per
-    slot (blockwise: each block has its own weight; path: 1 on the slots committed at the
-    view's step, 0 on those committed later)."""
+    """(Nv, L) float64: the weight of each slot's log-probability in the view; 0 on the
+    slots the view does not count (never a slot it leaves clean). mc, sdmc, exact: one
+    value on the view's masked slots; blockwise: one per block; path: 1 on the slots
+    committed at the view's step; mean_field: 1 on the scored slots (it masks all L)."""
     prompt_masked: torch.Tensor | None
     """(Nv, P) bool: prompt tokens replaced by the mask token (mean_field only)."""
     batch_size: int
     """B."""
-    mask_whole_completion: bool = False
-    """mean_field: every completion slot is replaced by the mask token, not only `masked`."""
     block_size: int | None = None
     """blockwise: views are scored in one staircase pass over [q ; y ; ỹ] with blocks of this size."""
     block_offset: torch.Tensor | None = None
     """(B,) the prompt tokens in each sequence's first completion block, which is that much
     shorter (`stabledrl.models.attention.block_offset`; ``sequence_blocks`` models); None: 0."""
+
+    def __post_init__(self) -> None:
+        if self.weight.shape != self.masked.shape or self.weight.dtype != torch.float64:
+            raise ValueError(f"a plan's weight must be float64 of the masks' shape {tuple(self.masked.shape)}, got "
+                             f"{self.weight.dtype} {tuple(self.weight.shape)}")
 
     @property
     def num_views(self) -> int:
@@ -252,7 +258,58 @@ def _all_subsets(slots: list[int], k: int, L: int) -> torch.Tensor:
     return m
 
 
-def _plan_mc(scored, K, masking, stratified, antithetic, generator) -> ViewPlan:
+@dataclass(frozen=True)
+class PlanInputs:
+    """What a planner reads besides its own options (`plan_views` checks these)."""
+
+    scored: torch.Tensor
+    """(B, L) bool on the CPU: the scored slots."""
+    num_samples: int
+    """K."""
+    generator: torch.Generator | None
+    prompt_ids: torch.Tensor | None
+    prompt_mask: torch.Tensor | None
+    bos_token_id: int | None
+    block_size: int | None
+    """A block model's S (blockwise; path on block models); None: full attention."""
+    offset: torch.Tensor | None
+    """(B,) the prompt tokens in each row's first block (``sequence_blocks``); None: 0."""
+    unmask_step: torch.Tensor | None
+    """(B, L) the step at which the sampler committed each slot (path)."""
+
+    def draws(self, method: str) -> torch.Generator:
+        """The generator, which a method that draws masks needs."""
+        return _need_generator(self.generator, method)
+
+
+PLANNERS: dict[str, Callable[..., ViewPlan]] = {}
+"""method -> planner(inputs: PlanInputs, **options) -> ViewPlan. A planner's options are its
+keyword-only parameters, with their defaults (`planner_options`), and it checks their values."""
+
+
+def _planner(method: str) -> Callable[[Callable[..., ViewPlan]], Callable[..., ViewPlan]]:
+    def register(fn: Callable[..., ViewPlan]) -> Callable[..., ViewPlan]:
+        PLANNERS[method] = fn
+        return fn
+    return register
+
+
+def planner_options(method: str) -> dict[str, Any]:
+    """The options `method` takes, with their defaults."""
+    if method not in PLANNERS:
+        raise ValueError(f"unknown method {method!r}; choose one of {METHODS}")
+    params = inspect.signature(PLANNERS[method]).parameters.values()
+    return {p.name: p.default for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY}
+
+
+def _per_view(weight: torch.Tensor, masked: torch.Tensor) -> torch.Tensor:
+    """(Nv,) a weight per view -> (Nv, L) on the view's masked slots, 0 elsewhere."""
+    return weight[:, None] * masked
+
+
+@_planner("mc")
+def _plan_mc(x: PlanInputs, *, masking: str = "count", stratified: bool = False, antithetic: bool = False) -> ViewPlan:
+    scored, K, generator = x.scored, x.num_samples, x.draws("mc")
     B, L = scored.shape
     n = scored.sum(1)  # (B,)
     if antithetic:
@@ -282,10 +339,14 @@ def _plan_mc(scored, K, masking, stratified, antithetic, generator) -> ViewPlan:
             seq = torch.cat([seq, seq])
     else:
         raise ValueError(f"masking must be 'count' or 'bernoulli', got {masking!r}")
-    return ViewPlan(seq, masked, weight, None, B)
+    return ViewPlan(seq, masked, _per_view(weight, masked), None, B)
 
 
-def _plan_sdmc(scored, K, num_nodes, weight, generator) -> ViewPlan:
+@_planner("sdmc")
+def _plan_sdmc(x: PlanInputs, *, num_nodes: int = 2, weight: str = "count") -> ViewPlan:
+    if weight not in ("count", "time"):
+        raise ValueError(f"sdmc weight must be 'count' (n/k) or 'time' (1/t), got {weight!r}")
+    scored, K, generator = x.scored, x.num_samples, x.draws("sdmc")
     B, L = scored.shape
     nodes, node_w = gauss_legendre(num_nodes)
     seqs, masks, weights = [], [], []
@@ -305,10 +366,13 @@ def _plan_sdmc(scored, K, num_nodes, weight, generator) -> ViewPlan:
             masks.append(m)
             c = n / k if weight == "count" else 1.0 / t_j  # the node's factor (module docstring)
             weights.append(torch.full((reps,), w_j * c / reps, dtype=torch.float64))
-    return ViewPlan(torch.cat(seqs), torch.cat(masks), torch.cat(weights), None, B)
+    masked = torch.cat(masks)
+    return ViewPlan(torch.cat(seqs), masked, _per_view(torch.cat(weights), masked), None, B)
 
 
-def _plan_exact(scored) -> ViewPlan:
+@_planner("exact")
+def _plan_exact(x: PlanInputs) -> ViewPlan:
+    scored = x.scored
     B, L = scored.shape
     seqs, masks, weights = [], [], []
     for b in range(B):
@@ -322,24 +386,49 @@ def _plan_exact(scored) -> ViewPlan:
             masks.append(m)
             weights.append(torch.full((len(m),), math.factorial(k - 1) * math.factorial(n - k) / math.factorial(n),
                                       dtype=torch.float64))
-    return ViewPlan(torch.cat(seqs), torch.cat(masks), torch.cat(weights), None, B)
+    masked = torch.cat(masks)
+    return ViewPlan(torch.cat(seqs), masked, _per_view(torch.cat(weights), masked), None, B)
 
 
-def _plan_mean_field(scored, prompt_mask, prompt_ids, bos_token_id, p_prompt, generator) -> ViewPlan:
+@_planner("mean_field")
+def _plan_mean_field(x: PlanInputs, *, p_prompt: float = 0.15) -> ViewPlan:
+    if x.prompt_ids is None:
+        raise ValueError("mean_field needs prompt_ids (it masks prompt tokens)")
+    if not 0 <= p_prompt < 1:
+        raise ValueError(f"p_prompt must be in [0, 1), got {p_prompt}")
+    if x.num_samples != 1:
+        raise ValueError("mean_field is a one-view estimate: num_samples must be 1")
+    scored, prompt_ids = x.scored, x.prompt_ids.cpu()
     B, L = scored.shape
-    maskable = prompt_mask.bool()
-    if bos_token_id is not None:
-        maskable = maskable & (prompt_ids != bos_token_id)
+    maskable = (torch.ones_like(prompt_ids) if x.prompt_mask is None else x.prompt_mask.cpu()).bool()
+    if x.bos_token_id is not None:
+        maskable = maskable & (prompt_ids != x.bos_token_id)
     if p_prompt > 0:
-        prompt_masked = (torch.rand(prompt_ids.shape, generator=generator) < p_prompt) & maskable  # (B, P)
+        prompt_masked = (torch.rand(prompt_ids.shape, generator=x.draws("mean_field")) < p_prompt) & maskable  # (B, P)
     else:
         prompt_masked = torch.zeros_like(maskable)
     # The whole completion is masked; the scored slots are the counted ones.
-    return ViewPlan(torch.arange(B), scored.clone(), torch.ones(B, dtype=torch.float64), prompt_masked, B,
-                    mask_whole_completion=True)
+    return ViewPlan(torch.arange(B), torch.ones((B, L), dtype=torch.bool), scored.double(), prompt_masked, B)
 
 
-def _plan_blockwise(scored, K, block_size, offset, inner, num_nodes, stratified, generator) -> ViewPlan:
+@_planner("blockwise")
+def _plan_blockwise(x: PlanInputs, *, inner: str = "mc", num_nodes: int | None = None,
+                    stratified: bool | None = None) -> ViewPlan:
+    """Per-block ELBO terms; `num_nodes` (sdmc, default 2) and `stratified` (mc, default
+    False) belong to the inner method, and another inner method refuses them."""
+    takes = {"mc": {"stratified"}, "sdmc": {"num_nodes"}, "exact": set()}
+    if inner not in takes:
+        raise ValueError(f"blockwise inner must be 'mc', 'sdmc' or 'exact', got {inner!r}")
+    given = {name for name, v in (("num_nodes", num_nodes), ("stratified", stratified)) if v is not None}
+    if given - takes[inner]:
+        raise ValueError(f"blockwise with inner={inner!r} takes {sorted(takes[inner]) or 'no options'}, "
+                         f"not {sorted(given - takes[inner])}")
+    gen = None if inner == "exact" else x.draws("blockwise")
+    return _blockwise_views(x.scored, x.num_samples, x.block_size, x.offset, inner,
+                            2 if num_nodes is None else num_nodes, bool(stratified), gen)
+
+
+def _blockwise_views(scored, K, block_size, offset, inner, num_nodes, stratified, generator) -> ViewPlan:
     """K views per sequence (N·K for sdmc); each view masks k_j of the n_j scored slots of
     every block j and gives them the weight n_j / k_j (times the view's own weight).
     `offset` (B,): each row's first block is that much shorter (None: 0)."""
@@ -364,8 +453,6 @@ def _plan_blockwise(scored, K, block_size, offset, inner, num_nodes, stratified,
         k = k.minimum(n[:, None, :].clamp(min=1))
         view_w = torch.tensor(node_w, dtype=torch.float64).repeat_interleave(K)[None, :, None] / K
         view_w = view_w.expand(B, reps, NB)
-    else:
-        raise ValueError(f"blockwise inner must be 'mc', 'sdmc' or 'exact', got {inner!r}")
     seq = torch.arange(B).repeat_interleave(reps)  # (Nv,)
     masked = torch.zeros((B * reps, L), dtype=torch.bool)
     weight = torch.zeros((B * reps, L), dtype=torch.float64)
@@ -378,7 +465,7 @@ def _plan_blockwise(scored, K, block_size, offset, inner, num_nodes, stratified,
         sub = _random_subsets(scored[seq, blk] & inside, kj, generator) & (nj > 0)[:, None]  # (Nv, W)
         masked[:, blk] |= sub
         w = torch.where(nj > 0, nj.double() / kj.double(), 0.0) * view_w[:, :, j].flatten()
-        weight[:, blk] = torch.where(inside, w[:, None], weight[:, blk])
+        weight[:, blk] = torch.where(inside & sub, w[:, None], weight[:, blk])
     return ViewPlan(seq, masked, weight, None, B, block_size=block_size, block_offset=offset)
 
 
@@ -407,7 +494,7 @@ def _plan_blockwise_exact(scored, offset, n, block_size) -> ViewPlan:
             r0 = 0
             for subsets, w in rows:
                 mb[r0 : r0 + len(subsets), blk] = subsets[:, blk]
-                wb[r0 : r0 + len(subsets), blk] = w
+                wb[r0 : r0 + len(subsets), blk] = subsets[:, blk].double() * w
                 r0 += len(subsets)
         seqs.append(torch.full((nv,), b))
         masks.append(mb)
@@ -416,8 +503,17 @@ def _plan_blockwise_exact(scored, offset, n, block_size) -> ViewPlan:
                     block_offset=offset)
 
 
-def _plan_path(scored: torch.Tensor, step: torch.Tensor, block_size: int | None,
-               offset: torch.Tensor | None = None) -> ViewPlan:
+@_planner("path")
+def _plan_path(x: PlanInputs) -> ViewPlan:
+    if x.unmask_step is None:
+        raise ValueError("method 'path' needs the rollouts' unmask_step")
+    if x.num_samples != 1:
+        raise ValueError("path is deterministic given the unmask order: num_samples must be 1")
+    return _path_views(x.scored, x.unmask_step.cpu(), x.block_size, x.offset)
+
+
+def _path_views(scored: torch.Tensor, step: torch.Tensor, block_size: int | None,
+                offset: torch.Tensor | None = None) -> ViewPlan:
     """Views replaying each rollout's decoding: at step s, the slots committed at s or
     later are masked and those committed at s count (weight 1). Block models: view j masks,
     in every block, the slots from the block's j-th step on (blocks with fewer steps are
@@ -447,16 +543,6 @@ def _plan_path(scored: torch.Tensor, step: torch.Tensor, block_size: int | None,
                     block_offset=offset)
 
 
-_OPTIONS = {
-    "mc": {"masking": "count", "stratified": False, "antithetic": False},
-    "sdmc": {"num_nodes": 2, "weight": "count"},
-    "mean_field": {"p_prompt": 0.15},
-    "exact": {},
-    "blockwise": {"inner": "mc", "num_nodes": 2, "stratified": False},
-    "path": {},
-}
-
-
 def plan_views(
     method: Method,
     completion_mask: torch.Tensor,
@@ -479,23 +565,21 @@ def plan_views(
     blocks depend on the prompt lengths (`prompt_mask` is then required);
     `unmask_step` (B, L) the step at which the sampler committed each slot (path only).
 
-    Options by method (an option another method takes is an error, not ignored):
-    mc: masking ("count" | "bernoulli"), stratified, antithetic; sdmc: num_nodes, weight ("count" | "time");
-    mean_field: p_prompt; blockwise: inner ("mc" | "sdmc" | "exact"), num_nodes, stratified."""
-    if method not in _OPTIONS:
-        raise ValueError(f"unknown method {method!r}; choose one of {METHODS}")
-    unknown = set(options) - set(_OPTIONS[method])
+    Options by method (`planner_options(method)`; an option another method takes is an
+    error, not ignored): mc: masking ("count" | "bernoulli"), stratified, antithetic;
+    sdmc: num_nodes, weight ("count" | "time"); mean_field: p_prompt; blockwise: inner
+    ("mc" | "sdmc" | "exact"), num_nodes, stratified."""
+    takes = planner_options(method)
+    unknown = set(options) - set(takes)
     if unknown:
-        raise ValueError(f"method {method!r} takes the options {sorted(_OPTIONS[method])}, not {sorted(unknown)}")
-    opts = {**_OPTIONS[method], **options}
-    scored = completion_mask.bool().cpu()
+        raise ValueError(f"method {method!r} takes the options {sorted(takes)}, not {sorted(unknown)}")
     if num_samples < 1:
         raise ValueError(f"num_samples must be >= 1, got {num_samples}")
     if method == "blockwise" and block_size is None:
         raise ValueError("method 'blockwise' needs block_size (the block model's S)")
     if method not in ("blockwise", "path") and block_size is not None:
         raise ValueError(f"block_size is for the methods 'blockwise' and 'path', not {method!r}")
-    if (method == "path") != (unmask_step is not None):
+    if method != "path" and unmask_step is not None:
         raise ValueError("method 'path' needs the rollouts' unmask_step, and only it takes one")
     check_prompt_attention(prompt_attention)
     if block_size is not None and block_size < 1:
@@ -506,42 +590,33 @@ def plan_views(
             raise ValueError("prompt_attention 'sequence_blocks' needs the prompt_mask: each row's first block "
                              "holds its prompt's tail")
         offset = block_offset(prompt_mask.cpu(), block_size, prompt_attention)  # (B,)
-    if method == "path":
-        if num_samples != 1:
-            raise ValueError("path is deterministic given the unmask order: num_samples must be 1")
-        return _plan_path(scored, unmask_step.cpu(), block_size, offset)
-    if method == "mc":
-        return _plan_mc(scored, num_samples, opts["masking"], opts["stratified"], opts["antithetic"],
-                        _need_generator(generator, method))
-    if method == "sdmc":
-        if opts["weight"] not in ("count", "time"):
-            raise ValueError(f"sdmc weight must be 'count' (n/k) or 'time' (1/t), got {opts['weight']!r}")
-        return _plan_sdmc(scored, num_samples, opts["num_nodes"], opts["weight"], _need_generator(generator, method))
-    if method == "exact":
-        return _plan_exact(scored)
-    if method == "blockwise":
-        takes = {"mc": {"stratified"}, "sdmc": {"num_nodes"}, "exact": set()}.get(opts["inner"], set())
-        foreign = set(options) - {"inner"} - takes
-        if foreign:
-            raise ValueError(f"blockwise with inner={opts['inner']!r} takes {sorted(takes) or 'no options'}, "
-                             f"not {sorted(foreign)}")
-        gen = None if opts["inner"] == "exact" else _need_generator(generator, "blockwise")
-        return _plan_blockwise(scored, num_samples, block_size, offset, opts["inner"], opts["num_nodes"],
-                               opts["stratified"], gen)
-    # mean_field
-    p_prompt = opts["p_prompt"]
-    if prompt_ids is None:
-        raise ValueError("mean_field needs prompt_ids (it masks prompt tokens)")
-    if not 0 <= p_prompt < 1:
-        raise ValueError(f"p_prompt must be in [0, 1), got {p_prompt}")
-    if num_samples != 1:
-        raise ValueError("mean_field is a one-view estimate: num_samples must be 1")
-    pm = torch.ones_like(prompt_ids) if prompt_mask is None else prompt_mask
-    gen = _need_generator(generator, method) if p_prompt > 0 else generator
-    return _plan_mean_field(scored, pm.cpu(), prompt_ids.cpu(), bos_token_id, p_prompt, gen)
+    inputs = PlanInputs(completion_mask.bool().cpu(), num_samples, generator, prompt_ids, prompt_mask, bos_token_id,
+                        block_size, offset, unmask_step)
+    return PLANNERS[method](inputs, **options)
 
 
 # --- scoring --------------------------------------------------------------------------
+
+
+def completion_logits(
+    policy: Policy, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, clean: torch.Tensor, noisy: torch.Tensor,
+    block_size: int | None,
+) -> torch.Tensor:
+    """(B, L, V) the policy's logits at the completion slots of its noised input.
+
+    `block_size` None: one pass over [q ; ỹ] (`noisy`, with mask tokens), full attention.
+    Set (a block model's S): one staircase pass over [q ; y ; q̃ ; ỹ] (`clean` is y), each
+    noisy block seeing the prompt and the clean blocks before it, read at ỹ
+    (`stabledrl.models.attention.staircase_inputs`, under the policy's ``prompt_attention``).
+    The one place the likelihood estimators, the SFT loss and the benchmarks build that input."""
+    L = noisy.size(1)
+    if block_size is not None:
+        x, attn, pos = staircase_inputs(prompt_ids, prompt_mask, clean, noisy, block_size,
+                                        prompt_attention_of(policy))  # (B, T), (B, T, T), (B, T)
+        return policy.logits(x, attn, pos)[:, -L:]
+    x = torch.cat([prompt_ids, noisy], dim=1)  # (B, P+L)
+    attn = torch.cat([prompt_mask, torch.ones_like(noisy)], dim=1)
+    return policy.logits(x, attn, position_ids(attn))[:, -L:]
 
 
 def _view_terms(
@@ -551,25 +626,15 @@ def _view_terms(
     """Weighted masked log-probs of views `idx`: (n, L) terms and (n,) their sequences."""
     device = completion_ids.device
     b = plan.seq_index[idx].to(device)  # (n,)
-    counted = plan.masked[idx].to(device)  # (n, L)
-    noised = torch.ones_like(counted) if plan.mask_whole_completion else counted
-    comp = completion_ids[b].masked_fill(noised, policy.mask_token_id)  # (n, L)
+    masked = plan.masked[idx].to(device)  # (n, L)
+    comp = completion_ids[b].masked_fill(masked, policy.mask_token_id)  # (n, L)
     prm = prompt_ids[b]  # (n, P)
     if plan.prompt_masked is not None:
         prm = prm.masked_fill(plan.prompt_masked[idx].to(device), policy.mask_token_id)
-    L = comp.size(1)
-    if plan.block_size is not None:  # one staircase pass over [q ; y ; q̃ ; ỹ], logits read at ỹ
-        x, attn, pos = staircase_inputs(prm, prompt_mask[b], completion_ids[b], comp, plan.block_size,
-                                        prompt_attention_of(policy))  # (n, T), (n, T, T), (n, T)
-        logits = policy.logits(x, attn, pos)[:, -L:].float()  # (n, L, V)
-    else:
-        x = torch.cat([prm, comp], dim=1)  # (n, P+L)
-        attn = torch.cat([prompt_mask[b], torch.ones_like(comp)], dim=1)
-        logits = policy.logits(x, attn, position_ids(attn))[:, prm.size(1):].float()  # (n, L, V)
+    logits = completion_logits(policy, prm, prompt_mask[b], completion_ids[b], comp, plan.block_size).float()
     logp = torch.log_softmax(logits, dim=-1).gather(-1, completion_ids[b][..., None]).squeeze(-1)  # (n, L)
-    w = plan.weight[idx].to(device=device, dtype=logp.dtype)  # (n,) or (n, L)
-    w = w if w.dim() == 2 else w[:, None]
-    terms = torch.where(counted & completion_mask[b], logp, torch.zeros_like(logp)) * w
+    w = plan.weight[idx].to(device=device, dtype=logp.dtype)  # (n, L)
+    terms = torch.where(masked & completion_mask[b], logp, torch.zeros_like(logp)) * w
     return terms, b
 
 

@@ -213,6 +213,27 @@ class _Decoding:
 
 
 @torch.no_grad()
+def _check_draws(B: int, temperature: float, remasking: str, generator: Generators, top_k: int | None,
+                 top_p: float | None, eos_confidence_scale: float) -> None:
+    """`generate`'s options of each step's draw and commit."""
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if remasking not in ("low_confidence", "random"):
+        raise ValueError(f"remasking must be 'low_confidence' or 'random', got {remasking!r}")
+    if (top_k is not None or top_p is not None) and temperature == 0:
+        raise ValueError("top_k and top_p restrict a random draw: set temperature > 0 or leave them None")
+    if top_k is not None and top_k < 1:
+        raise ValueError(f"top_k must be >= 1 or None, got {top_k}")
+    if top_p is not None and not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1] or None, got {top_p}")
+    if not 0 < eos_confidence_scale <= 1:
+        raise ValueError(f"eos_confidence_scale must be in (0, 1], got {eos_confidence_scale}")
+    if generator is None and (temperature > 0 or remasking == "random"):
+        raise ValueError("random sampling needs an explicit generator=torch.Generator().manual_seed(seed)")
+    if generator is not None and not isinstance(generator, torch.Generator) and len(generator) != B:
+        raise ValueError(f"one generator per row: got {len(generator)} generators for {B} rows")
+
+
 def generate(
     policy: Policy,
     prompt_ids: torch.Tensor,
@@ -265,22 +286,7 @@ def generate(
         raise ValueError(f"steps ({steps}) must be at least the number of blocks ({num_blocks})" + (
             f": with prompt_attention 'sequence_blocks' the prompt's tail shares the first block, so {L} slots "
             f"can span {num_blocks} blocks of {block_length}" if shared else ""))
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0, got {temperature}")
-    if remasking not in ("low_confidence", "random"):
-        raise ValueError(f"remasking must be 'low_confidence' or 'random', got {remasking!r}")
-    if (top_k is not None or top_p is not None) and temperature == 0:
-        raise ValueError("top_k and top_p restrict a random draw: set temperature > 0 or leave them None")
-    if top_k is not None and top_k < 1:
-        raise ValueError(f"top_k must be >= 1 or None, got {top_k}")
-    if top_p is not None and not 0 < top_p <= 1:
-        raise ValueError(f"top_p must be in (0, 1] or None, got {top_p}")
-    if not 0 < eos_confidence_scale <= 1:
-        raise ValueError(f"eos_confidence_scale must be in (0, 1], got {eos_confidence_scale}")
-    if generator is None and (temperature > 0 or remasking == "random"):
-        raise ValueError("random sampling needs an explicit generator=torch.Generator().manual_seed(seed)")
-    if generator is not None and not isinstance(generator, torch.Generator) and len(generator) != B:
-        raise ValueError(f"one generator per row: got {len(generator)} generators for {B} rows")
+    _check_draws(B, temperature, remasking, generator, top_k, top_p, eos_confidence_scale)
     if prompt_mask is None:
         prompt_mask = torch.ones_like(prompt_ids)
     # Steps per block: as even as possible, earlier blocks take the remainder.

@@ -489,6 +489,12 @@ def run_python(
         if root:
             _UIDS.give(uid)
 
+    return _verdict(info, out, err, killed_for, over_memory, time.perf_counter() - t0)
+
+
+def _verdict(info: list[str], out: bytes, err: bytes, killed_for: str | None, over_memory: bool,
+             seconds: float) -> SandboxResult:
+    """The result from what the bootstrap reported (its info lines) and what the parent saw."""
     said = dict(line.split(" ", 1) for line in info if " " in line)  # {"pid": ..., "layers": ..., ...}
     status = int(said["program-status"]) if "program-status" in said else int(said.get("status", "-1"))
     status = None if status < 0 else status
@@ -504,7 +510,7 @@ def run_python(
         logger.error("the sandbox bootstrap failed: %s", stderr[-2000:])
     else:
         reason = _reason(returncode, stderr)
-    return SandboxResult(reason == "ok", returncode, reason, stdout, stderr, time.perf_counter() - t0,
+    return SandboxResult(reason == "ok", returncode, reason, stdout, stderr, seconds,
                          tuple(layer for layer in _ALL_LAYERS if layer in layers))
 
 

@@ -3,23 +3,26 @@ without torch: the command line reads and checks a config (`stabledrl.config.loa
 in well under a second, before the slow imports of training.
 
 Each class is also importable from where it is used, as before (`stabledrl.train.TrainConfig`,
-`stabledrl.sft.SFTConfig`, `stabledrl.sft.ModelConfig` (here `TinyModelConfig`),
+`stabledrl.sft.SFTConfig`, `stabledrl.sft.TinyModelConfig`,
 `stabledrl.sampling.SamplingConfig`, `stabledrl.models.ModelConfig`, `stabledrl.models.lora.LoraSettings`).
-This module imports only the standard library and `stabledrl.config`.
+This module imports only the standard library and `stabledrl.config`. That is why `TaskConfig`
+is here and not beside the tasks: importing `stabledrl.tasks` loads every task (numpy, 0.2 s), and
+a config must be checked before any of that.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal, get_args
 
 from stabledrl.config import check
 
-__all__ = ["METHODS", "MAX_MU", "ModelConfig", "LoraSettings", "SamplingConfig", "TaskConfig", "TinyModelConfig",
+__all__ = ["METHODS", "Method", "MAX_MU", "ModelConfig", "LoraSettings", "SamplingConfig", "TaskConfig", "TinyModelConfig",
            "SFTConfig", "EstimatorConfig", "ObjectiveConfig", "TrainConfig"]
 
-METHODS: tuple[str, ...] = ("mc", "sdmc", "mean_field", "exact", "blockwise", "path")
-"""The likelihood estimators (`stabledrl.likelihood`)."""
+Method = Literal["mc", "sdmc", "mean_field", "exact", "blockwise", "path"]
+"""The likelihood estimators (`stabledrl.likelihood`, whose `PLANNERS` has one planner for each)."""
+METHODS: tuple[str, ...] = get_args(Method)
 
 MAX_MU = 13
 """Inner iterations per step at most: `stabledrl.train` seeds 16 streams per step, 3 of them
@@ -172,7 +175,7 @@ class TaskConfig:
     """Which task, with its options (e.g. num_numbers: 4 for Countdown)."""
 
     name: str = "countdown"
-    """A registered task: countdown, sudoku."""
+    """A registered task (`stabledrl.tasks.available_tasks()`: countdown, sudoku, gsm8k, math, code, and yours)."""
     options: dict[str, Any] = field(default_factory=dict)
     """Keyword arguments of the task's constructor."""
 
@@ -264,7 +267,7 @@ class SFTConfig:
 class EstimatorConfig:
     """The likelihood estimator ℓ (see stabledrl.likelihood)."""
 
-    method: Literal["mc", "sdmc", "mean_field", "exact", "blockwise", "path"] = "mc"
+    method: Method = "mc"
     """mc (ELBO), sdmc (GDPO), mean_field (d1), exact (enumeration, tiny L only); blockwise
     for block-diffusion models (per-block ELBO terms in one staircase pass); path (either
     kind: the log-probability along the rollout's own decoding order, num_samples 1)."""

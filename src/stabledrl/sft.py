@@ -38,7 +38,7 @@ import json
 import math
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -54,23 +54,23 @@ from stabledrl.checkpoint import (
     write_atomic,
 )
 from stabledrl.config import to_dict
-from stabledrl.data import encode_completions, encode_policy_prompts, position_ids
+from stabledrl.data import encode_completions, encode_policy_prompts
 from stabledrl.evaluate import evaluate
+from stabledrl.likelihood import completion_logits
 from stabledrl.metrics import metrics_line
-from stabledrl.models.attention import block_offset, completion_blocks, prompt_attention_of, staircase_inputs
+from stabledrl.models.attention import block_offset, completion_blocks, prompt_attention_of
 from stabledrl.models.policy import Policy, TinyPolicy
 from stabledrl.models.tiny import TinyDiffusionConfig, TinyDiffusionLM
-from stabledrl.settings import SFTConfig, TaskConfig, TinyModelConfig as ModelConfig  # no torch: for the CLI
+from stabledrl.settings import SFTConfig, TaskConfig, TinyModelConfig  # no torch: for the CLI
 from stabledrl.tasks import Task, get_task
 from stabledrl.tokenizer import build_char_tokenizer
 
 __all__ = [
-    "ModelConfig",
+    "TinyModelConfig",
     "TaskConfig",
     "SFTConfig",
     "sample_mask_levels",
-    "masked_diffusion_loss",
-    "block_diffusion_loss",
+    "diffusion_loss",
     "run_sft",
 ]
 
@@ -87,7 +87,7 @@ def sample_mask_levels(
     return 1.0 - (1.0 - t_min) * u
 
 
-def masked_diffusion_loss(
+def diffusion_loss(
     policy: Policy,
     prompt_ids: torch.Tensor,
     prompt_mask: torch.Tensor,
@@ -96,52 +96,31 @@ def masked_diffusion_loss(
     generator: torch.Generator,
     t_min: float = 1e-3,
     stratified_t: bool = True,
+    reduction: Literal["mean", "none"] = "mean",
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """The SFT loss of the module docstring; returns (loss, metrics)."""
+    """The SFT loss of the module docstring: one masking level per row, or per block of a
+    block model (the one-pass staircase loss); returns (loss, metrics). `reduction`
+    "mean": the loss L; "none": (B,) each row's Σ (1/t) Σ_{masked} −log p, whose negative
+    is a one-draw ELBO of the row (benchmarks/plain_reinforce.py)."""
     B, L = completion_ids.shape
     device = completion_ids.device
-    t = sample_mask_levels(B, generator=generator, t_min=t_min, stratified=stratified_t, device=device)  # (B,)
-    masked = torch.rand((B, L), generator=generator, device=device) < t[:, None]  # (B, L)
-    noisy = completion_ids.masked_fill(masked, policy.mask_token_id)  # (B, L)
-    x = torch.cat([prompt_ids, noisy], dim=1)  # (B, P+L)
-    attn = torch.cat([prompt_mask, torch.ones_like(noisy)], dim=1)
-    logits = policy.logits(x, attn, position_ids(attn))[:, prompt_ids.size(1) :]  # (B, L, V)
-    nll = F.cross_entropy(logits.float().transpose(1, 2), completion_ids, reduction="none")  # (B, L)
-    loss = (nll * masked / t[:, None]).sum() / (B * L)
-    with torch.no_grad():
-        n_masked = masked.sum().clamp(min=1)
-        acc = ((logits.argmax(-1) == completion_ids) & masked).sum() / n_masked
-        metrics = {"masked_nll": float((nll * masked).sum() / n_masked), "masked_acc": float(acc)}
-    return loss, metrics
-
-
-def block_diffusion_loss(
-    policy: Policy,
-    prompt_ids: torch.Tensor,
-    prompt_mask: torch.Tensor,
-    completion_ids: torch.Tensor,
-    *,
-    generator: torch.Generator,
-    t_min: float = 1e-3,
-    stratified_t: bool = True,
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """The one-pass block-diffusion SFT loss of the module docstring; returns (loss, metrics)."""
-    B, L = completion_ids.shape
-    S = policy.block_size
-    if policy.attention_kind != "block" or not S:
-        raise ValueError("block_diffusion_loss needs a block-attention policy with a block_size")
-    conv = prompt_attention_of(policy)
-    blk_of = completion_blocks(block_offset(prompt_mask, S, conv), L, S)  # (B, L) each slot's block
-    NB = int(blk_of.max()) + 1  # ceil(L / S) unless a prompt's tail shortens the first block
-    device = completion_ids.device
+    block = getattr(policy, "attention_kind", "full") == "block"
+    S = policy.block_size if block else None
+    if block and not S:
+        raise ValueError("a block-attention policy needs a block_size for its SFT loss")
+    if block:  # each slot's block; under sequence_blocks a prompt's tail shortens the first
+        blk_of = completion_blocks(block_offset(prompt_mask, S, prompt_attention_of(policy)), L, S)  # (B, L)
+    else:
+        blk_of = torch.zeros((B, L), dtype=torch.long, device=device)
+    NB = int(blk_of.max()) + 1 if L else 1
     t_blocks = sample_mask_levels(B * NB, generator=generator, t_min=t_min, stratified=stratified_t, device=device)
-    t = t_blocks.view(B, NB).gather(1, blk_of)  # (B, L) the level of each slot's block
+    t = t_blocks.view(B, NB).gather(1, blk_of)  # (B, L) the level of each slot's row or block
     masked = torch.rand((B, L), generator=generator, device=device) < t  # (B, L)
     noisy = completion_ids.masked_fill(masked, policy.mask_token_id)  # (B, L)
-    x, attn, pos = staircase_inputs(prompt_ids, prompt_mask, completion_ids, noisy, S, conv)  # [q ; y ; q̃ ; ỹ]
-    logits = policy.logits(x, attn, pos)[:, -L:]  # (B, L, V) read at ỹ
+    logits = completion_logits(policy, prompt_ids, prompt_mask, completion_ids, noisy, S)  # (B, L, V)
     nll = F.cross_entropy(logits.float().transpose(1, 2), completion_ids, reduction="none")  # (B, L)
-    loss = (nll * masked / t).sum() / (B * L)
+    weighted = nll * masked / t  # (B, L)
+    loss = weighted.sum(-1) if reduction == "none" else weighted.sum() / (B * L)
     with torch.no_grad():
         n_masked = masked.sum().clamp(min=1)
         acc = ((logits.argmax(-1) == completion_ids) & masked).sum() / n_masked
@@ -175,6 +154,18 @@ def _new_policy(cfg: SFTConfig, task: Task) -> TinyPolicy:
     return TinyPolicy(model, tok)
 
 
+def _optimizer(model: torch.nn.Module, cfg: SFTConfig):
+    """AdamW (weight decay on matrices only) and its warmup-then-cosine schedule."""
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=cfg.lr, betas=(0.9, 0.95),
+    )
+    return opt, get_cosine_with_min_lr_schedule_with_warmup(opt, cfg.warmup_steps, cfg.steps,
+                                                            min_lr_rate=cfg.min_lr_ratio)
+
+
 def run_sft(cfg: SFTConfig, *, resume: bool = False, progress: bool = True) -> dict[str, Any]:
     """Train, evaluate and save; returns the final evaluation summary."""
     if cfg.threads:
@@ -183,17 +174,12 @@ def run_sft(cfg: SFTConfig, *, resume: bool = False, progress: bool = True) -> d
     ckpt = open_run_dir(out, to_dict(cfg), resume=resume)
 
     task = get_task(cfg.task.name, **cfg.task.options)
-    torch.manual_seed(cfg.seed)  # parameter initialisation only
-    policy = _new_policy(cfg, task)
+    with torch.random.fork_rng(devices=[]):  # the initial weights from the seed; the global RNG is left as it was
+        torch.manual_seed(cfg.seed)
+        policy = _new_policy(cfg, task)
     model = policy.model
     model.train()
-    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
-    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=cfg.lr, betas=(0.9, 0.95),
-    )
-    sched = get_cosine_with_min_lr_schedule_with_warmup(opt, cfg.warmup_steps, cfg.steps, min_lr_rate=cfg.min_lr_ratio)
+    opt, sched = _optimizer(model, cfg)
     gen = torch.Generator().manual_seed(cfg.seed)
     start = 0
     if ckpt is not None:
@@ -207,7 +193,6 @@ def run_sft(cfg: SFTConfig, *, resume: bool = False, progress: bool = True) -> d
         rewind_metrics(out / "metrics.jsonl", ckpt)
 
     eval_problems = task.generate(cfg.eval_n, split=cfg.eval_split, seed=0)
-    loss_fn = block_diffusion_loss if cfg.model.attention_kind == "block" else masked_diffusion_loss
     metrics_file = open(out / "metrics.jsonl", "a")
     tokens = 0
     t0 = time.perf_counter()
@@ -216,7 +201,7 @@ def run_sft(cfg: SFTConfig, *, resume: bool = False, progress: bool = True) -> d
         problems = task.generate(cfg.batch_size, split="train", seed=cfg.seed * 1_000_003 + step)
         p_ids, p_mask = encode_policy_prompts(policy, [p.prompt for p in problems])
         c_ids = encode_completions(policy.tokenizer, [p.answer for p in problems], task.completion_length)
-        loss, m = loss_fn(
+        loss, m = diffusion_loss(
             policy, p_ids, p_mask, c_ids, generator=gen, t_min=cfg.t_min, stratified_t=cfg.stratified_t
         )
         loss_value = loss.item()
