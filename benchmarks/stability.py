@@ -74,8 +74,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--set", action="append", default=[], help="override for both objectives")
-    ap.add_argument("--preset", default="countdown", help="configs/<preset>-{grpo,stabledrl}.yaml")
-    ap.add_argument("--objectives", nargs="+", default=["grpo", "stabledrl"], choices=["grpo", "stabledrl"],
+    ap.add_argument("--preset", default="countdown", help="configs/<preset>-<objective>.yaml")
+    ap.add_argument("--objectives", nargs="+", default=["grpo", "stabledrl"], choices=["grpo", "stabledrl", "wd1"],
                     help="run only these (say, one per process); a later call with both reuses finished runs")
     ap.add_argument("--tag", default="default")
     ap.add_argument("--runs-dir", default="runs/stability")
@@ -101,7 +101,7 @@ def main() -> None:
     out = Path("benchmarks/results") / f"stability-{args.tag}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"args": vars(args), "runs": results}, indent=2))
-    palette = {"grpo": "tab:blue", "stabledrl": "tab:orange"}
+    palette = {"grpo": "tab:blue", "stabledrl": "tab:orange", "wd1": "tab:green"}
     plot_runs(run_dirs, out.with_suffix(".png"), colors=[palette[r["objective"]] for r in results])
     print(f"wrote {out} and {out.with_suffix('.png')}")
 

@@ -3,7 +3,8 @@ import math
 import pytest
 import torch
 
-from stabledrl.objectives import aggregate_tokens, grpo_loss, group_advantages, kl_k3, log_ratios, stabledrl_loss
+from stabledrl.objectives import (aggregate_tokens, grpo_loss, group_advantages, kl_k3, log_ratios, stabledrl_loss,
+                                  wd1_loss)
 
 
 def test_group_advantages_by_hand():
@@ -203,3 +204,23 @@ def test_grpo_token_aggregation_by_hand_with_unequal_lengths():
         assert out.metrics["kl_ref"] == pytest.approx(kl, rel=1e-6)
     with pytest.raises(ValueError, match="token ratios"):
         grpo_loss(torch.zeros(2), torch.zeros(2), adv, group_size=2, token_aggregation="batch_token_mean")
+
+
+def test_wd1_arithmetic_by_hand():
+    # Group 1: G = 2, A = (a, −a) with a = 0.5. softmax(ψA) = (σ(2a), σ(−2a)), so
+    # w⁻_1 − w⁺_1 = σ(−1) − σ(1) = −tanh(0.5) = −0.4621172 and w⁻_2 − w⁺_2 = +0.4621172;
+    # with ℓ = (−2, −3) the group's term is −0.4621172·(−2) + 0.4621172·(−3) = −0.4621172.
+    # Group 2 ties (A = 0): w⁺ = w⁻ = ½, its term is 0 whatever ℓ. Loss: the mean, −0.2310586.
+    logp = torch.tensor([-2.0, -3.0, -1.0, -7.0], requires_grad=True)
+    adv = torch.tensor([0.5, -0.5, 0.0, 0.0])
+    out = wd1_loss(logp, torch.zeros(4), adv, group_size=2)
+    assert out.loss.item() == pytest.approx(-0.5 * math.tanh(0.5), rel=1e-6)
+    out.loss.backward()
+    t = math.tanh(0.5) / 2  # ∂loss/∂ℓ = (w⁻ − w⁺) / number of groups
+    assert logp.grad.tolist() == pytest.approx([-t, t, 0.0, 0.0], rel=1e-6, abs=1e-7)
+    # ψ = 2 doubles the argument of tanh; no old policy enters the loss, only the diagnostics.
+    two = wd1_loss(logp.detach(), torch.full((4,), -50.0), adv, group_size=2, psi=2.0)
+    assert two.loss.item() == pytest.approx(-0.5 * math.tanh(1.0), rel=1e-6)
+    assert two.metrics["ratio_max"] > 1e10  # log ρ = ℓ + 50, reported
+    with pytest.raises(ValueError, match="psi"):
+        wd1_loss(logp, logp, adv, group_size=2, psi=0.0)

@@ -1,4 +1,4 @@
-"""RL objectives for diffusion LMs: GRPO and StableDRL, as pure tensor functions
+"""RL objectives for diffusion LMs: GRPO, StableDRL and wd1, as pure tensor functions
 (docs/methods.md, "Objectives", with where they part from the papers).
 
 Every objective takes likelihood estimates (`stabledrl.likelihood`), not a model, and
@@ -19,6 +19,13 @@ returns a `LossOutput(loss, metrics)`. Batches are laid out group by group: rows
   softmax of the clipped log-ratios and detached, loss = −Σ_i w_i A_i ℓ_θ(y_i), averaged
   over groups. Its gradient Σ_i w_i A_i ∇ℓ_i lies in the convex hull of the per-sample
   A_i ∇ℓ_i (Zhong et al. 2026, §4).
+- `wd1_loss`: ratio-free weighted likelihood (wd1, Tang et al. 2025): per group
+  w⁺ = softmax(ψ A) and w⁻ = softmax(−ψ A) over the G completions, loss = Σ_i (w⁻_i − w⁺_i)
+  ℓ_θ(y_i), averaged over groups. It raises the likelihood of the better completions of a
+  group and lowers that of the worse ones with no old policy and no ratio, so estimation
+  noise in ℓ_old cannot reach it; ℓ_θ's own noise still does, through the gradient.
+  Deviation: the authors' code takes the softmax over the rows of one process's batch;
+  here over each group, so that several processes compute the update of one.
 
 Ratios: ``sequence`` ρ = exp(ℓ_θ − ℓ_old); ``sequence_normalized`` exp((ℓ_θ − ℓ_old)/|y|)
 (GSPO / GDPO); ``token`` per-token ratios (diffu-GRPO, with mean_field's per-token terms).
@@ -45,6 +52,7 @@ __all__ = [
     "log_ratios",
     "grpo_loss",
     "stabledrl_loss",
+    "wd1_loss",
     "kl_k3",
     "aggregate_tokens",
 ]
@@ -235,3 +243,27 @@ def stabledrl_loss(
     metrics["ess"] = float((1.0 / (w**2).sum(1)).mean())  # effective sample size, in [1, G]
     return LossOutput(loss, metrics)
 
+
+
+def wd1_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    *,
+    group_size: int,
+    psi: float = 1.0,
+    clip_eps: float = 0.2,
+    ratio_level: Literal["sequence", "sequence_normalized"] = "sequence",
+    completion_mask: torch.Tensor | None = None,
+) -> LossOutput:
+    """wd1: loss = mean over groups of Σ_i (softmax(−ψA)_i − softmax(ψA)_i) ℓ_i (module
+    docstring). `old_logp` enters only the ratio diagnostics, which are logged as for the
+    other objectives (they show how far θ has moved, not a term of the loss; `clip_eps`
+    is the band of their clip_fraction)."""
+    if psi <= 0:
+        raise ValueError(f"psi must be positive, got {psi}")
+    adv = _groups(advantages.detach(), group_size)  # (num_groups, G)
+    coef = torch.softmax(-psi * adv, dim=1) - torch.softmax(psi * adv, dim=1)  # (num_groups, G)
+    loss = (coef * _groups(logp, group_size)).sum(1).mean()
+    log_rho = log_ratios(logp.detach(), old_logp.detach(), ratio_level, completion_mask)  # (B,)
+    return LossOutput(loss, _ratio_metrics(_clamped(log_rho), advantages, clip_eps, completion_mask))

@@ -297,8 +297,9 @@ class EstimatorConfig:
 class ObjectiveConfig:
     """The policy-gradient objective (see stabledrl.objectives)."""
 
-    name: Literal["grpo", "stabledrl"] = "stabledrl"
-    """grpo: conditional clip, 1/G. stabledrl: unconditional clip, self-normalised."""
+    name: Literal["grpo", "stabledrl", "wd1"] = "stabledrl"
+    """grpo: conditional clip, 1/G. stabledrl: unconditional clip, self-normalised. wd1: ratio-free
+    weighted likelihood, softmax(ψA) up and softmax(−ψA) down (`stabledrl.objectives.wd1_loss`)."""
     ratio_level: Literal["sequence", "sequence_normalized", "token"] = "sequence"
     """sequence: exp(ℓ−ℓ_old); sequence_normalized: divided by |y| (GDPO); token: per token (d1, mean_field)."""
     clip_eps: float = 0.2
@@ -309,6 +310,8 @@ class ObjectiveConfig:
     """stabledrl upper clip c."""
     beta: float = 0.0
     """Weight of the k3 KL to the initial policy (grpo only)."""
+    psi: float = 1.0
+    """wd1: the inverse temperature ψ of its weights softmax(±ψA)."""
     advantage_scale: Literal["none", "std"] = "none"
     """none: r − mean (StableDRL, d1); std: divided by the group std (original GRPO)."""
     separate_weight_masks: bool = False
@@ -326,7 +329,8 @@ class ObjectiveConfig:
         check(self.name == "stabledrl" or not self.separate_weight_masks,
               "objective.separate_weight_masks is a stabledrl option")
         check(self.name == "grpo" or self.ratio_level != "token",
-              "stabledrl weights sequences: ratio_level must be sequence or sequence_normalized")
+              f"{self.name} weights sequences: ratio_level must be sequence or sequence_normalized")
+        check(self.psi > 0, f"objective.psi must be positive, got {self.psi}")
         check(self.token_aggregation in ("sequence_mean", "batch_token_mean"),
               f"objective.token_aggregation must be sequence_mean or batch_token_mean, got {self.token_aggregation!r}")
         check(self.token_aggregation == "sequence_mean" or self.ratio_level == "token",

@@ -88,7 +88,7 @@ from stabledrl.metrics import metrics_line
 from stabledrl.models.attention import prompt_attention_of
 from stabledrl.models.lora import add_lora, base_policy
 from stabledrl.models.policy import load_policy
-from stabledrl.objectives import LossOutput, group_advantages, grpo_loss, stabledrl_loss
+from stabledrl.objectives import LossOutput, group_advantages, grpo_loss, stabledrl_loss, wd1_loss
 from stabledrl.sampling import SamplingConfig, generate_micro_batched, micro_batch_calls, row_generators
 from stabledrl.settings import MAX_MU, EstimatorConfig, ObjectiveConfig, TrainConfig  # no torch: for the CLI
 from stabledrl.tasks import get_task
@@ -340,9 +340,21 @@ def _stabledrl_objective(cfg: TrainConfig) -> Objective:
     return objective
 
 
+def _wd1_objective(cfg: TrainConfig) -> Objective:
+    """wd1 (ratio-free weighted likelihood); `old_logp` feeds only its ratio diagnostics."""
+    o = cfg.objective
+
+    def objective(logp, old_logp, advantages, *, completion_mask, ref_logp=None) -> LossOutput:
+        return wd1_loss(logp, old_logp, advantages, group_size=cfg.group_size, psi=o.psi, clip_eps=o.clip_eps,
+                        ratio_level=o.ratio_level, completion_mask=completion_mask)
+
+    return objective
+
+
 OBJECTIVES: dict[str, Callable[[TrainConfig], Objective]] = {
     "grpo": _grpo_objective,
     "stabledrl": _stabledrl_objective,
+    "wd1": _wd1_objective,
 }
 """objective.name -> builder: the config in, the objective of tensors out."""
 
