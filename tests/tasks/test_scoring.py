@@ -97,15 +97,18 @@ def test_a_problem_the_judge_cannot_read_scores_zero():
     assert task.reward([SOLUTION], [p]) == [0.0] and not task.is_correct(SOLUTION, p)
 
 
-def test_a_code_task_whose_sandbox_call_raises_scores_zero_with_a_reason(tmp_path, monkeypatch):
+def test_a_code_task_whose_sandbox_call_raises_scores_zero_with_a_reason(tmp_path, monkeypatch, caplog):
     task, p, _ = code(tmp_path)
 
     def boom(*args, **kwargs):
         raise TypeError("no")
 
     monkeypatch.setattr(code_module, "run_python", boom)
-    assert task.reward(["    return a + b\n", ""], [p, p]) == [0.0, 0.0]
+    with caplog.at_level(logging.INFO, logger=code_module.__name__):
+        assert task.reward(["    return a + b\n", ""], [p, p]) == [0.0, 0.0]
     assert task.last_reasons == ["scorer error", "empty program"]
+    # the error is logged once, with its traceback; the empty program once, as a reason
+    assert [(r.levelname, r.exc_info is not None) for r in caplog.records] == [("ERROR", True), ("INFO", False)]
     assert task.score_with_reason("    return a + b\n", p) == (0.0, "scorer error")
 
 

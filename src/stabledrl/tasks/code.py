@@ -45,7 +45,7 @@ logger = logging.getLogger(__name__)
 
 _FENCE = re.compile(r"```[ \t]*[\w+-]*[ \t]*\n(.*?)(?:```|\Z)", re.S)
 _ALARMING = {"early exit", "timeout", "memory", "cpu time", "output cap", "process limit", "file size",
-             "network refused", "write refused", "sandbox error", "scorer error"}
+             "network refused", "write refused", "sandbox error"}
 _DEFAULT_TEMPLATES = {
     "humaneval": "{prompt}",
     "mbpp": "{text}\nYour code should pass these tests:\n{tests}\n",
@@ -169,7 +169,8 @@ class CodeTask(DatasetTask, ScoredTask):
         return float(score), score.reason
 
     def _log(self, problem: Problem, reason: str) -> None:
-        if reason != "ok":
+        """One line per failed program; a scorer error was logged already, with its traceback (`ScoredTask.score`)."""
+        if reason not in ("ok", "scorer error"):
             level = logging.WARNING if reason in _ALARMING else logging.INFO
             logger.log(level, "code %s: reward 0 (%s)", problem.meta.get("task_id"), reason)
 
