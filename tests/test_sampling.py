@@ -42,6 +42,17 @@ def test_fills_every_mask_keeps_prompt_and_pads_after_eos(kw):
     assert (out.unmask_step >= 0).all() and (out.unmask_step < (kw.get("steps") or L)).all()
 
 
+@pytest.mark.parametrize("kind", ["full", "block"])
+def test_sampling_builds_no_graph(kind):
+    # Rollouts are data: with grad enabled around it (as in the trainer), no output of the
+    # sampler may carry a graph, which would keep every pass's activations alive for the step.
+    policy = make_tiny_policy(seed=5, **({"attention_kind": "block", "block_size": 4} if kind == "block" else {}))
+    assert torch.is_grad_enabled()
+    _, out = _run(policy, gen_length=8, temperature=1.0, generator=torch.Generator().manual_seed(0))
+    tensors = [v for v in vars(out).values() if isinstance(v, torch.Tensor)]
+    assert tensors and not any(t.requires_grad for t in tensors)
+
+
 def test_deterministic_for_a_fixed_generator_and_different_for_another():
     policy = make_tiny_policy(seed=6)
     kw = dict(gen_length=11, temperature=1.0)

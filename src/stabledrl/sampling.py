@@ -212,7 +212,6 @@ class _Decoding:
         )
 
 
-@torch.no_grad()
 def _check_draws(B: int, temperature: float, remasking: str, generator: Generators, top_k: int | None,
                  top_p: float | None, eos_confidence_scale: float) -> None:
     """`generate`'s options of each step's draw and commit."""
@@ -234,6 +233,7 @@ def _check_draws(B: int, temperature: float, remasking: str, generator: Generato
         raise ValueError(f"one generator per row: got {len(generator)} generators for {B} rows")
 
 
+@torch.no_grad()
 def generate(
     policy: Policy,
     prompt_ids: torch.Tensor,
