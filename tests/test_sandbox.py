@@ -29,21 +29,36 @@ LAYERS = run_python("pass", timeout_s=10).layers
 needs = lambda *layers: pytest.mark.skipif(not set(layers) <= set(LAYERS), reason=f"needs {layers}")
 
 
-def sandbox_processes() -> list[psutil.Process]:
-    """Processes of a sandbox: running as a sandbox uid, or forked from a bootstrap (whose
-    command line holds its private directory's name), zombies included."""
+def sandbox_processes(homes: set[str]) -> list[psutil.Process]:
+    """Processes of this test process's sandboxes: running as one of its uids (the slice of
+    `UID_RANGE` that belongs to this pid), or forked from one of its bootstraps (whose
+    command line holds the private directory, one of `homes`), zombies included. Sandboxes
+    of other processes on the machine (another test run, a training on the code task) are
+    theirs, not leftovers of this test."""
+    first = UID_RANGE.start + sandbox._UIDS_PER_PROCESS * (os.getpid() % 2**22)
+    ours = range(first, first + sandbox._UIDS_PER_PROCESS)
     found = []
     for p in psutil.process_iter(["uids", "cmdline"]):
         uids, cmdline = p.info["uids"], p.info["cmdline"] or []
-        if (uids and uids.real in UID_RANGE) or any("stabledrl-sandbox-" in a for a in cmdline):
+        if (uids and uids.real in ours) or any(a in homes for a in cmdline):
             found.append(p)
     return found
 
 
 @pytest.fixture
-def no_leftovers():
+def no_leftovers(monkeypatch):
+    """After the test, no process of its sandboxes is left, running or zombie."""
+    homes: set[str] = set()
+    mkdtemp = tempfile.mkdtemp
+
+    def recorded(*args, **kwargs):
+        path = mkdtemp(*args, **kwargs)
+        homes.add(path)
+        return path
+
+    monkeypatch.setattr(sandbox.tempfile, "mkdtemp", recorded)
     yield
-    assert sandbox_processes() == []
+    assert sandbox_processes(homes) == []
 
 
 def test_correct_program_passes():
