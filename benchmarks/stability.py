@@ -1,4 +1,4 @@
-"""GRPO vs StableDRL under the same noisy estimator: does GRPO's instability loop appear?
+"""GRPO vs StableDRL (and wd1) under the same noisy estimator: does GRPO's instability loop appear?
 
     # the README's regime: GRPO collapses, StableDRL gains (noisy ratios: independent masks)
     python benchmarks/stability.py --seeds 0 1 2 --steps 120 --lr 1e-4 --set masks=independent \
@@ -73,13 +73,17 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--lr", type=float, default=1e-4)
-    ap.add_argument("--set", action="append", default=[], help="override for both objectives")
+    ap.add_argument("--set", action="append", default=[], help="override for every objective")
     ap.add_argument("--preset", default="countdown", help="configs/<preset>-<objective>.yaml")
     ap.add_argument("--objectives", nargs="+", default=["grpo", "stabledrl"], choices=["grpo", "stabledrl", "wd1"],
                     help="run only these (say, one per process); a later call with both reuses finished runs")
     ap.add_argument("--tag", default="default")
     ap.add_argument("--runs-dir", default="runs/stability")
     args = ap.parse_args()
+    missing = [f"configs/{args.preset}-{name}.yaml" for name in args.objectives
+               if not Path(f"configs/{args.preset}-{name}.yaml").is_file()]
+    if missing:
+        ap.error(f"no preset {', '.join(missing)}: choose --objectives that {args.preset} has")
     results = []
     run_dirs = []
     for seed in args.seeds:

@@ -350,3 +350,5 @@ def test_one_planner_per_method_and_one_plan_shape():
     assert plan.masked.all() and plan.weight.tolist() == [[1, 1, 0, 0], [1, 1, 1, 1]]
     with pytest.raises(ValueError, match="float64 of the masks' shape"):
         dataclasses.replace(plan, weight=torch.ones(2))
+    with pytest.raises(ValueError, match="leaves clean"):
+        dataclasses.replace(plan, masked=torch.zeros_like(plan.masked))

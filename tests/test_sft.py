@@ -92,6 +92,8 @@ def test_per_row_reduction_adds_up_to_the_loss():
         rows, _ = diffusion_loss(policy, p_ids, p_mask, comp, generator=torch.Generator().manual_seed(4),
                                  reduction="none")
     assert rows.shape == (3,) and len(set(rows.tolist())) == 3
+    with pytest.raises(ValueError, match="reduction"):
+        diffusion_loss(policy, p_ids, p_mask, comp, generator=torch.Generator(), reduction="sum")
     assert torch.allclose(rows.sum() / (3 * 7), loss, rtol=1e-5)
 
 

@@ -171,6 +171,12 @@ def test_config_cross_checks():
         load_config(TrainConfig, {"objective": {"name": "grpo", "token_aggregation": "batch_token_mean"}})
     with pytest.raises(ConfigError, match="estimator.options.weight must be count or time"):
         load_config(TrainConfig, {"estimator": {"method": "sdmc", "options": {"weight": "inverse_t"}}})
+    with pytest.raises(ConfigError, match="psi is a wd1 option"):
+        load_config(TrainConfig, {"objective": {"name": "stabledrl", "psi": 2.0}})
+    with pytest.raises(ConfigError, match="clip and clip_max are stabledrl options"):
+        load_config(TrainConfig, {"objective": {"name": "wd1", "clip_max": 3.0}})
+    with pytest.raises(ConfigError, match="wd1 has no KL term"):
+        load_config(TrainConfig, {"objective": {"name": "wd1", "beta": 0.1}})
 
 
 def test_batch_token_mean_reaches_the_objective_and_splits_by_tokens_for_grad_agreement():
@@ -553,8 +559,9 @@ def test_every_objective_name_the_config_accepts_has_a_builder_in_the_registry()
     for name in names:
         cfg = load_config(TrainConfig, {"group_size": 2, "objective": {"name": name}})
         # ℓ = ℓ_old = 1, so ρ = 1: GRPO's −mean(ρ·A) = −(1 − 1 + 3 − 1)/4 = −0.5, and StableDRL's
-        # surrogate −mean_g Σ_i w_i·A_i·ℓ_i with w_i = 1/G = 1/2 is −((1 − 1)/2 + (3 − 1)/2)/2 = −0.5
+        # surrogate −mean_g Σ_i w_i·A_i·ℓ_i with w_i = 1/G = 1/2 is −((1 − 1)/2 + (3 − 1)/2)/2 = −0.5;
+        # wd1's coefficients softmax(−A) − softmax(A) sum to 0 in a group, so a constant ℓ gives 0
         logp = torch.ones(4)
         res = train_mod.build_objective(cfg)(logp, logp, torch.tensor([1.0, -1.0, 3.0, -1.0]),
                                              completion_mask=torch.ones(4, 3), ref_logp=None)
-        assert res.loss.item() == pytest.approx(-0.5), name
+        assert res.loss.item() == pytest.approx({"wd1": 0.0}.get(name, -0.5), abs=1e-7), name

@@ -120,7 +120,9 @@ __all__ = [
     "estimate",
     "completion_logits",
     "gauss_legendre",
+    "planner",
     "planner_options",
+    "PlanInputs",
     "PLANNERS",
     "METHODS",
 ]
@@ -155,6 +157,8 @@ class ViewPlan:
         if self.weight.shape != self.masked.shape or self.weight.dtype != torch.float64:
             raise ValueError(f"a plan's weight must be float64 of the masks' shape {tuple(self.masked.shape)}, got "
                              f"{self.weight.dtype} {tuple(self.weight.shape)}")
+        if (self.weight[~self.masked] != 0).any():
+            raise ValueError("a plan weighs a slot its view leaves clean: weight must be 0 wherever masked is False")
 
     @property
     def num_views(self) -> int:
@@ -284,10 +288,11 @@ class PlanInputs:
 
 PLANNERS: dict[str, Callable[..., ViewPlan]] = {}
 """method -> planner(inputs: PlanInputs, **options) -> ViewPlan. A planner's options are its
-keyword-only parameters, with their defaults (`planner_options`), and it checks their values."""
+keyword-only parameters, with their defaults (`planner_options`), and it checks their values.
+Register one with `@planner("name")` and add the name to `stabledrl.settings.Method`."""
 
 
-def _planner(method: str) -> Callable[[Callable[..., ViewPlan]], Callable[..., ViewPlan]]:
+def planner(method: str) -> Callable[[Callable[..., ViewPlan]], Callable[..., ViewPlan]]:
     def register(fn: Callable[..., ViewPlan]) -> Callable[..., ViewPlan]:
         PLANNERS[method] = fn
         return fn
@@ -295,7 +300,8 @@ def _planner(method: str) -> Callable[[Callable[..., ViewPlan]], Callable[..., V
 
 
 def planner_options(method: str) -> dict[str, Any]:
-    """The options `method` takes, with their defaults."""
+    """The options `method` takes, with their defaults (None: the planner chooses, as
+    blockwise's num_nodes and stratified, which depend on its inner method)."""
     if method not in PLANNERS:
         raise ValueError(f"unknown method {method!r}; choose one of {METHODS}")
     params = inspect.signature(PLANNERS[method]).parameters.values()
@@ -307,7 +313,7 @@ def _per_view(weight: torch.Tensor, masked: torch.Tensor) -> torch.Tensor:
     return weight[:, None] * masked
 
 
-@_planner("mc")
+@planner("mc")
 def _plan_mc(x: PlanInputs, *, masking: str = "count", stratified: bool = False, antithetic: bool = False) -> ViewPlan:
     scored, K, generator = x.scored, x.num_samples, x.draws("mc")
     B, L = scored.shape
@@ -342,7 +348,7 @@ def _plan_mc(x: PlanInputs, *, masking: str = "count", stratified: bool = False,
     return ViewPlan(seq, masked, _per_view(weight, masked), None, B)
 
 
-@_planner("sdmc")
+@planner("sdmc")
 def _plan_sdmc(x: PlanInputs, *, num_nodes: int = 2, weight: str = "count") -> ViewPlan:
     if weight not in ("count", "time"):
         raise ValueError(f"sdmc weight must be 'count' (n/k) or 'time' (1/t), got {weight!r}")
@@ -370,7 +376,7 @@ def _plan_sdmc(x: PlanInputs, *, num_nodes: int = 2, weight: str = "count") -> V
     return ViewPlan(torch.cat(seqs), masked, _per_view(torch.cat(weights), masked), None, B)
 
 
-@_planner("exact")
+@planner("exact")
 def _plan_exact(x: PlanInputs) -> ViewPlan:
     scored = x.scored
     B, L = scored.shape
@@ -390,7 +396,7 @@ def _plan_exact(x: PlanInputs) -> ViewPlan:
     return ViewPlan(torch.cat(seqs), masked, _per_view(torch.cat(weights), masked), None, B)
 
 
-@_planner("mean_field")
+@planner("mean_field")
 def _plan_mean_field(x: PlanInputs, *, p_prompt: float = 0.15) -> ViewPlan:
     if x.prompt_ids is None:
         raise ValueError("mean_field needs prompt_ids (it masks prompt tokens)")
@@ -411,7 +417,7 @@ def _plan_mean_field(x: PlanInputs, *, p_prompt: float = 0.15) -> ViewPlan:
     return ViewPlan(torch.arange(B), torch.ones((B, L), dtype=torch.bool), scored.double(), prompt_masked, B)
 
 
-@_planner("blockwise")
+@planner("blockwise")
 def _plan_blockwise(x: PlanInputs, *, inner: str = "mc", num_nodes: int | None = None,
                     stratified: bool | None = None) -> ViewPlan:
     """Per-block ELBO terms; `num_nodes` (sdmc, default 2) and `stratified` (mc, default
@@ -503,7 +509,7 @@ def _plan_blockwise_exact(scored, offset, n, block_size) -> ViewPlan:
                     block_offset=offset)
 
 
-@_planner("path")
+@planner("path")
 def _plan_path(x: PlanInputs) -> ViewPlan:
     if x.unmask_step is None:
         raise ValueError("method 'path' needs the rollouts' unmask_step")

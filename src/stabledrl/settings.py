@@ -325,12 +325,15 @@ class ObjectiveConfig:
         check(self.clip_max > 1, f"objective.clip_max must be > 1, got {self.clip_max}")
         check(self.beta >= 0, f"objective.beta must be >= 0, got {self.beta}")
         check(self.name == "grpo" or self.beta == 0,
-              "objective.beta > 0 is for grpo; stabledrl has no KL term (set beta: 0)")
+              f"objective.beta > 0 is for grpo; {self.name} has no KL term (set beta: 0)")
         check(self.name == "stabledrl" or not self.separate_weight_masks,
               "objective.separate_weight_masks is a stabledrl option")
         check(self.name == "grpo" or self.ratio_level != "token",
-              f"{self.name} weights sequences: ratio_level must be sequence or sequence_normalized")
+              f"{self.name} works on sequences: ratio_level must be sequence or sequence_normalized")
         check(self.psi > 0, f"objective.psi must be positive, got {self.psi}")
+        check(self.name == "wd1" or self.psi == 1.0, "objective.psi is a wd1 option")
+        check(self.name == "stabledrl" or (self.clip == "upper" and self.clip_max == 5.0),
+              "objective.clip and clip_max are stabledrl options (grpo clips to [1-clip_eps, 1+clip_eps])")
         check(self.token_aggregation in ("sequence_mean", "batch_token_mean"),
               f"objective.token_aggregation must be sequence_mean or batch_token_mean, got {self.token_aggregation!r}")
         check(self.token_aggregation == "sequence_mean" or self.ratio_level == "token",

@@ -1,4 +1,4 @@
-"""RL post-training of a diffusion LM (the `train` verb): GRPO, StableDRL, diffu-GRPO, GDPO.
+"""RL post-training of a diffusion LM (the `train` verb): GRPO, StableDRL, wd1, diffu-GRPO, GDPO.
 
 One step, top to bottom:
 
@@ -365,8 +365,8 @@ def build_objective(cfg: TrainConfig) -> Objective:
 
 def _first_half_loss(cfg: TrainConfig, logp, old, advantages, batch: Rollouts, ref, weight_kw: dict,
                      num_groups: int, *, objective: Objective) -> torch.Tensor:
-    """The part of the step's loss that comes from its first ⌊n/2⌋ groups: both objectives
-    are means over groups, so loss = Σ_g c_g / n and this is Σ_{g < n/2} c_g / n; with
+    """The part of the step's loss that comes from its first ⌊n/2⌋ groups: every objective
+    is a mean over groups, so loss = Σ_g c_g / n and this is Σ_{g < n/2} c_g / n; with
     batch_token_mean the loss is a mean over scored tokens, and the half's share is its
     fraction of them. `objective`: the step's."""
     half = num_groups // 2
