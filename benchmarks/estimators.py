@@ -1,6 +1,8 @@
 """Bias, variance, MSE and cost of the likelihood estimators on real rollouts.
 
     python benchmarks/estimators.py --model checkpoints/countdown-tiny
+    python benchmarks/estimators.py --estimators sdmc-N2 sdmc-N2-time sdmc-NF sdmc-NF-time --budgets 2 4 \
+        --out benchmarks/results/estimators-sdmc-weight.json     # 1/t (GDPO) vs n/k (ours)
 
 1. Rollouts: the shipped model samples completions (temperature 1) for held-out
    Countdown prompts — real sequences, not random tokens.
@@ -45,6 +47,9 @@ ESTIMATORS = {
     "sdmc-N1": ("sdmc", {"num_nodes": 1}, lambda F: F),
     "sdmc-N2": ("sdmc", {"num_nodes": 2}, lambda F: F // 2 if F % 2 == 0 else None),
     "sdmc-NF": ("sdmc", {"num_nodes": None}, lambda F: 1),  # N = F nodes, one mask each
+    # GDPO's node factor 1/t instead of our n/k (docs/methods.md, "sdmc")
+    "sdmc-N2-time": ("sdmc", {"num_nodes": 2, "weight": "time"}, lambda F: F // 2 if F % 2 == 0 else None),
+    "sdmc-NF-time": ("sdmc", {"num_nodes": None, "weight": "time"}, lambda F: 1),
     "mean_field": ("mean_field", {"p_prompt": 0.15}, lambda F: 1 if F == 1 else None),
 }
 
@@ -65,11 +70,12 @@ def score(policy, plan, data, max_views=None):
                            max_views_per_forward=max_views).sequence.double()
 
 
-def quality(policy, data, exact, budgets, repeats, max_views):
+def quality(policy, data, exact, budgets, repeats, max_views, names=tuple(ESTIMATORS)):
     p_ids, _, _, c_mask = data
     B = c_mask.size(0)
     rows = []
-    for name, (method, opts, k_of) in ESTIMATORS.items():
+    for name in names:
+        method, opts, k_of = ESTIMATORS[name]
         for F in budgets:
             K = k_of(F)
             if K is None:
@@ -198,6 +204,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default="benchmarks/results/estimators.json")
     ap.add_argument("--plot-only", action="store_true", help="redraw the figure from an existing JSON")
+    ap.add_argument("--estimators", nargs="+", choices=list(ESTIMATORS),
+                    help="only these, at --budgets: their rows and no speed-up or memory parts")
+    ap.add_argument("--budgets", type=int, nargs="+", default=[1, 2, 4, 8])
     args = ap.parse_args()
     if args.plot_only:
         plot(json.loads(Path(args.out).read_text())["rows"], Path(args.out).with_suffix(".png"))
@@ -211,10 +220,24 @@ def main() -> None:
         exact = score(policy, plan, data, max_views=4096)
     exact_s = time.perf_counter() - t0
     print(f"exact ELBO: mean {exact.mean():.3f} nats over {args.n} rollouts, {plan.num_views} views in {exact_s:.1f}s")
-    rows = quality(policy, data, exact, [1, 2, 4, 8], args.repeats, None)
+    rows = quality(policy, data, exact, args.budgets, args.repeats, None, args.estimators or tuple(ESTIMATORS))
 
     def mse(name, F):
         return next((r["mse"] for r in rows if r["estimator"] == name and r["budget"] == F), None)
+
+    if args.estimators:  # a subset: the rows, and GDPO's 1/t against our n/k where both ran
+        pairs = {f"{name}/{name[:-5]}, F={r['budget']}": {
+                     k: r[k] / next(c[k] for c in rows if c["estimator"] == name[:-5] and c["budget"] == r["budget"])
+                     for k in ("mse", "abs_bias_mean")}
+                 for r in rows for name in [r["estimator"]]
+                 if name.endswith("-time") and any(c["estimator"] == name[:-5] and c["budget"] == r["budget"]
+                                                   for c in rows)}
+        result = {"model": args.model, "rollouts": args.n, "repeats": args.repeats,
+                  "scored_slots_mean": float(data[3].sum(1).float().mean()),
+                  "exact_elbo_mean": float(exact.mean()), "rows": rows, "time_over_count": pairs}
+        Path(args.out).write_text(json.dumps(result, indent=2))
+        print(json.dumps(pairs, indent=2))
+        return
 
     ratios = {F: mse("sdmc-N2", F) / mse("mc", F) for F in (2, 4, 8)}
     result = {
