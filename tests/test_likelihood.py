@@ -204,6 +204,54 @@ def test_mean_field_equals_a_direct_computation(setup):
     assert drop.any()  # the check above exercised prompt masking
 
 
+def test_coupled_equals_a_direct_computation(setup):
+    # DiffuCoder's per-token surrogate, redone by hand from the same draws (t per row, then
+    # u per slot): ½·log p(y_i | whole completion masked) + log p(y_i | its view) / (2t) for
+    # u_i < t, / (2(1 − t)) otherwise; the PAD after EOS is masked in the first view only.
+    policy, p_ids, p_mask, c_ids, c_mask = setup
+    gen = torch.Generator().manual_seed(5)
+    state = gen.get_state()
+    est = estimate(policy, p_ids, c_ids, c_mask, prompt_mask=p_mask, method="coupled", generator=gen)
+    gen.set_state(state)
+    B, L = c_ids.shape
+    t = 0.2 + 0.6 * torch.rand((B, 1, 1), generator=gen, dtype=torch.float64)[:, 0, 0]  # (B,)
+    low = c_mask & (torch.rand((B, 1, L), generator=gen, dtype=torch.float64)[:, 0] < t[:, None])  # (B, L)
+
+    def logp(noised):  # (B, L) log p(y_i | y with `noised` slots masked), one forward
+        x = torch.cat([p_ids, c_ids.masked_fill(noised, policy.mask_token_id)], 1)
+        attn = torch.cat([p_mask, torch.ones_like(c_ids)], 1)
+        with torch.no_grad():
+            out = policy.logits(x, attn)[:, p_ids.size(1):].double().log_softmax(-1)
+        return out.gather(-1, c_ids[..., None]).squeeze(-1)
+
+    high = c_mask & ~low
+    coupled = torch.where(low, logp(low) / t[:, None], logp(high) / (1 - t[:, None]))
+    expected = torch.where(c_mask, 0.5 * logp(torch.ones_like(c_mask)) + 0.5 * coupled, 0.0)  # (B, L)
+    assert low.any() and high.any() and est.num_views == 3 * B
+    assert torch.allclose(est.token.double(), expected, atol=1e-5)
+    assert torch.allclose(est.sequence.double(), expected.sum(1), atol=1e-4)
+    with pytest.raises(ValueError, match="t_min"):
+        plan_views("coupled", c_mask, generator=gen, t_min=0.9, t_max=0.5)
+
+
+def test_coupled_is_one_and_a_half_log_likelihoods_for_a_context_free_model():
+    # A context-free model gives slot i the same log p_i in every view, so a draw's term is
+    # ½ log p_i (1 + 1/t) with probability t and ½ log p_i (1 + 1/(1 − t)) otherwise, whose
+    # expectation is ½ log p_i + log p_i = 1.5 log p_i at every t: not the log-likelihood.
+    tok = ScriptedPolicy([8, 15, 3], [2.0, 1.0, 3.0], prompt_len=6)
+    p_ids, p_mask = encode_prompts(tok.tokenizer, ["3,5=8"])
+    c_ids = encode_completions(tok.tokenizer, ["3+"], 4)  # "3", "+", EOS, PAD
+    c_mask = make_completion_mask(c_ids, tok.eos_token_id)
+    V = len(tok.tokenizer)
+    logp = sum(c - math.log(math.exp(c) + V - 1) for c in (2.0, 1.0, 3.0))  # the scripted log-likelihood
+    means = torch.tensor([float(estimate(tok, p_ids, c_ids, c_mask, prompt_mask=p_mask, method="coupled",
+                                         num_samples=200, generator=torch.Generator().manual_seed(r)).sequence)
+                          for r in range(20)], dtype=torch.float64)
+    se = float(means.std() / math.sqrt(len(means)))
+    assert 0 < se < 0.05 * abs(logp)
+    assert abs(float(means.mean()) - 1.5 * logp) < 5 * se
+
+
 def test_antithetic_pairs_cover_every_scored_position_exactly_once(setup):
     *_, c_mask = setup
     plan = plan_views("mc", c_mask, num_samples=6, masking="bernoulli", antithetic=True,

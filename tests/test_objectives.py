@@ -17,6 +17,9 @@ def test_group_advantages_by_hand():
     assert a[4:].abs().max() == 0
     with pytest.raises(ValueError, match="groups of 3"):
         group_advantages(r, 3)
+    # leave-one-out: r_0 − mean(0, 0, 1) = 1 − 1/3 = 2/3 = (4/3)·0.5; r_1 − mean(1, 0, 1) = −2/3
+    loo = group_advantages(r, 4, scale="leave_one_out")
+    assert loo[:4].tolist() == pytest.approx([2 / 3, -2 / 3, -2 / 3, 2 / 3]) and loo[4:].abs().max() == 0
 
 
 def test_grpo_with_g1_and_no_clipping_is_reinforce():

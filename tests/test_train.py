@@ -62,6 +62,7 @@ def _losses(path):
     ({"name": "grpo", "ratio_level": "token", "beta": 0.04}, {"method": "mean_field", "num_samples": 1}),
     ({"name": "grpo", "ratio_level": "sequence_normalized"}, {"method": "sdmc", "num_samples": 1}),
     ({"name": "wd1", "psi": 2.0}, {"method": "mc", "num_samples": 2}),
+    ({"name": "grpo", "ratio_level": "token", "advantage_scale": "leave_one_out"}, {"method": "coupled"}),
 ])
 def test_a_short_run_changes_parameters_and_logs_every_diagnostic(init_model, tmp_path, objective, estimator):
     # keep: a step whose groups all tie still logs its loss row

@@ -257,7 +257,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in output_dir")
     p.set_defaults(func=_cmd_sft)
 
-    p = sub.add_parser("train", help="RL post-training (grpo, stabledrl, wd1, diffu-grpo, gdpo presets)")
+    p = sub.add_parser("train", help="RL post-training (grpo, stabledrl, wd1, diffu-grpo, gdpo, coupled-grpo presets)")
     p.add_argument("--config", required=True, help="YAML file (fields: stabledrl.train.TrainConfig)")
     p.add_argument("--model", help="initial policy directory (overrides the config's model)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")

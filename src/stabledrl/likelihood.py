@@ -65,6 +65,14 @@ Methods (n = the number of scored slots of a sequence, K = `num_samples`):
   holds its prompt's tail and only S − r slots, so the plan needs the prompt mask and the
   convention (`plan_views`), and `score_views` refuses a plan drawn for other blocks.
 
+- ``coupled``: DiffuCoder's coupled sampling (coupled-GRPO, Gong et al. 2025): per sample
+  a level t ~ U(0.2, 0.8) and three views, the whole completion masked, the scored slots
+  with u_i < t masked, and the complement; slot i's term is
+  ½ log p(y_i | all masked) + ½ log p(y_i | its view) / t (or / (1 − t)). Every scored
+  slot is masked, and counted, in exactly one of the two coupled views. Not an ELBO: for a
+  context-free model its expectation is 1.5 times the log-likelihood. Deviations from the
+  authors' code: t is drawn per row (theirs: one per batch), and the coupled views mask
+  only scored slots (theirs: the PAD after EOS too).
 - ``path``: the log-probability of the rollout along its sampler's own decoding path
   (the trajectory likelihood of TraceRL, Wang et al. 2025): Σ over the sampler's steps s of
   Σ_{i committed at s} log p_θ(y_i | x_s, q), x_s the completion as it stood before step s
@@ -415,6 +423,28 @@ def _plan_mean_field(x: PlanInputs, *, p_prompt: float = 0.15) -> ViewPlan:
         prompt_masked = torch.zeros_like(maskable)
     # The whole completion is masked; the scored slots are the counted ones.
     return ViewPlan(torch.arange(B), torch.ones((B, L), dtype=torch.bool), scored.double(), prompt_masked, B)
+
+
+@planner("coupled")
+def _plan_coupled(x: PlanInputs, *, t_min: float = 0.2, t_max: float = 0.8) -> ViewPlan:
+    """DiffuCoder's coupled views (coupled-GRPO; module docstring): three views per sample,
+    the whole completion masked (weight ½ on the scored slots), the scored slots with
+    u < t masked (weight 1/(2t)) and the rest of them (weight 1/(2(1 − t))), with
+    t ~ U(t_min, t_max) per row and u ~ U(0, 1) per slot. Each scored slot counts in the
+    first view and in exactly one of the other two; K samples are averaged."""
+    if not 0 < t_min <= t_max < 1:
+        raise ValueError(f"coupled needs 0 < t_min <= t_max < 1, got t_min={t_min}, t_max={t_max}")
+    scored, K, gen = x.scored, x.num_samples, x.draws("coupled")
+    B, L = scored.shape
+    t = t_min + (t_max - t_min) * torch.rand((B, K, 1), generator=gen, dtype=torch.float64)  # (B, K, 1)
+    low = scored[:, None] & (torch.rand((B, K, L), generator=gen, dtype=torch.float64) < t)  # (B, K, L)
+    high = scored[:, None] & ~low
+    whole = torch.ones_like(low)
+    masked = torch.stack([whole, low, high], dim=2)  # (B, K, 3, L)
+    weight = torch.stack([0.5 * scored[:, None].double().expand(B, K, L), low / (2 * t), high / (2 * (1 - t))],
+                         dim=2) / K  # (B, K, 3, L)
+    seq = torch.arange(B).repeat_interleave(3 * K)  # (B·K·3,)
+    return ViewPlan(seq, masked.reshape(-1, L), weight.reshape(-1, L), None, B)
 
 
 @planner("blockwise")

@@ -77,14 +77,21 @@ def _groups(x: torch.Tensor, group_size: int) -> torch.Tensor:
     return x.view(x.size(0) // group_size, group_size, *x.shape[1:])  # (num_groups, G, ...)
 
 
-def group_advantages(rewards: torch.Tensor, group_size: int, scale: Literal["none", "std"] = "none") -> torch.Tensor:
-    """(B,) rewards -> (B,) advantages relative to the group mean."""
+def group_advantages(rewards: torch.Tensor, group_size: int,
+                     scale: Literal["none", "std", "leave_one_out"] = "none") -> torch.Tensor:
+    """(B,) rewards -> (B,) advantages relative to the group mean; "leave_one_out":
+    relative to the mean of the other G − 1 rewards, r_i − mean_{j≠i} r_j = G/(G − 1)·(r_i − mean)
+    (DiffuCoder's coupled-GRPO)."""
     r = _groups(rewards.float(), group_size)  # (num_groups, G)
     adv = r - r.mean(dim=1, keepdim=True)
     if scale == "std":
         adv = adv / (r.std(dim=1, keepdim=True, unbiased=True).nan_to_num(0.0) + 1e-4)
+    elif scale == "leave_one_out":
+        if group_size < 2:
+            raise ValueError("leave_one_out advantages need groups of at least 2")
+        adv = adv * (group_size / (group_size - 1))
     elif scale != "none":
-        raise ValueError(f"scale must be 'none' or 'std', got {scale!r}")
+        raise ValueError(f"scale must be 'none', 'std' or 'leave_one_out', got {scale!r}")
     return adv.flatten()
 
 

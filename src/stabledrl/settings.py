@@ -20,7 +20,7 @@ from stabledrl.config import check
 __all__ = ["METHODS", "Method", "MAX_MU", "ModelConfig", "LoraSettings", "SamplingConfig", "TaskConfig", "TinyModelConfig",
            "SFTConfig", "EstimatorConfig", "ObjectiveConfig", "TrainConfig"]
 
-Method = Literal["mc", "sdmc", "mean_field", "exact", "blockwise", "path"]
+Method = Literal["mc", "sdmc", "mean_field", "exact", "blockwise", "path", "coupled"]
 """The likelihood estimators (`stabledrl.likelihood`, whose `PLANNERS` has one planner for each)."""
 METHODS: tuple[str, ...] = get_args(Method)
 
@@ -268,14 +268,15 @@ class EstimatorConfig:
     """The likelihood estimator ℓ (see stabledrl.likelihood)."""
 
     method: Method = "mc"
-    """mc (ELBO), sdmc (GDPO), mean_field (d1), exact (enumeration, tiny L only); blockwise
+    """mc (ELBO), sdmc (GDPO), mean_field (d1), coupled (DiffuCoder's complementary views), exact
+    (enumeration, tiny L only); blockwise
     for block-diffusion models (per-block ELBO terms in one staircase pass); path (either
     kind: the log-probability along the rollout's own decoding order, num_samples 1)."""
     num_samples: int = 1
     """K: masks per sequence (per node for sdmc)."""
     options: dict[str, Any] = field(default_factory=dict)
     """Method options: mc: masking, stratified, antithetic; sdmc: num_nodes, weight (count: n/k per
-    node, ours; time: 1/t, GDPO's; docs/methods.md); mean_field: p_prompt;
+    node, ours; time: 1/t, GDPO's; docs/methods.md); mean_field: p_prompt; coupled: t_min, t_max;
     blockwise: inner (mc | sdmc | exact), num_nodes, stratified."""
     reduction: Literal["sum", "mean"] = "sum"
     """sum: a log-likelihood; mean: per scored token."""
@@ -312,8 +313,9 @@ class ObjectiveConfig:
     """Weight of the k3 KL to the initial policy (grpo only)."""
     psi: float = 1.0
     """wd1: the inverse temperature ψ of its weights softmax(±ψA)."""
-    advantage_scale: Literal["none", "std"] = "none"
-    """none: r − mean (StableDRL, d1); std: divided by the group std (original GRPO)."""
+    advantage_scale: Literal["none", "std", "leave_one_out"] = "none"
+    """none: r − mean (StableDRL, d1); std: divided by the group std (original GRPO);
+    leave_one_out: r − the mean of the other G − 1 (DiffuCoder's coupled-GRPO)."""
     separate_weight_masks: bool = False
     """stabledrl: compute the weights' likelihoods on a separate mask draw (docs/methods.md, "Open questions")."""
     token_aggregation: Literal["sequence_mean", "batch_token_mean"] = "sequence_mean"
