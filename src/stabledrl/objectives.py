@@ -251,7 +251,6 @@ def stabledrl_loss(
     return LossOutput(loss, metrics)
 
 
-
 def wd1_loss(
     logp: torch.Tensor,
     old_logp: torch.Tensor,
