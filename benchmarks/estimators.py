@@ -226,12 +226,12 @@ def main() -> None:
         return next((r["mse"] for r in rows if r["estimator"] == name and r["budget"] == F), None)
 
     if args.estimators:  # a subset: the rows, and GDPO's 1/t against our n/k where both ran
-        pairs = {f"{name}/{name[:-5]}, F={r['budget']}": {
-                     k: r[k] / next(c[k] for c in rows if c["estimator"] == name[:-5] and c["budget"] == r["budget"])
-                     for k in ("mse", "abs_bias_mean")}
-                 for r in rows for name in [r["estimator"]]
-                 if name.endswith("-time") and any(c["estimator"] == name[:-5] and c["budget"] == r["budget"]
-                                                   for c in rows)}
+        by_key = {(r["estimator"], r["budget"]): r for r in rows}
+        pairs = {}
+        for (name, F), r in by_key.items():
+            ours = by_key.get((name.removesuffix("-time"), F))
+            if name.endswith("-time") and ours is not None:
+                pairs[f"{name}/{ours['estimator']}, F={F}"] = {k: r[k] / ours[k] for k in ("mse", "abs_bias_mean")}
         result = {"model": args.model, "rollouts": args.n, "repeats": args.repeats,
                   "scored_slots_mean": float(data[3].sum(1).float().mean()),
                   "exact_elbo_mean": float(exact.mean()), "rows": rows, "time_over_count": pairs}

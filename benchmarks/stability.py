@@ -27,7 +27,7 @@ from pathlib import Path
 from stabledrl.checkpoint import finished_summary
 from stabledrl.config import load_config
 from stabledrl.report import load_metrics, plot_runs
-from stabledrl.train import TrainConfig, run_train
+from stabledrl.train import OBJECTIVES, TrainConfig, run_train
 
 
 def spikes(norms: list[float], factor: float = 5.0, window: int = 10) -> int:
@@ -75,7 +75,7 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--set", action="append", default=[], help="override for every objective")
     ap.add_argument("--preset", default="countdown", help="configs/<preset>-<objective>.yaml")
-    ap.add_argument("--objectives", nargs="+", default=["grpo", "stabledrl"], choices=["grpo", "stabledrl", "wd1"],
+    ap.add_argument("--objectives", nargs="+", default=["grpo", "stabledrl"], choices=sorted(OBJECTIVES),
                     help="run only these (say, one per process); a later call with both reuses finished runs")
     ap.add_argument("--tag", default="default")
     ap.add_argument("--runs-dir", default="runs/stability")
@@ -105,7 +105,7 @@ def main() -> None:
     out = Path("benchmarks/results") / f"stability-{args.tag}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"args": vars(args), "runs": results}, indent=2))
-    palette = {"grpo": "tab:blue", "stabledrl": "tab:orange", "wd1": "tab:green"}
+    palette = {name: f"C{i}" for i, name in enumerate(sorted(OBJECTIVES))}  # grpo blue, stabledrl orange, wd1 green
     plot_runs(run_dirs, out.with_suffix(".png"), colors=[palette[r["objective"]] for r in results])
     print(f"wrote {out} and {out.with_suffix('.png')}")
 

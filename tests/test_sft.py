@@ -79,6 +79,11 @@ def test_loss_matches_a_hand_computation():
     nll = -logp.gather(-1, comp[0, :, None]).squeeze(-1)
     expected = (nll * masked[0]).sum() / t / 7
     assert torch.allclose(loss, expected.squeeze(), atol=1e-6)
+    # per row (one row here): the same sum, not divided by B·L
+    gen.set_state(state)
+    row, _ = diffusion_loss(policy, p_ids, p_mask, comp, generator=gen, t_min=1e-3, stratified_t=False,
+                            reduction="none")
+    assert row.shape == (1,) and torch.allclose(row, 7 * expected.reshape(1), atol=1e-5)
 
 
 def test_per_row_reduction_adds_up_to_the_loss():

@@ -474,7 +474,7 @@ def _blockwise_views(scored, K, block_size, offset, inner, num_nodes, stratified
     member = [blk_of == j for j in range(NB)]  # (B, L) each: the slots of block j, per row
     n = torch.stack([(scored & m).sum(1) for m in member], dim=1)  # (B, NB) scored slots per block
     if inner == "exact":
-        return _plan_blockwise_exact(scored, offset, n, block_size)
+        return _blockwise_exact_views(scored, offset, n, block_size)
     if inner == "mc":
         reps = K
         u = _uniforms(B * NB, K, stratified, generator).view(B, NB, K)  # (B, NB, K) one level per block and view
@@ -505,7 +505,7 @@ def _blockwise_views(scored, K, block_size, offset, inner, num_nodes, stratified
     return ViewPlan(seq, masked, weight, None, B, block_size=block_size, block_offset=offset)
 
 
-def _plan_blockwise_exact(scored, offset, n, block_size) -> ViewPlan:
+def _blockwise_exact_views(scored, offset, n, block_size) -> ViewPlan:
     """Every non-empty subset of every block, with the exact-ELBO weights; view r carries
     the r-th subset of each block (blocks with fewer subsets are left clean: a noisy block
     is invisible to the other blocks, so they can share views)."""

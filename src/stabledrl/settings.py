@@ -333,8 +333,10 @@ class ObjectiveConfig:
         check(self.name == "grpo" or self.ratio_level != "token",
               f"{self.name} works on sequences: ratio_level must be sequence or sequence_normalized")
         check(self.psi > 0, f"objective.psi must be positive, got {self.psi}")
-        check(self.name == "wd1" or self.psi == 1.0, "objective.psi is a wd1 option")
-        check(self.name == "stabledrl" or (self.clip == "upper" and self.clip_max == 5.0),
+        # an option of another objective must keep its default (the class attribute of its field)
+        check(self.name == "wd1" or self.psi == ObjectiveConfig.psi, "objective.psi is a wd1 option")
+        defaults = (ObjectiveConfig.clip, ObjectiveConfig.clip_max)
+        check(self.name == "stabledrl" or (self.clip, self.clip_max) == defaults,
               "objective.clip and clip_max are stabledrl options (grpo clips to [1-clip_eps, 1+clip_eps])")
         check(self.token_aggregation in ("sequence_mean", "batch_token_mean"),
               f"objective.token_aggregation must be sequence_mean or batch_token_mean, got {self.token_aggregation!r}")

@@ -106,14 +106,14 @@ def diffusion_loss(
         raise ValueError(f"reduction must be 'mean' or 'none', got {reduction!r}")
     B, L = completion_ids.shape
     device = completion_ids.device
-    block = getattr(policy, "attention_kind", "full") == "block"
-    S = policy.block_size if block else None
-    if block and not S:
-        raise ValueError("a block-attention policy needs a block_size for its SFT loss")
-    if block:  # each slot's block; under sequence_blocks a prompt's tail shortens the first
+    S = None  # full attention: one level per row (every slot in "block" 0)
+    blk_of = torch.zeros((B, L), dtype=torch.long, device=device)
+    if getattr(policy, "attention_kind", "full") == "block":  # one level per block of the row
+        S = policy.block_size
+        if not S:
+            raise ValueError("a block-attention policy needs a block_size for its SFT loss")
+        # under sequence_blocks a prompt's tail shortens the first block
         blk_of = completion_blocks(block_offset(prompt_mask, S, prompt_attention_of(policy)), L, S)  # (B, L)
-    else:
-        blk_of = torch.zeros((B, L), dtype=torch.long, device=device)
     NB = int(blk_of.max()) + 1 if L else 1
     t_blocks = sample_mask_levels(B * NB, generator=generator, t_min=t_min, stratified=stratified_t, device=device)
     t = t_blocks.view(B, NB).gather(1, blk_of)  # (B, L) the level of each slot's row or block
