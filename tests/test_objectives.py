@@ -3,8 +3,8 @@ import math
 import pytest
 import torch
 
-from stabledrl.objectives import (aggregate_tokens, grpo_loss, group_advantages, kl_k3, log_ratios, stabledrl_loss,
-                                  wd1_loss)
+from stabledrl.objectives import (aggregate_tokens, grpo_loss, group_advantages, kl_k3, log_ratios, spg_likelihood,
+                                  spg_loss, stabledrl_loss, wd1_loss)
 
 
 def test_group_advantages_by_hand():
@@ -227,3 +227,41 @@ def test_wd1_arithmetic_by_hand():
     assert two.metrics["ratio_max"] > 1e10  # log ρ = ℓ + 50, reported
     with pytest.raises(ValueError, match="psi"):
         wd1_loss(logp, logp, adv, group_size=2, psi=0.0)
+
+
+def test_spg_loss_arithmetic_by_hand():
+    # Group 1: A = (1, −1), lengths (2, 6): shares (1/4, 3/4). ℓ̃_1 = ELBO_1 = −2 (A > 0);
+    # ℓ̃_2 = 0.5·EUBO_2 + 0.5·ELBO_2 = 0.5·(−1) + 0.5·(−3) = −2 (A ≤ 0). Term:
+    # −(1/4·1·(−2) + 3/4·(−1)·(−2)) = −(−0.5 + 1.5) = −1. Group 2: A = (0, 0), term 0.
+    # Loss: the mean over groups, −0.5. Gradient: ∂/∂ELBO_1 = −(1/4)(1)/2 = −0.125,
+    # ∂/∂ELBO_2 = −(3/4)(−1)(0.5)/2 = 0.1875, ∂/∂EUBO_2 = 0.1875, ∂/∂EUBO_1 = 0; group 2's
+    # ELBO and EUBO: A = 0 is "A ≤ 0", so each gets −(1/2)(0)(...) = 0.
+    elbo = torch.tensor([-2.0, -3.0, -1.0, -1.0], requires_grad=True)
+    eubo_ = torch.tensor([-9.0, -1.0, -1.0, -1.0], requires_grad=True)
+    adv = torch.tensor([1.0, -1.0, 0.0, 0.0])
+    mask = torch.tensor([[1, 1, 0, 0, 0, 0], [1] * 6, [1] * 6, [1] * 6]).bool()
+    out = spg_loss(elbo, eubo_, torch.zeros(4), adv, group_size=2, completion_mask=mask)
+    assert out.loss.item() == pytest.approx(-0.5, abs=1e-7)
+    out.loss.backward()
+    assert elbo.grad.tolist() == pytest.approx([-0.125, 0.1875, 0.0, 0.0], abs=1e-7)
+    assert eubo_.grad.tolist() == pytest.approx([0.0, 0.1875, 0.0, 0.0], abs=1e-7)
+    # the sandwich itself, and ω = 1 (pure EUBO where A ≤ 0)
+    sandwich = spg_likelihood(elbo.detach(), eubo_.detach(), adv, omega=1.0)
+    assert sandwich.tolist() == [-2.0, -1.0, -1.0, -1.0]
+    with pytest.raises(ValueError, match="omega"):
+        spg_likelihood(elbo, eubo_, adv, omega=1.5)
+
+
+def test_stabledrl_on_spg_weights_come_from_the_elbo_and_the_gradient_from_the_sandwich():
+    # The authors' StableDRL: stabledrl_loss with ℓ̃ in the gradient and the ELBO in the
+    # weights. One group of 2, ELBO log-ratios (log 2, 0): weights (2/3, 1/3); A = (1, −1);
+    # ℓ̃ = (ELBO_1, 0.5·EUBO_2 + 0.5·ELBO_2) = (−1, −2): loss = −(2/3·(−1) − 1/3·(−2)) = 0.
+    elbo, old = torch.tensor([-1.0, -3.0]), torch.tensor([-1.0 - math.log(2), -3.0])
+    eubo_ = torch.tensor([5.0, -1.0], requires_grad=True)
+    adv = torch.tensor([1.0, -1.0])
+    sandwich = spg_likelihood(elbo, eubo_, adv)
+    out = stabledrl_loss(sandwich, old, adv, group_size=2, weight_logp=elbo, weight_old_logp=old)
+    assert out.loss.item() == pytest.approx(0.0, abs=1e-6)
+    assert out.metrics["ess"] == pytest.approx(1 / (4 / 9 + 1 / 9), rel=1e-6)
+    out.loss.backward()  # only EUBO_2 (A ≤ 0) reaches the gradient: −w_2·A_2·0.5 = 1/6
+    assert eubo_.grad.tolist() == pytest.approx([0.0, 1 / 6], abs=1e-7)

@@ -63,6 +63,9 @@ def _losses(path):
     ({"name": "grpo", "ratio_level": "sequence_normalized"}, {"method": "sdmc", "num_samples": 1}),
     ({"name": "wd1", "psi": 2.0}, {"method": "mc", "num_samples": 2}),
     ({"name": "grpo", "ratio_level": "token", "advantage_scale": "leave_one_out"}, {"method": "coupled"}),
+    ({"name": "spg"}, {"method": "block_random", "num_samples": 2, "options": {"block_length": 8}}),
+    ({"name": "stabledrl", "likelihood": "spg"},
+     {"method": "block_random", "num_samples": 2, "options": {"block_length": 8, "p_prompt": 0.15}}),
 ])
 def test_a_short_run_changes_parameters_and_logs_every_diagnostic(init_model, tmp_path, objective, estimator):
     # keep: a step whose groups all tie still logs its loss row
@@ -82,6 +85,8 @@ def test_a_short_run_changes_parameters_and_logs_every_diagnostic(init_model, tm
         assert 1 <= row["completion_length"] <= get_task("sudoku").completion_length
     if objective["name"] == "stabledrl":
         assert 1 <= step_rows[0]["ess"] <= 4
+    if objective["name"] == "spg":
+        assert all(math.isfinite(row["eubo_gap"]) for row in step_rows)
     assert "eval_initial" in summary and "eval_final" in summary
     assert (tmp_path / "run" / "tensorboard").is_dir()
 
@@ -178,6 +183,16 @@ def test_config_cross_checks():
         load_config(TrainConfig, {"objective": {"name": "wd1", "clip_max": 3.0}})
     with pytest.raises(ConfigError, match="wd1 has no KL term"):
         load_config(TrainConfig, {"objective": {"name": "wd1", "beta": 0.1}})
+    with pytest.raises(ConfigError, match="likelihood is a stabledrl option"):
+        load_config(TrainConfig, {"objective": {"name": "grpo", "likelihood": "spg"}})
+    with pytest.raises(ConfigError, match="spg_beta and spg_omega are options of spg"):
+        load_config(TrainConfig, {"objective": {"name": "stabledrl", "spg_omega": 0.3}})
+    with pytest.raises(ConfigError, match="spg_omega must be in"):
+        load_config(TrainConfig, {"objective": {"name": "spg", "spg_omega": 1.5}})
+    with pytest.raises(ConfigError, match="EUBO is not linear"):
+        load_config(TrainConfig, {"objective": {"name": "spg"}, "estimator": {"max_views_per_forward": 4}})
+    with pytest.raises(ConfigError, match="per-sequence likelihood"):
+        load_config(TrainConfig, {"objective": {"name": "spg", "ratio_level": "sequence_normalized"}})
 
 
 def test_batch_token_mean_reaches_the_objective_and_splits_by_tokens_for_grad_agreement():
@@ -562,7 +577,8 @@ def test_every_objective_name_the_config_accepts_has_a_builder_in_the_registry()
         # ℓ = ℓ_old = 1, so ρ = 1: GRPO's −mean(ρ·A) = −(1 − 1 + 3 − 1)/4 = −0.5, and StableDRL's
         # surrogate −mean_g Σ_i w_i·A_i·ℓ_i with w_i = 1/G = 1/2 is −((1 − 1)/2 + (3 − 1)/2)/2 = −0.5;
         # wd1's coefficients softmax(−A) − softmax(A) sum to 0 in a group, so a constant ℓ gives 0
-        logp = torch.ones(4)
+        # SPG: ELBO = EUBO = 1, so its sandwich is 1 and, lengths equal, its −mean_g Σ_i A_i ℓ̃_i / G is GRPO's
+        logp = torch.ones(4, 2) if cfg.objective.sandwich else torch.ones(4)
         res = train_mod.build_objective(cfg)(logp, logp, torch.tensor([1.0, -1.0, 3.0, -1.0]),
                                              completion_mask=torch.ones(4, 3), ref_logp=None)
         assert res.loss.item() == pytest.approx({"wd1": 0.0}.get(name, -0.5), abs=1e-7), name

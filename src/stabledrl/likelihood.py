@@ -1,4 +1,4 @@
-"""Likelihood estimators for diffusion LMs: mc, sdmc, exact, mean_field, blockwise, path
+"""Likelihood estimators for diffusion LMs: mc, sdmc, exact, mean_field, blockwise, path, coupled, block_random
 (docs/methods.md, "Likelihood estimators", with where they part from the papers).
 
 A dLLM's log π(y|q) is intractable; RL needs an estimate ℓ(y). Every estimator here is
@@ -73,6 +73,19 @@ Methods (n = the number of scored slots of a sequence, K = `num_samples`):
   context-free model its expectation is 1.5 times the log-likelihood. Deviations from the
   authors' code: t is drawn per row (theirs: one per batch), and the coupled views mask
   only scored slots (theirs: the PAD after EOS too).
+- ``block_random``: SPG's masks (Wang et al. 2025), as the authors' StableDRL trains with
+  them: per view a block j of ``block_length`` completion slots is chosen (the first K
+  entries of a random order of the ⌈L / block_length⌉ blocks, each taken modulo the number
+  of blocks that hold scored slots, so the K views of a row fall in K different draws and
+  the wrap-around makes the choice non-uniform), k ~ U{1..m} of the block's m scored
+  slots are masked, and so is every slot after them; each earlier completion slot and
+  each real prompt token is masked with probability ``p_prompt``. Every masked scored slot
+  counts, with weight 1/(K·c_v), c_v their number in view v: the estimate is a per-token
+  mean (SPG's ELBO), not a sum, so use it with ``reduction: sum``. As in the authors'
+  code the PAD after EOS is masked (every other ELBO method here leaves it visible), and a
+  mask is drawn for every real prompt token, BOS included. Deviation: blocks are
+  ⌈L / block_length⌉ where theirs are ⌊L / block_length⌋ (equal when it divides L).
+  `eubo` turns the same views into SPG's upper bound.
 - ``path``: the log-probability of the rollout along its sampler's own decoding path
   (the trajectory likelihood of TraceRL, Wang et al. 2025): Σ over the sampler's steps s of
   Σ_{i committed at s} log p_θ(y_i | x_s, q), x_s the completion as it stood before step s
@@ -126,6 +139,7 @@ __all__ = [
     "score_views",
     "backward_views",
     "estimate",
+    "eubo",
     "completion_logits",
     "gauss_legendre",
     "planner",
@@ -193,6 +207,9 @@ class LikelihoodEstimate:
     (divided by the scored length for "mean")."""
     num_views: int
     """Noised views scored, i.e. forward passes of one sequence each."""
+    views: torch.Tensor | None = None
+    """(Nv, L) each view's unweighted log p(y_i | view) on the slots it masks and scores, 0
+    elsewhere (`score_views(..., keep_views=True)`; what `eubo` reads); None by default."""
 
 
 def gauss_legendre(n: int) -> tuple[np.ndarray, np.ndarray]:
@@ -447,6 +464,47 @@ def _plan_coupled(x: PlanInputs, *, t_min: float = 0.2, t_max: float = 0.8) -> V
     return ViewPlan(seq, masked.reshape(-1, L), weight.reshape(-1, L), None, B)
 
 
+@planner("block_random")
+def _plan_block_random(x: PlanInputs, *, block_length: int = 32, p_prompt: float = 0.15) -> ViewPlan:
+    """SPG's ``block_random`` masks (module docstring; the masks of the authors' StableDRL): per
+    view, a block j of `block_length` completion slots, k ~ U{1..m} of its m scored slots,
+    every slot after them and every unscored slot masked, each earlier completion slot and
+    each real prompt token masked with probability `p_prompt`; every masked scored slot
+    counts, with weight 1/(K·c), c = their number in the view: ℓ is a per-token mean."""
+    if block_length < 1:
+        raise ValueError(f"block_random's block_length must be >= 1, got {block_length}")
+    if not 0 <= p_prompt < 1:
+        raise ValueError(f"block_random's p_prompt must be in [0, 1), got {p_prompt}")
+    if x.prompt_ids is None:
+        raise ValueError("block_random needs prompt_ids (it masks prompt tokens)")
+    scored, K, gen = x.scored, x.num_samples, x.draws("block_random")
+    B, L = scored.shape
+    num_blocks = math.ceil(L / block_length)
+    if K > num_blocks:
+        raise ValueError(f"block_random draws the K views' blocks without replacement: num_samples ({K}) must be "
+                         f"at most the {num_blocks} blocks of {block_length} in {L} slots")
+    n = scored.sum(1)  # (B,)
+    filled = (n - 1) // block_length + 1  # (B,) the blocks that hold scored slots
+    # The first K blocks of a random order of all blocks, wrapped onto the filled ones (the authors' draw:
+    # not uniform over the filled blocks when their number does not divide num_blocks).
+    order = torch.rand((B, num_blocks), generator=gen).argsort(dim=1)[:, :K]  # (B, K)
+    seq = torch.arange(B).repeat_interleave(K)  # (Nv,)
+    start = (order % filled[:, None]).flatten() * block_length  # (Nv,) first slot of each view's block
+    m = (n[seq] - start).clamp(max=block_length)  # (Nv,) scored slots in the block, >= 1
+    k = (torch.rand(m.shape, generator=gen, dtype=torch.float64) * m).long() + 1  # (Nv,) uniform on 1..m
+    slot = torch.arange(L)[None, :]  # (1, L)
+    in_block = (slot >= start[:, None]) & (slot < (start + m)[:, None])  # (Nv, L)
+    drawn = _random_subsets(in_block, k, gen)
+    after = (slot >= start[:, None]) & ~in_block  # the block's unscored slots and every later block
+    before = (torch.rand((B * K, L), generator=gen) < p_prompt) & (slot < start[:, None])
+    masked = drawn | after | before | ~scored[seq]
+    counted = masked & scored[seq]
+    weight = counted.double() / counted.sum(1, keepdim=True).double() / K
+    real = (torch.ones_like(x.prompt_ids) if x.prompt_mask is None else x.prompt_mask).cpu().bool()  # (B, P)
+    prompt_masked = (torch.rand(real[seq].shape, generator=gen) < p_prompt) & real[seq]
+    return ViewPlan(seq, masked, weight, prompt_masked, B)
+
+
 @planner("blockwise")
 def _plan_blockwise(x: PlanInputs, *, inner: str = "mc", num_nodes: int | None = None,
                     stratified: bool | None = None) -> ViewPlan:
@@ -655,11 +713,12 @@ def completion_logits(
     return policy.logits(x, attn, position_ids(attn))[:, -L:]
 
 
-def _view_terms(
+def _view_logp(
     policy: Policy, plan: ViewPlan, idx: torch.Tensor, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
     completion_ids: torch.Tensor, completion_mask: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Weighted masked log-probs of views `idx`: (n, L) terms and (n,) their sequences."""
+    """Views `idx`: (n, L) log p(y_i | view) on the slots each view masks and scores, 0
+    elsewhere, and (n,) their sequences."""
     device = completion_ids.device
     b = plan.seq_index[idx].to(device)  # (n,)
     masked = plan.masked[idx].to(device)  # (n, L)
@@ -669,9 +728,47 @@ def _view_terms(
         prm = prm.masked_fill(plan.prompt_masked[idx].to(device), policy.mask_token_id)
     logits = completion_logits(policy, prm, prompt_mask[b], completion_ids[b], comp, plan.block_size).float()
     logp = torch.log_softmax(logits, dim=-1).gather(-1, completion_ids[b][..., None]).squeeze(-1)  # (n, L)
-    w = plan.weight[idx].to(device=device, dtype=logp.dtype)  # (n, L)
-    terms = torch.where(masked & completion_mask[b], logp, torch.zeros_like(logp)) * w
-    return terms, b
+    return torch.where(masked & completion_mask[b], logp, torch.zeros_like(logp)), b
+
+
+def _view_terms(
+    policy: Policy, plan: ViewPlan, idx: torch.Tensor, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
+    completion_ids: torch.Tensor, completion_mask: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Views `idx`: (n, L) weighted terms, (n,) their sequences and the (n, L) log-probs (`_view_logp`)."""
+    logp, b = _view_logp(policy, plan, idx, prompt_ids, prompt_mask, completion_ids, completion_mask)
+    return logp * plan.weight[idx].to(device=logp.device, dtype=logp.dtype), b, logp
+
+
+def eubo(plan: ViewPlan, view_logp: torch.Tensor, completion_mask: torch.Tensor, *, beta: float) -> torch.Tensor:
+    """SPG's evidence upper bound per token (Wang et al. 2025; docs/methods.md, "spg"), from
+    the (Nv, L) log-probabilities of a plan's views (`score_views(..., keep_views=True)`):
+
+        a_i = (1/K_b) Σ_v p_v(y_i)^β m_vi / t_v,   EUBO_b = (1/β) · mean over {i : a_i > 0} of log a_i,
+
+    K_b the views of sequence b, m_vi whether view v masks scored slot i, t_v = (masked
+    scored slots of v) / n_b its masking rate. Computed in log space (a log-sum-exp over
+    the views), so a p^β below float32's range still counts (the authors' code loses it
+    and drops the slot). (B,), differentiable through `view_logp`."""
+    if beta <= 0:
+        raise ValueError(f"the EUBO's beta must be positive, got {beta}")
+    scored = completion_mask.bool()
+    B, L = scored.shape
+    if view_logp.shape != (plan.num_views, L):
+        raise ValueError(f"view_logp must be ({plan.num_views}, {L}), got {tuple(view_logp.shape)}")
+    b = plan.seq_index.to(view_logp.device)  # (Nv,)
+    counted = plan.masked.to(view_logp.device) & scored[b]  # (Nv, L)
+    t = counted.sum(1) / scored.sum(1)[b]  # (Nv,) each view's masking rate
+    views = torch.bincount(b, minlength=B)[b]  # (Nv,) K_b of each view's sequence
+    log_w = -torch.log(views * t.clamp(min=1e-30)).to(view_logp.dtype)  # log 1/(K t), (Nv,)
+    z = (beta * view_logp + log_w[:, None]).masked_fill(~counted, -math.inf)  # (Nv, L)
+    top = torch.full((B, L), -math.inf, dtype=z.dtype, device=z.device).scatter_reduce(
+        0, b[:, None].expand_as(z), z.detach(), "amax")  # (B, L) the largest term of each slot
+    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))  # (B, L) a slot no view masks: 0
+    total = torch.zeros((B, L), dtype=z.dtype, device=z.device).index_add(0, b, torch.exp(z - top[b]))
+    present = total > 0  # a_i > 0: some view masks slot i
+    log_a = top + torch.log(total.clamp(min=1e-30))
+    return (log_a * present).sum(1) / present.sum(1).clamp(min=1) / beta
 
 
 def block_logprobs_by_separate_passes(
@@ -753,17 +850,23 @@ def score_views(
     prompt_mask: torch.Tensor | None = None,
     reduction: Literal["sum", "mean"] = "sum",
     max_views_per_forward: int | None = None,
+    keep_views: bool = False,
 ) -> LikelihoodEstimate:
     """Score a plan under `policy`. Differentiable unless called under `torch.no_grad()`;
     with gradients, every micro-batch's graph is kept until backward (use
-    `backward_views` to bound memory in training)."""
+    `backward_views` to bound memory in training). `keep_views`: also return each view's
+    log-probabilities (`LikelihoodEstimate.views`, for `eubo`)."""
     scored, pm = _check_scoring(policy, plan, prompt_ids, completion_ids, completion_mask, prompt_mask, reduction)
     B, L = completion_ids.shape
     token = torch.zeros((B, L), device=completion_ids.device)
+    kept = []
     for idx in _chunks(plan.num_views, max_views_per_forward):
-        terms, b = _view_terms(policy, plan, idx, prompt_ids, pm, completion_ids, scored)
+        terms, b, logp = _view_terms(policy, plan, idx, prompt_ids, pm, completion_ids, scored)
         token = token.index_add(0, b, terms)
-    return LikelihoodEstimate(_reduce(token, scored, reduction), token, plan.num_views)
+        if keep_views:
+            kept.append(logp)
+    views = torch.cat(kept) if keep_views else None
+    return LikelihoodEstimate(_reduce(token, scored, reduction), token, plan.num_views, views)
 
 
 def backward_views(
@@ -803,7 +906,7 @@ def backward_views(
     chunks = list(_chunks(plan.num_views, max_views_per_forward))
     for c, idx in enumerate(chunks):
         with no_sync() if no_sync is not None and c < len(chunks) - 1 else contextlib.nullcontext():
-            terms, b = _view_terms(policy, plan, idx, prompt_ids, pm, completion_ids, scored)  # (n, L), (n,)
+            terms, b, _ = _view_terms(policy, plan, idx, prompt_ids, pm, completion_ids, scored)  # (n, L), (n,)
             backward((terms * g[b]).sum())
 
 

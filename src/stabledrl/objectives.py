@@ -1,4 +1,4 @@
-"""RL objectives for diffusion LMs: GRPO, StableDRL and wd1, as pure tensor functions
+"""RL objectives for diffusion LMs: GRPO, StableDRL, wd1 and SPG, as pure tensor functions
 (docs/methods.md, "Objectives", with where they part from the papers).
 
 Every objective takes likelihood estimates (`stabledrl.likelihood`), not a model, and
@@ -27,6 +27,15 @@ returns a `LossOutput(loss, metrics)`. Batches are laid out group by group: rows
   Deviation: the authors' code takes the softmax over the rows of one process's batch;
   here over each group, so that several processes compute the update of one.
 
+- `spg_likelihood` and `spg_loss`: SPG (Wang et al. 2025) sandwiches the intractable
+  log-likelihood between bounds: ℓ̃_i = ELBO_i where A_i > 0 (raising a lower bound raises
+  the likelihood) and ω·EUBO_i + (1 − ω)·ELBO_i where A_i ≤ 0 (lowering an upper bound
+  lowers it); `stabledrl.likelihood.eubo` computes the EUBO. `spg_loss` is SPG's own
+  policy gradient, no ratio: per group −Σ_i (n_i / Σ_j n_j) A_i ℓ̃_i, n_i the scored
+  length, averaged over groups (the authors' loss over a process's batch of one group).
+  The authors' StableDRL is `stabledrl_loss` with ℓ̃ in the gradient and the ELBO in the
+  weights (`objective.likelihood: spg`).
+
 Ratios: ``sequence`` ρ = exp(ℓ_θ − ℓ_old); ``sequence_normalized`` exp((ℓ_θ − ℓ_old)/|y|)
 (GSPO / GDPO); ``token`` per-token ratios (diffu-GRPO, with mean_field's per-token terms).
 `log_ratios` returns log ρ unclamped. StableDRL's weights need no clamp: the softmax
@@ -53,6 +62,8 @@ __all__ = [
     "grpo_loss",
     "stabledrl_loss",
     "wd1_loss",
+    "spg_likelihood",
+    "spg_loss",
     "kl_k3",
     "aggregate_tokens",
 ]
@@ -273,3 +284,37 @@ def wd1_loss(
     loss = (coef * _groups(logp, group_size)).sum(1).mean()
     log_rho = log_ratios(logp.detach(), old_logp.detach(), ratio_level, completion_mask)  # (B,)
     return LossOutput(loss, _ratio_metrics(_clamped(log_rho), advantages, clip_eps, completion_mask))
+
+
+def spg_likelihood(elbo: torch.Tensor, eubo: torch.Tensor, advantages: torch.Tensor, *,
+                   omega: float = 0.5) -> torch.Tensor:
+    """SPG's sandwich (module docstring): (B,) ELBO where A > 0, ω·EUBO + (1 − ω)·ELBO elsewhere."""
+    if not 0 <= omega <= 1:
+        raise ValueError(f"omega must be in [0, 1], got {omega}")
+    if not elbo.shape == eubo.shape == advantages.shape or elbo.dim() != 1:
+        raise ValueError(f"elbo, eubo and advantages must be (B,) alike, got {tuple(elbo.shape)}, "
+                         f"{tuple(eubo.shape)} and {tuple(advantages.shape)}")
+    return torch.where(advantages.detach() > 0, elbo, omega * eubo + (1 - omega) * elbo)
+
+
+def spg_loss(
+    elbo: torch.Tensor,
+    eubo: torch.Tensor,
+    old_elbo: torch.Tensor,
+    advantages: torch.Tensor,
+    *,
+    group_size: int,
+    completion_mask: torch.Tensor,
+    omega: float = 0.5,
+    clip_eps: float = 0.2,
+) -> LossOutput:
+    """SPG: mean over groups of −Σ_i (n_i / Σ_j n_j) A_i ℓ̃_i, ℓ̃ = `spg_likelihood` (module
+    docstring). No ratio: `old_elbo` enters only the ratio diagnostics (ELBO_θ − ELBO_old)."""
+    sandwich = spg_likelihood(elbo, eubo, advantages, omega=omega)
+    n = _groups(completion_mask.sum(-1).to(sandwich.dtype), group_size)  # (num_groups, G)
+    share = n / n.sum(1, keepdim=True)
+    loss = -(share * _groups(advantages.detach(), group_size) * _groups(sandwich, group_size)).sum(1).mean()
+    log_rho = log_ratios(elbo.detach(), old_elbo.detach(), "sequence")
+    metrics = _ratio_metrics(_clamped(log_rho), advantages, clip_eps, completion_mask)
+    metrics["eubo_gap"] = float((eubo - elbo).detach().mean())  # how far apart the two bounds are
+    return LossOutput(loss, metrics)

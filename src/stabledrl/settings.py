@@ -20,7 +20,7 @@ from stabledrl.config import check
 __all__ = ["METHODS", "Method", "MAX_MU", "ModelConfig", "LoraSettings", "SamplingConfig", "TaskConfig", "TinyModelConfig",
            "SFTConfig", "EstimatorConfig", "ObjectiveConfig", "TrainConfig"]
 
-Method = Literal["mc", "sdmc", "mean_field", "exact", "blockwise", "path", "coupled"]
+Method = Literal["mc", "sdmc", "mean_field", "exact", "blockwise", "path", "coupled", "block_random"]
 """The likelihood estimators (`stabledrl.likelihood`, whose `PLANNERS` has one planner for each)."""
 METHODS: tuple[str, ...] = get_args(Method)
 
@@ -271,12 +271,14 @@ class EstimatorConfig:
     """mc (ELBO), sdmc (GDPO), mean_field (d1), coupled (DiffuCoder's complementary views), exact
     (enumeration, tiny L only); blockwise
     for block-diffusion models (per-block ELBO terms in one staircase pass); path (either
-    kind: the log-probability along the rollout's own decoding order, num_samples 1)."""
+    kind: the log-probability along the rollout's own decoding order, num_samples 1); block_random
+    (SPG's block masks with prompt masking, a per-token-mean ELBO: the authors' StableDRL)."""
     num_samples: int = 1
     """K: masks per sequence (per node for sdmc)."""
     options: dict[str, Any] = field(default_factory=dict)
     """Method options: mc: masking, stratified, antithetic; sdmc: num_nodes, weight (count: n/k per
     node, ours; time: 1/t, GDPO's; docs/methods.md); mean_field: p_prompt; coupled: t_min, t_max;
+    block_random: block_length, p_prompt;
     blockwise: inner (mc | sdmc | exact), num_nodes, stratified."""
     reduction: Literal["sum", "mean"] = "sum"
     """sum: a log-likelihood; mean: per scored token."""
@@ -298,9 +300,10 @@ class EstimatorConfig:
 class ObjectiveConfig:
     """The policy-gradient objective (see stabledrl.objectives)."""
 
-    name: Literal["grpo", "stabledrl", "wd1"] = "stabledrl"
+    name: Literal["grpo", "stabledrl", "wd1", "spg"] = "stabledrl"
     """grpo: conditional clip, 1/G. stabledrl: unconditional clip, self-normalised. wd1: ratio-free
-    weighted likelihood, softmax(ψA) up and softmax(−ψA) down (`stabledrl.objectives.wd1_loss`)."""
+    weighted likelihood, softmax(ψA) up and softmax(−ψA) down (`stabledrl.objectives.wd1_loss`).
+    spg: SPG's ratio-free policy gradient on its ELBO/EUBO sandwich (`stabledrl.objectives.spg_loss`)."""
     ratio_level: Literal["sequence", "sequence_normalized", "token"] = "sequence"
     """sequence: exp(ℓ−ℓ_old); sequence_normalized: divided by |y| (GDPO); token: per token (d1, mean_field)."""
     clip_eps: float = 0.2
@@ -313,6 +316,15 @@ class ObjectiveConfig:
     """Weight of the k3 KL to the initial policy (grpo only)."""
     psi: float = 1.0
     """wd1: the inverse temperature ψ of its weights softmax(±ψA)."""
+    likelihood: Literal["estimator", "spg"] = "estimator"
+    """stabledrl: the ℓ in the gradient. estimator: the estimator's ℓ (weights and gradient alike).
+    spg: SPG's sandwich, the ELBO where A > 0 and spg_omega·EUBO + (1 − spg_omega)·ELBO elsewhere,
+    with the estimator's ℓ (the ELBO) in the weights: the authors' StableDRL (docs/methods.md).
+    The spg objective always uses the sandwich."""
+    spg_beta: float = 1.5
+    """spg, and stabledrl with likelihood spg: the EUBO's β (`stabledrl.likelihood.eubo`)."""
+    spg_omega: float = 0.5
+    """spg, and stabledrl with likelihood spg: the EUBO's share ω of the sandwich where A ≤ 0."""
     advantage_scale: Literal["none", "std", "leave_one_out"] = "none"
     """none: r − mean (StableDRL, d1); std: divided by the group std (original GRPO);
     leave_one_out: r − the mean of the other G − 1 (DiffuCoder's coupled-GRPO)."""
@@ -321,6 +333,11 @@ class ObjectiveConfig:
     token_aggregation: Literal["sequence_mean", "batch_token_mean"] = "sequence_mean"
     """grpo with token ratios: sequence_mean (mean over each completion's tokens, then over
     completions) or batch_token_mean (one mean over every scored token of the batch, d1's diffu-GRPO)."""
+
+    @property
+    def sandwich(self) -> bool:
+        """Whether the gradient's ℓ is SPG's ELBO/EUBO sandwich (spg, or stabledrl with likelihood spg)."""
+        return self.name == "spg" or self.likelihood == "spg"
 
     def __post_init__(self) -> None:
         check(0 < self.clip_eps < 1, f"objective.clip_eps must be in (0, 1), got {self.clip_eps}")
@@ -335,6 +352,14 @@ class ObjectiveConfig:
         check(self.psi > 0, f"objective.psi must be positive, got {self.psi}")
         # an option of another objective must keep its default (the class attribute of its field)
         check(self.name == "wd1" or self.psi == ObjectiveConfig.psi, "objective.psi is a wd1 option")
+        check(self.name == "stabledrl" or self.likelihood == ObjectiveConfig.likelihood,
+              "objective.likelihood is a stabledrl option (spg always uses its sandwich)")
+        check(self.spg_beta > 0, f"objective.spg_beta must be positive, got {self.spg_beta}")
+        check(0 <= self.spg_omega <= 1, f"objective.spg_omega must be in [0, 1], got {self.spg_omega}")
+        check(self.sandwich or (self.spg_beta, self.spg_omega) == (ObjectiveConfig.spg_beta, ObjectiveConfig.spg_omega),
+              "objective.spg_beta and spg_omega are options of spg (and of stabledrl with likelihood: spg)")
+        check(not self.sandwich or self.ratio_level == "sequence",
+              "SPG's sandwich is a per-sequence likelihood: set objective.ratio_level: sequence")
         defaults = (ObjectiveConfig.clip, ObjectiveConfig.clip_max)
         check(self.name == "stabledrl" or (self.clip, self.clip_max) == defaults,
               "objective.clip and clip_max are stabledrl options (grpo clips to [1-clip_eps, 1+clip_eps])")
@@ -428,6 +453,10 @@ class TrainConfig:
         check(self.group_size >= 2, "group_size must be >= 2: advantages compare completions of one prompt")
         check(self.lr > 0, f"lr must be positive, got {self.lr}")
         check(self.optimizer == "adamw" or self.weight_decay == 0, "weight_decay is an adamw option; set it to 0")
+        check(not (self.objective.sandwich and self.estimator.max_views_per_forward is not None),
+              "SPG's EUBO is not linear in the views' terms: leave estimator.max_views_per_forward unset")
+        check(not (self.objective.sandwich and self.objective.separate_weight_masks),
+              "objective.separate_weight_masks is for the estimator's ℓ, not SPG's sandwich")
         check(not (self.grad_agreement and self.estimator.max_views_per_forward is not None),
               "grad_agreement needs the one-graph update: leave estimator.max_views_per_forward unset")
         check(self.lora is not None or self.model.dtype == "float32",

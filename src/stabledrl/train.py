@@ -1,4 +1,4 @@
-"""RL post-training of a diffusion LM (the `train` verb): GRPO, StableDRL, wd1, diffu-GRPO, GDPO.
+"""RL post-training of a diffusion LM (the `train` verb): GRPO, StableDRL, wd1, SPG, diffu-GRPO, GDPO.
 
 One step, top to bottom:
 
@@ -83,12 +83,13 @@ from stabledrl.config import ConfigError, check, to_dict
 from stabledrl.data import decode_policy_completions, encode_policy_prompts
 from stabledrl.diagnostics import CollapseMonitor, flat_grad_cosine
 from stabledrl.evaluate import EVAL_MICRO_BATCH, evaluate
-from stabledrl.likelihood import backward_views, plan_views, score_views
+from stabledrl.likelihood import backward_views, eubo, plan_views, score_views
 from stabledrl.metrics import metrics_line
 from stabledrl.models.attention import prompt_attention_of
 from stabledrl.models.lora import add_lora, base_policy
 from stabledrl.models.policy import load_policy
-from stabledrl.objectives import LossOutput, group_advantages, grpo_loss, stabledrl_loss, wd1_loss
+from stabledrl.objectives import (LossOutput, group_advantages, grpo_loss, spg_likelihood, spg_loss, stabledrl_loss,
+                                  wd1_loss)
 from stabledrl.sampling import SamplingConfig, generate_micro_batched, micro_batch_calls, row_generators
 from stabledrl.settings import MAX_MU, EstimatorConfig, ObjectiveConfig, TrainConfig  # no torch: for the CLI
 from stabledrl.tasks import get_task
@@ -301,11 +302,20 @@ def _plan(cfg: TrainConfig, batch: Rollouts, step: int, slot: int, policy):
 
 
 def _score(cfg: TrainConfig, policy, plan, batch: Rollouts) -> torch.Tensor:
-    """ℓ under `policy`: (B',) sequence estimates, or (B', L) per-token terms for token ratios."""
+    """ℓ under `policy`: (B',) sequence estimates, (B', L) per-token terms for token ratios, or
+    (B', 2) the estimate (the ELBO) and SPG's EUBO on the same views for the sandwich (`_bounds`)."""
+    o = cfg.objective
     est = score_views(policy, plan, batch.prompt_ids, batch.completion_ids, batch.completion_mask,
                       prompt_mask=batch.prompt_mask, reduction=cfg.estimator.reduction,
-                      max_views_per_forward=cfg.estimator.max_views_per_forward)
-    return est.token if cfg.objective.ratio_level == "token" else est.sequence
+                      max_views_per_forward=cfg.estimator.max_views_per_forward, keep_views=o.sandwich)
+    if o.sandwich:
+        return torch.stack([est.sequence, eubo(plan, est.views, batch.completion_mask, beta=o.spg_beta)], dim=1)
+    return est.token if o.ratio_level == "token" else est.sequence
+
+
+def _bounds(logp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B', 2) scores of the sandwich (`_score`) -> the (B',) ELBO and EUBO."""
+    return logp[:, 0], logp[:, 1]
 
 
 Objective = Callable[..., LossOutput]
@@ -332,6 +342,10 @@ def _stabledrl_objective(cfg: TrainConfig) -> Objective:
 
     def objective(logp, old_logp, advantages, *, completion_mask, ref_logp=None, weight_logp=None,
                   weight_old_logp=None) -> LossOutput:
+        if o.sandwich:  # the authors' StableDRL: weights from the ELBO, the sandwich in the gradient
+            (elbo, eubo_), (old_logp, _) = _bounds(logp), _bounds(old_logp)
+            weight_logp, weight_old_logp = elbo, old_logp
+            logp = spg_likelihood(elbo, eubo_, advantages, omega=o.spg_omega)
         return stabledrl_loss(logp, old_logp, advantages, group_size=cfg.group_size, clip=o.clip,
                               clip_max=o.clip_max, clip_eps=o.clip_eps, ratio_level=o.ratio_level,
                               completion_mask=completion_mask, weight_logp=weight_logp,
@@ -351,10 +365,23 @@ def _wd1_objective(cfg: TrainConfig) -> Objective:
     return objective
 
 
+def _spg_objective(cfg: TrainConfig) -> Objective:
+    """SPG (ratio-free, its sandwich in the gradient); `old_logp` feeds only its ratio diagnostics."""
+    o = cfg.objective
+
+    def objective(logp, old_logp, advantages, *, completion_mask, ref_logp=None) -> LossOutput:
+        (elbo, eubo_), (old_elbo, _) = _bounds(logp), _bounds(old_logp)
+        return spg_loss(elbo, eubo_, old_elbo, advantages, group_size=cfg.group_size,
+                        completion_mask=completion_mask, omega=o.spg_omega, clip_eps=o.clip_eps)
+
+    return objective
+
+
 OBJECTIVES: dict[str, Callable[[TrainConfig], Objective]] = {
     "grpo": _grpo_objective,
     "stabledrl": _stabledrl_objective,
     "wd1": _wd1_objective,
+    "spg": _spg_objective,
 }
 """objective.name -> builder: the config in, the objective of tensors out."""
 
@@ -818,7 +845,10 @@ def score_groups(run: Run, groups: Rollouts, step: int) -> Scored:
             with run.accelerator.autocast():  # a reference copy is not prepared: same precision as ℓ_old
                 ref = _gather_scores(run, run.reference, plan_old, mine, n_rows)
             # KL(π_old ‖ π_init) ≈ mean over π_old's own samples of ℓ_old − ℓ_init
-            gap = (old - ref).sum(-1) if cfg.objective.ratio_level == "token" else old - ref  # (B',)
+            if cfg.objective.ratio_level == "token":
+                gap = (old - ref).sum(-1)  # (B',)
+            else:  # the sandwich's scores: the ELBO's gap
+                gap = _bounds(old)[0] - _bounds(ref)[0] if cfg.objective.sandwich else old - ref
             metrics["drift_kl"] = float(gap.mean())
         if cfg.objective.separate_weight_masks:
             plan_weight = _plan_rows(run, groups, step, 2, lo, hi)
