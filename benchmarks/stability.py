@@ -1,10 +1,13 @@
-"""GRPO vs StableDRL (and wd1) under the same noisy estimator: does GRPO's instability loop appear?
+"""GRPO vs StableDRL (and wd1, SPG, the authors' StableDRL) under noisy ratios: does GRPO's instability loop appear?
 
     # the README's regime: GRPO collapses, StableDRL gains (noisy ratios: independent masks)
     python benchmarks/stability.py --seeds 0 1 2 --steps 120 --lr 1e-4 --set masks=independent \
         --set estimator.num_samples=2 --set eval_n=1592 --set threads=1 --tag test-R5-120
     # one process per run (2 at a time on 2 cores), then once more with all seeds for the JSON
     python benchmarks/stability.py --seeds 1 --objectives grpo ... --tag test-R5-120
+    # the authors' StableDRL (configs/countdown-stabledrl-official.yaml) in the same regime
+    python benchmarks/stability.py --seeds 0 1 2 --steps 120 --lr 1e-4 --objectives stabledrl-official \
+        --set eval_n=1592 --set threads=1 --tag test-R5-120-official
 
 Runs `configs/<preset>-grpo.yaml` and `configs/<preset>-stabledrl.yaml` for each seed
 (`--preset countdown`, the default, or `countdown-block` for the block-diffusion model)
@@ -75,8 +78,10 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--set", action="append", default=[], help="override for every objective")
     ap.add_argument("--preset", default="countdown", help="configs/<preset>-<objective>.yaml")
-    ap.add_argument("--objectives", nargs="+", default=["grpo", "stabledrl"], choices=sorted(OBJECTIVES),
-                    help="run only these (say, one per process); a later call with both reuses finished runs")
+    ap.add_argument("--objectives", nargs="+", default=["grpo", "stabledrl"],
+                    help="the presets' suffixes, configs/<preset>-<name>.yaml: an objective (grpo, stabledrl, wd1, "
+                         "spg) or a variant such as stabledrl-official; run only these (say, one per process), "
+                         "and a later call with all of them reuses finished runs")
     ap.add_argument("--tag", default="default")
     ap.add_argument("--runs-dir", default="runs/stability")
     args = ap.parse_args()
@@ -105,7 +110,9 @@ def main() -> None:
     out = Path("benchmarks/results") / f"stability-{args.tag}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"args": vars(args), "runs": results}, indent=2))
-    palette = {name: f"C{i}" for i, name in enumerate(sorted(OBJECTIVES))}  # grpo blue, stabledrl orange, wd1 green
+    # grpo blue, stabledrl orange, wd1 green, spg red, then the variants (stabledrl-official purple)
+    names = [*OBJECTIVES, *sorted(set(args.objectives) - set(OBJECTIVES))]
+    palette = {name: f"C{i}" for i, name in enumerate(names)}
     plot_runs(run_dirs, out.with_suffix(".png"), colors=[palette[r["objective"]] for r in results])
     print(f"wrote {out} and {out.with_suffix('.png')}")
 

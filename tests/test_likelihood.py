@@ -400,3 +400,20 @@ def test_one_planner_per_method_and_one_plan_shape():
         dataclasses.replace(plan, weight=torch.ones(2))
     with pytest.raises(ValueError, match="leaves clean"):
         dataclasses.replace(plan, masked=torch.zeros_like(plan.masked))
+
+
+def test_mean_field_prompt_columns_all_masks_bos_and_padding_as_d1(setup):
+    # "tokens" (default) never masks BOS or the left padding; "all" (d1's) may mask every column.
+    policy, p_ids, p_mask, c_ids, c_mask = setup
+    bos = policy.tokenizer.bos_token_id
+    R = 50
+    ids, mask, cm = p_ids.repeat(R, 1), p_mask.repeat(R, 1), c_mask.repeat(R, 1)
+    special = (~mask.bool()) | (ids == bos)  # (2R, P) padding and BOS columns
+    assert special.any() and bos is not None
+    for columns, expect_special in [("tokens", False), ("all", True)]:
+        plan = plan_views("mean_field", cm, prompt_ids=ids, prompt_mask=mask, bos_token_id=bos, p_prompt=0.5,
+                          prompt_columns=columns, generator=torch.Generator().manual_seed(6))
+        assert bool((plan.prompt_masked & special).any()) == expect_special, columns
+        assert (plan.prompt_masked & ~special).any()
+    with pytest.raises(ValueError, match="prompt_columns"):
+        plan_views("mean_field", c_mask, prompt_ids=p_ids, prompt_columns="bos", generator=torch.Generator())

@@ -50,7 +50,9 @@ Methods (n = the number of scored slots of a sequence, K = `num_samples`):
 - ``mean_field``: diffu-GRPO's one-step estimate (d1, Zhao et al. 2025): every
   completion slot masked, each real prompt token (not BOS) masked i.i.d. with
   probability ``p_prompt``; one view per sequence; ℓ = Σ_i log p(y_i | q̃, all masked).
-  Biased — it is the baseline.
+  Biased — it is the baseline. ``prompt_columns="all"`` lets every prompt column be
+  masked, BOS and left padding included, as d1's code does (its model is given no
+  attention mask; ours hide the padding, so there only BOS changes).
 - ``blockwise``: for block-diffusion models (BD3-LM, Arriola et al. 2025; StableDRL's
   block extension): ℓ(y) = Σ_j ELBO_j(y_j | y_<j, q), each block's term an ELBO of that
   block's scored slots given the clean earlier blocks. A view noises every block at once
@@ -422,18 +424,25 @@ def _plan_exact(x: PlanInputs) -> ViewPlan:
 
 
 @planner("mean_field")
-def _plan_mean_field(x: PlanInputs, *, p_prompt: float = 0.15) -> ViewPlan:
+def _plan_mean_field(x: PlanInputs, *, p_prompt: float = 0.15, prompt_columns: str = "tokens") -> ViewPlan:
+    """`prompt_columns`: which prompt columns may be masked: "tokens", the real prompt tokens
+    but BOS (ours), or "all", every column, BOS and left padding included (d1's)."""
     if x.prompt_ids is None:
         raise ValueError("mean_field needs prompt_ids (it masks prompt tokens)")
     if not 0 <= p_prompt < 1:
         raise ValueError(f"p_prompt must be in [0, 1), got {p_prompt}")
+    if prompt_columns not in ("tokens", "all"):
+        raise ValueError(f"prompt_columns must be 'tokens' (not BOS) or 'all' (d1's), got {prompt_columns!r}")
     if x.num_samples != 1:
         raise ValueError("mean_field is a one-view estimate: num_samples must be 1")
     scored, prompt_ids = x.scored, x.prompt_ids.cpu()
     B, L = scored.shape
-    maskable = (torch.ones_like(prompt_ids) if x.prompt_mask is None else x.prompt_mask.cpu()).bool()
-    if x.bos_token_id is not None:
-        maskable = maskable & (prompt_ids != x.bos_token_id)
+    maskable = torch.ones_like(prompt_ids, dtype=torch.bool)
+    if prompt_columns == "tokens":
+        if x.prompt_mask is not None:
+            maskable = x.prompt_mask.cpu().bool()
+        if x.bos_token_id is not None:
+            maskable = maskable & (prompt_ids != x.bos_token_id)
     if p_prompt > 0:
         prompt_masked = (torch.rand(prompt_ids.shape, generator=x.draws("mean_field")) < p_prompt) & maskable  # (B, P)
     else:

@@ -277,7 +277,8 @@ class EstimatorConfig:
     """K: masks per sequence (per node for sdmc)."""
     options: dict[str, Any] = field(default_factory=dict)
     """Method options: mc: masking, stratified, antithetic; sdmc: num_nodes, weight (count: n/k per
-    node, ours; time: 1/t, GDPO's; docs/methods.md); mean_field: p_prompt; coupled: t_min, t_max;
+    node, ours; time: 1/t, GDPO's; docs/methods.md); mean_field: p_prompt, prompt_columns (tokens | all,
+    d1's); coupled: t_min, t_max;
     block_random: block_length, p_prompt;
     blockwise: inner (mc | sdmc | exact), num_nodes, stratified."""
     reduction: Literal["sum", "mean"] = "sum"
