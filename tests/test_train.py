@@ -338,6 +338,13 @@ def test_without_the_drift_diagnostic_no_reference_copy_is_loaded(init_model, tm
     _train(run)
     rows = [json.loads(x) for x in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
     assert "kl_ref" in rows[1]
+    # With LoRA the reference is the base model (adapters off): no copy, and not scored unless read.
+    run = train_mod.set_up(_cfg(init_model, tmp_path / "c", steps=1, drift_kl=False, lora={"r": 4}))
+    assert run.reference is None
+    _abandon(run)
+    run = train_mod.set_up(_cfg(init_model, tmp_path / "d", steps=1, lora={"r": 4}))
+    assert run.reference is not None and run.reference.model is run.policy.model
+    _abandon(run)
 
 
 def test_a_run_on_the_code_task_carries_on_through_sandboxed_failures(init_model, tmp_path):

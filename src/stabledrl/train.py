@@ -735,8 +735,8 @@ def _policy_and_reference(cfg: TrainConfig, initial, ckpt: Path | None, device, 
         policy = add_lora(initial, cfg.lora, seed=cfg.seed)
     else:  # the reference is a second copy, loaded only if something reads it
         policy, initial = initial, (load_policy(cfg.model, device=device) if _needs_reference(cfg) else None)
-    if cfg.lora is not None:
-        return policy, base_policy(policy)  # the initial policy is the base model: no second copy
+    if cfg.lora is not None:  # the initial policy is the base model: no second copy, scored only if read
+        return policy, base_policy(policy) if _needs_reference(cfg) else None
     reference = initial  # KL reference and drift baseline, or None
     if reference is not None:
         reference.model.requires_grad_(False)
