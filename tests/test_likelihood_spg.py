@@ -6,20 +6,10 @@ import math
 import pytest
 import torch
 
-from stabledrl.data import completion_mask as make_completion_mask
-from stabledrl.data import encode_completions, encode_prompts
 from stabledrl.likelihood import eubo, estimate, plan_views, score_views
-from tests.conftest import make_tiny_policy
+from tests import test_likelihood
 
-
-@pytest.fixture(scope="module")
-def setup():
-    policy = make_tiny_policy(seed=37)
-    p_ids, p_mask = encode_prompts(policy.tokenizer, ["3,5,7=22", "12,4,6=9"])
-    c_ids = encode_completions(policy.tokenizer, ["3*5", "12-4+1"], 8)
-    c_mask = make_completion_mask(c_ids, policy.eos_token_id)
-    assert c_mask.sum(1).tolist() == [4, 7]
-    return policy, p_ids, p_mask, c_ids, c_mask
+setup = test_likelihood.setup  # the fixture: a tiny policy, two prompts and their completions
 
 
 def _prefix_mask(lengths, L):
