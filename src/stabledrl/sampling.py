@@ -88,8 +88,9 @@ class GenerationOutput:
     at the step it committed it (special tokens other than EOS excluded)."""
     token_logprob: torch.Tensor | None = None
     """(B, L) the sampler's own log-probability of each scored token: log p(y_i) under the
-    model's untempered distribution in the call that committed slot i (what the `path`
-    estimator scores, `stabledrl.likelihood`); 0 on the unscored slots. The built-in sampler
+    model's distribution (untempered, over the whole vocabulary) in the call that committed
+    slot i, what the `path` estimator scores (`stabledrl.likelihood`); 0 on the unscored
+    slots. (The draw itself excludes MASK, PAD, BOS and UNK, and is tempered.) The built-in sampler
     always fills it; another engine may leave it None."""
 
 
@@ -201,14 +202,17 @@ def categorical(probs: torch.Tensor, u: torch.Tensor, chunk: int = 512) -> torch
     return (j * chunk + torch.minimum(i, last)).squeeze(1)
 
 
-def _draw_counter(logits: torch.Tensor, eligible: torch.Tensor, temperature: float, remasking: str,
-                  keys: torch.Tensor | None, step: int | torch.Tensor, cols: torch.Tensor,
+def _draw_counter(logits: torch.Tensor, eligible: torch.Tensor, banned: list[int], temperature: float,
+                  remasking: str, keys: torch.Tensor | None, step: int | torch.Tensor, cols: torch.Tensor,
                   top_k: int | None, top_p: float | None) -> tuple[torch.Tensor, ...]:
-    """Counter noise: the draw, score, entropy and log-probability (each (A, W), 0 off the
-    eligible slots) computed on the eligible slots only. The token is an inverse-CDF draw
+    """Counter noise: the draw, score, entropy and the model's log-probability of the draw
+    (each (A, W), 0 off the eligible slots) computed on the eligible slots only; the
+    `banned` tokens are never drawn. The token is an inverse-CDF draw
     from the tempered (and restricted) distribution with one counter uniform per slot."""
     a, w = eligible.nonzero(as_tuple=True)  # (N,) each
     lg = logits[a, w]  # (N, V)
+    model_lse = lg.logsumexp(-1)  # (N,) the model's normaliser, special tokens included
+    lg[:, banned] = -math.inf
     q, logq = lg.softmax(-1), lg.log_softmax(-1)  # (N, V) each
     if temperature > 0:
         tempered = lg / temperature if temperature != 1 else lg
@@ -218,7 +222,7 @@ def _draw_counter(logits: torch.Tensor, eligible: torch.Tensor, temperature: flo
         x0 = categorical(probs, counter_uniform(keys, step, cols, 0)[a, w])
     else:
         x0 = lg.argmax(-1)  # (N,)
-    logp = logq.gather(-1, x0[:, None]).squeeze(-1)  # (N,)
+    logp = lg.gather(-1, x0[:, None]).squeeze(-1) - model_lse  # (N,) log p(x0) under the model
     if remasking == "low_confidence":
         score = q.gather(-1, x0[:, None]).squeeze(-1)  # p(x0), as the generator path computes it
     else:
@@ -232,11 +236,14 @@ def _draw_counter(logits: torch.Tensor, eligible: torch.Tensor, temperature: flo
     return tuple(out)
 
 
-def _draw_generator(logits: torch.Tensor, temperature: float, remasking: str, generator: Generators,
-                    rows: torch.Tensor, own: torch.Tensor | None, top_k: int | None,
+def _draw_generator(logits: torch.Tensor, banned: list[int], temperature: float, remasking: str,
+                    generator: Generators, rows: torch.Tensor, own: torch.Tensor | None, top_k: int | None,
                     top_p: float | None) -> tuple[torch.Tensor, ...]:
     """Generator noise (the default, the stream every figure was made with): float64 Gumbel
-    noise over every column and the whole vocabulary -> x0, score, entropy, log p(x0), (A, W)."""
+    noise over every column and the whole vocabulary -> x0, score, entropy and the model's
+    log p(x0), (A, W); the `banned` tokens are never drawn."""
+    model_lse = logits.logsumexp(-1)  # (A, W) the model's normaliser, special tokens included
+    logits[..., banned] = -math.inf
     if temperature > 0:
         u = _rand(logits.shape, generator, rows, logits.device, torch.float64, own)
         gumbel = -torch.log(-torch.log(u.clamp_min(1e-300)))
@@ -252,7 +259,7 @@ def _draw_generator(logits: torch.Tensor, temperature: float, remasking: str, ge
         score = _rand(x0.shape, generator, rows, logits.device, own=own)
     logq = logits.log_softmax(-1)  # (A, W, V)
     ent = -(logq.exp() * logq.nan_to_num(neginf=0.0)).sum(-1)  # (A, W)
-    return x0, score, ent, logq.gather(-1, x0[..., None]).squeeze(-1)
+    return x0, score, ent, logits.gather(-1, x0[..., None]).squeeze(-1) - model_lse
 
 
 def _pick(
@@ -264,15 +271,16 @@ def _pick(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """One denoising step over W columns: (A, W, V) logits and (A, W) eligible slots of
     batch rows `rows` (A,), with `steps_left` (an int, or (A,) one per row) -> the slots to
-    commit (A, W) bool, their tokens x0 (A, W), the entropy (A, W) and log p(x0) (A, W).
+    commit (A, W) bool, their tokens x0 (A, W), the entropy (A, W) and the model's log p(x0) (A, W).
     `own` (A, W): the columns a row draws generator noise for (`_rand`); None: all.
     Counter noise: `keys` (A, 2) the rows' keys, `step` the step (int or (A,)), `cols` (W,)
     the completion columns of the W. `threshold`: also commit every slot whose score exceeds it."""
-    logits[..., banned] = -math.inf
     if noise == "counter":
-        x0, score, ent, logp = _draw_counter(logits, eligible, temperature, remasking, keys, step, cols, top_k, top_p)
+        x0, score, ent, logp = _draw_counter(logits, eligible, banned, temperature, remasking, keys, step, cols,
+                                             top_k, top_p)
     else:
-        x0, score, ent, logp = _draw_generator(logits, temperature, remasking, generator, rows, own, top_k, top_p)
+        x0, score, ent, logp = _draw_generator(logits, banned, temperature, remasking, generator, rows, own,
+                                               top_k, top_p)
     if eos_confidence_scale != 1:  # EOS damping: a slot that drew a stop token waits
         drew_stop = torch.isin(x0, torch.as_tensor(stop_ids, dtype=torch.long, device=x0.device))  # (A, W)
         score = torch.where(drew_stop, score * eos_confidence_scale, score)
@@ -545,7 +553,7 @@ def _block_schedule(num_blocks: torch.Tensor, steps: int, width: int) -> torch.T
 
 
 def _decode_blocks(policy, dec: _Decoding, prompt_ids, prompt_mask, S, steps, use_cache, pick, synced,
-                   keys: torch.Tensor | None = None) -> None:
+                   noise_keys: torch.Tensor | None = None) -> None:
     """Block diffusion: block j is denoised attending to the clean blocks < j, then frozen.
     Without the cache each step runs [q ; y_≤j] under the block-causal mask; with it, the
     prompt's whole blocks and each finished block are run once and their keys/values kept,
@@ -615,7 +623,7 @@ def _decode_blocks(policy, dec: _Decoding, prompt_ids, prompt_mask, S, steps, us
                 # A row draws noise for its own block's columns, and only while it has slots to fill: its
                 # draws do not depend on the other rows (a row without any has none left: EOS came).
                 own = member & eligible.any(1, keepdim=True)  # (B, W_j)
-                chosen, x0, ent, logp = _pick(logits.float(), eligible, steps_left, rows=rows, own=own, keys=keys,
+                chosen, x0, ent, logp = _pick(logits.float(), eligible, steps_left, rows=rows, own=own, keys=noise_keys,
                                               step=first_step[:, j] + s, cols=torch.arange(lo, hi, device=device),
                                               **pick)
                 dec.commit(rows, slice(lo, hi), chosen, x0, ent, logp, first_step[:, j] + s)
