@@ -66,7 +66,7 @@ from stabledrl.models.policy import Policy
 from stabledrl.settings import SamplingConfig  # defined without torch, for the command line
 
 __all__ = ["SamplingConfig", "GenerationOutput", "generate", "generate_micro_batched", "micro_batch_calls",
-           "restrict_logits", "row_generators", "row_keys", "counter_uniform", "categorical", "concat_outputs"]
+           "restrict_logits", "row_generators", "row_keys", "check_fast_decoding", "counter_uniform", "categorical", "concat_outputs"]
 
 
 @dataclass
@@ -365,8 +365,9 @@ Noise = Literal["generator", "counter"]
 ApproxCache = Literal["none", "prefix", "dual"]
 
 
-def _check_fast(policy: Policy, remasking: str, noise: str, threshold: float | None, approx_cache: str) -> None:
-    """`generate`'s options of fast decoding."""
+def check_fast_decoding(policy: Policy, remasking: str, noise: str, threshold: float | None,
+                        approx_cache: str) -> None:
+    """`generate`'s options of fast decoding, against the policy (a ValueError saying what to set)."""
     if noise not in ("generator", "counter"):
         raise ValueError(f"noise must be 'generator' or 'counter', got {noise!r}")
     if threshold is not None and not 0 < threshold <= 1:
@@ -450,7 +451,7 @@ def generate(
     steps = L if steps is None else steps
     block_length, num_blocks = _blocks(policy, L, steps, block_length)
     _check_draws(B, temperature, remasking, generator, top_k, top_p, eos_confidence_scale)
-    _check_fast(policy, remasking, noise, threshold, approx_cache)
+    check_fast_decoding(policy, remasking, noise, threshold, approx_cache)
     if prompt_mask is None:
         prompt_mask = torch.ones_like(prompt_ids)
     # Steps per block: as even as possible, earlier blocks take the remainder.
