@@ -2,9 +2,11 @@
 decoding scheme, and what each scheme does to held-out accuracy.
 
     python benchmarks/rollout.py noise                                   # ~1 min
-    python benchmarks/rollout.py speed --model tiny --lengths 64 256 1024 # ~3 min
+    python benchmarks/rollout.py speed --model tiny --lengths 64 256     # ~4 min
+    python benchmarks/rollout.py speed --model tiny --lengths 1024 --batch 2 --repeats 1 --tag -1024
     python benchmarks/rollout.py speed --model mid --lengths 64 256      # ~15 min
     python benchmarks/rollout.py accuracy --n 500                        # ~5 min
+    python benchmarks/rollout.py drift --n 200                           # ~2 min
 
 Each writes its section of benchmarks/results/rollout.json (the others are kept), with the
 command that made it. CPU only, one thread (no GPU was available for these measurements).
@@ -26,6 +28,9 @@ command that made it. CPU only, one thread (no GPU was available for these measu
    the share of the time outside the model's forward; model calls.
 3. accuracy: the shipped model on the first n Countdown test problems (L = 11), greedy and
    temperature 1, under each scheme (one block, T = L as the README's figures, and blocks of 4).
+4. drift: temperature-1 rollouts of the shipped model under each scheme; per row the sampler's
+   own log-probability (Σ token_logprob), the path estimate and an mc ELBO (16 views): how far
+   what RL estimates is from what the sampler did.
 """
 
 from __future__ import annotations
@@ -46,6 +51,9 @@ from stabledrl.models import TinyDiffusionConfig, TinyDiffusionLM, TinyPolicy, l
 from stabledrl.sampling import SamplingConfig, _pick, generate, row_generators, row_keys
 from stabledrl.tasks import get_task
 from stabledrl.tokenizer import build_char_tokenizer
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from block import _median_time  # noqa: E402
 
 OUT = Path(__file__).parent / "results" / "rollout.json"
 SHIPPED = "checkpoints/countdown-tiny"
@@ -77,14 +85,9 @@ class Timed:
         return out
 
 
-def _median_time(fn, repeats: int) -> float:
+def _warm_median_time(fn, repeats: int) -> float:
     fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return _median_time(fn, repeats)
 
 
 def bench_noise(repeats: int) -> dict:
@@ -114,10 +117,10 @@ def bench_noise(repeats: int) -> dict:
                                  noise=noise, keys=keys, step=0, cols=cols)
 
         out[f"eligible_{width}"] = {
-            "generator_noise_seconds": _median_time(old_noise, repeats),
-            "counter_noise_seconds": _median_time(new_noise, repeats),
-            "generator_step_seconds": _median_time(step("generator"), repeats),
-            "counter_step_seconds": _median_time(step("counter"), repeats),
+            "generator_noise_seconds": _warm_median_time(old_noise, repeats),
+            "counter_noise_seconds": _warm_median_time(new_noise, repeats),
+            "generator_step_seconds": _warm_median_time(step("generator"), repeats),
+            "counter_step_seconds": _warm_median_time(step("counter"), repeats),
         }
     return out
 
@@ -201,6 +204,40 @@ def bench_accuracy(n: int) -> dict:
     return {"n": n, "split": "test", "gen_length": task.completion_length, "results": result}
 
 
+DRIFT_SCHEMES = {k: ACCURACY_SCHEMES[k] for k in ("today", "counter", "tau0.9", "tau0.7", "prefix(prompt)",
+                                                   "blocks4", "blocks4+prefix", "blocks4+dual",
+                                                   "blocks4+dual+tau0.7")}
+
+
+def bench_drift(n: int, mc_samples: int) -> dict:
+    """What each scheme does to the likelihood RL estimates: temperature-1 rollouts of the
+    shipped model; per row, the sampler's own log-probability (Σ token_logprob), the path
+    estimate (the exact model along the sampled trajectory) and an mc ELBO estimate."""
+    from stabledrl.likelihood import estimate
+
+    policy = load_policy(SHIPPED)
+    task = get_task("countdown")
+    problems = task.generate(n, split="test", seed=0)
+    ids, mask = encode_policy_prompts(policy, [p.prompt for p in problems])
+    result = {}
+    for name, options in DRIFT_SCHEMES.items():
+        out = generate(policy, ids, mask, gen_length=task.completion_length, temperature=1.0,
+                       generator=row_generators("drift", 0, n), **options)
+        with torch.no_grad():
+            path = estimate(policy, ids, out.completion_ids, out.completion_mask, prompt_mask=mask, method="path",
+                            unmask_step=out.unmask_step).sequence
+            mc = estimate(policy, ids, out.completion_ids, out.completion_mask, prompt_mask=mask, method="mc",
+                          num_samples=mc_samples, generator=torch.Generator().manual_seed(0)).sequence
+        own = out.token_logprob.sum(1)
+        result[name] = {"sampler_logprob_mean": float(own.mean()), "path_mean": float(path.mean()),
+                        "mc_elbo_mean": float(mc.mean()),
+                        "sampler_minus_path_mean_abs": float((own - path).abs().mean()),
+                        "mc_minus_path_mean": float((mc - path).mean()),
+                        "completion_length_mean": float(out.completion_mask.sum(1).double().mean())}
+        print(name, {k: round(v, 4) for k, v in result[name].items()}, flush=True)
+    return {"n": n, "mc_samples": mc_samples, "temperature": 1.0, "results": result}
+
+
 class _CountingGenerate:
     """Adds up `forward_passes` of every `generate` call made inside the block."""
 
@@ -226,20 +263,24 @@ class _CountingGenerate:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("part", choices=["noise", "speed", "accuracy"])
+    ap.add_argument("part", choices=["noise", "speed", "accuracy", "drift"])
     ap.add_argument("--model", choices=["tiny", "mid"], default="tiny")
     ap.add_argument("--lengths", type=int, nargs="+", default=[64, 256])
     ap.add_argument("--batch", type=int, default=None, help="rows (speed); default 8 tiny, 1 mid")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--schemes", nargs="+", default=list(SCHEMES), choices=list(SCHEMES))
     ap.add_argument("--n", type=int, default=500)
+    ap.add_argument("--mc-samples", type=int, default=16)
+    ap.add_argument("--tag", default="", help="appended to the JSON key of a speed section")
     args = ap.parse_args()
     torch.set_num_threads(1)
     if args.part == "noise":
         key, section = "noise", bench_noise(args.repeats)
     elif args.part == "speed":
         batch = args.batch or (8 if args.model == "tiny" else 1)
-        key, section = f"speed_{args.model}", bench_speed(args.model, args.lengths, batch, args.repeats, args.schemes)
+        key, section = f"speed_{args.model}{args.tag}", bench_speed(args.model, args.lengths, batch, args.repeats, args.schemes)
+    elif args.part == "drift":
+        key, section = "drift", bench_drift(args.n, args.mc_samples)
     else:
         key, section = "accuracy", bench_accuracy(args.n)
     section.update(command="python benchmarks/rollout.py " + " ".join(sys.argv[1:]), threads=1,

@@ -40,6 +40,35 @@ of the sampler without them, bit for bit):
   early and end the answer before it is written. The number of slots committed per step is
   unchanged, so a completion can still end with a stop token (at the latest on the last step).
 
+Fast decoding (issue 15; all off by default):
+- ``noise="counter"``: instead of each row's CPU generator drawing float64 Gumbel noise over
+  every completion column and the whole vocabulary, each decoded slot gets one uniform, an
+  integer hash of (the row's key, the step, the column) computed on the model's device
+  (`counter_uniform`; the key is drawn from the row's generator, `row_keys`), and its token
+  is an inverse-CDF draw from the tempered distribution (`categorical`). Only the eligible
+  slots (the masked slots of the current block) are drawn, scored and normalised. A row's
+  tokens still depend on its own generator only (not its batch, micro-batch or process);
+  the distribution is the same, the tokens are not: switching changes every sampled
+  completion (and so any figure made with the default), greedy decoding is unchanged.
+- ``threshold=τ``: confidence-threshold parallel decoding (Fast-dLLM, Wu et al. 2025): a
+  step commits every eligible slot whose remasking score exceeds τ, and at least the
+  schedule's ceil(masked left / steps left), so ``steps`` stays an upper bound. Strictly
+  above τ, so τ = 1 (like None) commits nothing more and gives today's tokens bit for bit.
+  Slots committed together share their step in ``unmask_step``, and the ``path`` estimator
+  replays them as one view: it scores the sampled trajectory exactly (tests/test_fast_sampling.py,
+  against ``token_logprob``). Departs from the exact sampler's trajectory distribution
+  (several slots drawn independently given the same context), not from its per-slot draws.
+- ``approx_cache="prefix" | "dual"`` (full-attention policies with ``new_cache``): Fast-dLLM's
+  approximate KV caches (`_ApproxCache`). Each block's first step runs the whole sequence, as
+  the exact sampler does, and keeps the keys/values of the prefix (and, ``dual``, of the
+  suffix); the block's later steps feed the block and the suffix (``prefix``) or the block
+  alone (``dual``). An approximation: under full attention the kept keys depend on tokens
+  that change while the block is decoded. Exact: a block's first step; the cache's
+  mechanics (fed the tokens it was built from, a cached call gives the uncached logits); one
+  step per block. A rollout drawn this way is not a sample of the policy that RL scores.
+  Policies without ``new_cache`` (the HF adapters) are refused with an error, not silently
+  run uncached; block models have their exact ``kv_cache`` instead.
+
 Shapes: B batch, P prompt columns, L completion length, V vocabulary.
 """
 
