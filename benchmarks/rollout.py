@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import sys
@@ -284,6 +285,7 @@ def main() -> None:
     else:
         key, section = "accuracy", bench_accuracy(args.n)
     section.update(command="python benchmarks/rollout.py " + " ".join(sys.argv[1:]), threads=1,
+                   load_average_at_end=os.getloadavg(),
                    device="cpu (no GPU available)", torch=torch.__version__, machine=platform.machine())
     data = json.loads(OUT.read_text()) if OUT.is_file() else {}
     data[key] = section

@@ -47,12 +47,13 @@ def _request(policy, prompts=("..12..4..4.11.3.", "1.3.2..4.1..3..2"), **samplin
     return RolloutRequest(policy, ids, mask, 17, row_generators("e", 0, len(prompts)), SamplingConfig(**sampling))
 
 
-def test_the_builtin_engine_is_the_sampler():
+@pytest.mark.parametrize("fast", [{}, {"noise": "counter", "threshold": 0.9, "approx_cache": "prefix", "block_length": 6}])
+def test_the_builtin_engine_is_the_sampler_with_every_option(fast):
     policy = make_tiny_policy(seed=2)
-    req = _request(policy, temperature=1.0, steps=9)
+    req = _request(policy, temperature=1.0, steps=9, **fast)
     got = roll_out(req)
     want = generate_micro_batched(policy, req.prompt_ids, req.prompt_mask, micro_batch=None,
-                                  generator=row_generators("e", 0, 2), gen_length=17, temperature=1.0, steps=9)
+                                  generator=row_generators("e", 0, 2), gen_length=17, temperature=1.0, steps=9, **fast)
     assert torch.equal(got.completion_ids, want.completion_ids) and torch.equal(got.unmask_step, want.unmask_step)
     assert isinstance(load_engine("builtin"), BuiltinEngine)
 
