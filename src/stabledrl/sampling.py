@@ -231,17 +231,14 @@ def categorical(probs: torch.Tensor, u: torch.Tensor, chunk: int = 512) -> torch
     return (j * chunk + torch.minimum(i, last)).squeeze(1)
 
 
-def _draw_counter(logits: torch.Tensor, eligible: torch.Tensor, banned: list[int], temperature: float,
-                  remasking: str, keys: torch.Tensor | None, step: int | torch.Tensor, cols: torch.Tensor,
+def _draw_counter(logits: torch.Tensor, eligible: torch.Tensor, temperature: float, remasking: str,
+                  keys: torch.Tensor | None, step: int | torch.Tensor, cols: torch.Tensor,
                   top_k: int | None, top_p: float | None) -> tuple[torch.Tensor, ...]:
-    """Counter noise: the draw, score, entropy and the model's log-probability of the draw
-    (each (A, W), 0 off the eligible slots) computed on the eligible slots only; the
-    `banned` tokens are never drawn. The token is an inverse-CDF draw
+    """Counter noise: the draw, score and entropy (each (A, W), 0 off the eligible slots)
+    computed on the eligible slots only. The token is an inverse-CDF draw
     from the tempered (and restricted) distribution with one counter uniform per slot."""
     a, w = eligible.nonzero(as_tuple=True)  # (N,) each
     lg = logits[a, w]  # (N, V)
-    model_lse = lg.logsumexp(-1)  # (N,) the model's normaliser, special tokens included
-    lg[:, banned] = -math.inf
     q, logq = lg.softmax(-1), lg.log_softmax(-1)  # (N, V) each
     if temperature > 0:
         tempered = lg / temperature if temperature != 1 else lg
@@ -251,28 +248,24 @@ def _draw_counter(logits: torch.Tensor, eligible: torch.Tensor, banned: list[int
         x0 = categorical(probs, counter_uniform(keys, step, cols, 0)[a, w])
     else:
         x0 = lg.argmax(-1)  # (N,)
-    logp = lg.gather(-1, x0[:, None]).squeeze(-1) - model_lse  # (N,) log p(x0) under the model
     if remasking == "low_confidence":
         score = q.gather(-1, x0[:, None]).squeeze(-1)  # p(x0), as the generator path computes it
     else:
         score = counter_uniform(keys, step, cols, 1)[a, w].float()
     ent = -(q * logq.nan_to_num(neginf=0.0)).sum(-1)  # (N,)
     out = []
-    for v, fill in ((x0, 0), (score, 0.0), (ent, 0.0), (logp, 0.0)):
+    for v, fill in ((x0, 0), (score, 0.0), (ent, 0.0)):
         full = torch.full(eligible.shape, fill, dtype=v.dtype, device=v.device)
         full[a, w] = v
         out.append(full)
     return tuple(out)
 
 
-def _draw_generator(logits: torch.Tensor, banned: list[int], temperature: float, remasking: str,
-                    generator: Generators, rows: torch.Tensor, own: torch.Tensor | None, top_k: int | None,
+def _draw_generator(logits: torch.Tensor, temperature: float, remasking: str, generator: Generators,
+                    rows: torch.Tensor, own: torch.Tensor | None, top_k: int | None,
                     top_p: float | None) -> tuple[torch.Tensor, ...]:
     """Generator noise (the default, the stream every figure was made with): float64 Gumbel
-    noise over every column and the whole vocabulary -> x0, score, entropy and the model's
-    log p(x0), (A, W); the `banned` tokens are never drawn."""
-    model_lse = logits.logsumexp(-1)  # (A, W) the model's normaliser, special tokens included
-    logits[..., banned] = -math.inf
+    noise over every column and the whole vocabulary -> x0, score and entropy, (A, W)."""
     if temperature > 0:
         u = _rand(logits.shape, generator, rows, logits.device, torch.float64, own)
         gumbel = -torch.log(-torch.log(u.clamp_min(1e-300)))
@@ -288,7 +281,7 @@ def _draw_generator(logits: torch.Tensor, banned: list[int], temperature: float,
         score = _rand(x0.shape, generator, rows, logits.device, own=own)
     logq = logits.log_softmax(-1)  # (A, W, V)
     ent = -(logq.exp() * logq.nan_to_num(neginf=0.0)).sum(-1)  # (A, W)
-    return x0, score, ent, logits.gather(-1, x0[..., None]).squeeze(-1) - model_lse
+    return x0, score, ent
 
 
 def _pick(
@@ -297,19 +290,18 @@ def _pick(
     top_p: float | None = None, eos_confidence_scale: float = 1.0, stop_ids: Sequence[int] = (),
     own: torch.Tensor | None = None, noise: str = "generator", keys: torch.Tensor | None = None,
     step: int | torch.Tensor = 0, cols: torch.Tensor | None = None, threshold: float | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One denoising step over W columns: (A, W, V) logits and (A, W) eligible slots of
     batch rows `rows` (A,), with `steps_left` (an int, or (A,) one per row) -> the slots to
-    commit (A, W) bool, their tokens x0 (A, W), the entropy (A, W) and the model's log p(x0) (A, W).
+    commit (A, W) bool, their tokens x0 (A, W) and the entropy (A, W).
     `own` (A, W): the columns a row draws generator noise for (`_rand`); None: all.
     Counter noise: `keys` (A, 2) the rows' keys, `step` the step (int or (A,)), `cols` (W,)
     the completion columns of the W. `threshold`: also commit every slot whose score exceeds it."""
+    logits[..., banned] = -math.inf
     if noise == "counter":
-        x0, score, ent, logp = _draw_counter(logits, eligible, banned, temperature, remasking, keys, step, cols,
-                                             top_k, top_p)
+        x0, score, ent = _draw_counter(logits, eligible, temperature, remasking, keys, step, cols, top_k, top_p)
     else:
-        x0, score, ent, logp = _draw_generator(logits, banned, temperature, remasking, generator, rows, own,
-                                               top_k, top_p)
+        x0, score, ent = _draw_generator(logits, temperature, remasking, generator, rows, own, top_k, top_p)
     if eos_confidence_scale != 1:  # EOS damping: a slot that drew a stop token waits
         drew_stop = torch.isin(x0, torch.as_tensor(stop_ids, dtype=torch.long, device=x0.device))  # (A, W)
         score = torch.where(drew_stop, score * eos_confidence_scale, score)
@@ -318,7 +310,18 @@ def _pick(
     if threshold is not None:  # parallel decoding: every slot above the threshold, at least the schedule's k
         k = torch.maximum(k, (score > threshold).sum(-1))
     chosen = _rows_topk(score, k) & eligible  # (A, W)
-    return chosen, x0, ent, logp
+    return chosen, x0, ent
+
+
+def _step(logits: torch.Tensor, eligible: torch.Tensor, steps_left: int | torch.Tensor,
+          **kw) -> tuple[torch.Tensor, ...]:
+    """`_pick`, and the model's log-probability of each draw (A, W): over the whole
+    vocabulary, special tokens included, as the likelihood scores it (the draw excludes
+    them); computed on the eligible slots (−inf or 0 elsewhere, never committed)."""
+    lse = torch.zeros(eligible.shape, device=logits.device)  # (A, W) the model's normaliser
+    lse[eligible] = logits[eligible].logsumexp(-1)
+    chosen, x0, ent = _pick(logits, eligible, steps_left, **kw)
+    return chosen, x0, ent, logits.gather(-1, x0[..., None]).squeeze(-1) - lse  # x0 is never banned
 
 
 class _Decoding:
@@ -567,7 +570,7 @@ def _decode_full(policy, dec: _Decoding, prompt_ids, prompt_mask, block_length, 
             else:
                 logits = cache.logits(x, active).float()  # (A, W, V)
             dec.passes += 1
-            chosen, x0, ent, logp = _pick(logits, eligible[active][:, cols], block_steps - s, rows=active,
+            chosen, x0, ent, logp = _step(logits, eligible[active][:, cols], block_steps - s, rows=active,
                                           keys=None if keys is None else keys[active], step=step,
                                           cols=slot[cols], **pick)
             dec.commit(active, cols, chosen, x0, ent, logp, step)
@@ -653,7 +656,7 @@ def _decode_blocks(policy, dec: _Decoding, prompt_ids, prompt_mask, S, steps, us
                 # A row draws noise for its own block's columns, and only while it has slots to fill: its
                 # draws do not depend on the other rows (a row without any has none left: EOS came).
                 own = member & eligible.any(1, keepdim=True)  # (B, W_j)
-                chosen, x0, ent, logp = _pick(logits.float(), eligible, steps_left, rows=rows, own=own, keys=noise_keys,
+                chosen, x0, ent, logp = _step(logits.float(), eligible, steps_left, rows=rows, own=own, keys=noise_keys,
                                               step=first_step[:, j] + s, cols=torch.arange(lo, hi, device=device),
                                               **pick)
                 dec.commit(rows, slice(lo, hi), chosen, x0, ent, logp, first_step[:, j] + s)
