@@ -82,6 +82,7 @@ from stabledrl.checkpoint import (
 from stabledrl.config import ConfigError, check, to_dict
 from stabledrl.data import decode_policy_completions, encode_policy_prompts
 from stabledrl.diagnostics import CollapseMonitor, flat_grad_cosine
+from stabledrl.engines import RolloutRequest, check_engine, roll_out
 from stabledrl.evaluate import EVAL_MICRO_BATCH, evaluate
 from stabledrl.likelihood import backward_views, plan_views, score_views
 from stabledrl.metrics import metrics_line
@@ -89,7 +90,6 @@ from stabledrl.models.attention import prompt_attention_of
 from stabledrl.models.lora import add_lora, base_policy
 from stabledrl.models.policy import load_policy
 from stabledrl.objectives import LossOutput, group_advantages, grpo_loss, stabledrl_loss, wd1_loss
-from stabledrl.engines import RolloutRequest, check_engine, roll_out
 from stabledrl.sampling import SamplingConfig, micro_batch_calls, row_generators
 from stabledrl.settings import MAX_MU, EstimatorConfig, ObjectiveConfig, TrainConfig  # no torch: for the CLI
 from stabledrl.tasks import get_task
