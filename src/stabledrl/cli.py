@@ -52,6 +52,13 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
                    help="nucleus sampling: the smallest set of tokens of mass p (temperature > 0)")
     g.add_argument("--eos-confidence-scale", type=float, default=1.0,
                    help="EOS damping: scale of the remasking score of a slot that drew a stop token, in (0, 1]")
+    g.add_argument("--noise", choices=["generator", "counter"], default="generator",
+                   help="counter: device-side counter noise for the decoded slots only (same distribution, "
+                        "other tokens than the default generator noise)")
+    g.add_argument("--threshold", type=float,
+                   help="parallel decoding: also commit every slot whose confidence exceeds it, in (0, 1]")
+    g.add_argument("--approx-cache", choices=["none", "prefix", "dual"], default="none",
+                   help="full attention: Fast-dLLM's approximate prefix / dual KV cache, refreshed per block")
 
 
 def _sampling(args: argparse.Namespace):
@@ -61,6 +68,7 @@ def _sampling(args: argparse.Namespace):
         "gen_length": args.gen_length, "steps": args.steps, "block_length": args.block_length,
         "temperature": args.temperature, "remasking": args.remasking, "kv_cache": not args.no_kv_cache,
         "top_k": args.top_k, "top_p": args.top_p, "eos_confidence_scale": args.eos_confidence_scale,
+        "noise": args.noise, "threshold": args.threshold, "approx_cache": args.approx_cache,
     })
 
 

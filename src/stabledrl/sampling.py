@@ -40,6 +40,35 @@ of the sampler without them, bit for bit):
   early and end the answer before it is written. The number of slots committed per step is
   unchanged, so a completion can still end with a stop token (at the latest on the last step).
 
+Fast decoding (issue 15; all off by default):
+- ``noise="counter"``: instead of each row's CPU generator drawing float64 Gumbel noise over
+  every completion column and the whole vocabulary, each decoded slot gets one uniform, an
+  integer hash of (the row's key, the step, the column) computed on the model's device
+  (`counter_uniform`; the key is drawn from the row's generator, `row_keys`), and its token
+  is an inverse-CDF draw from the tempered distribution (`categorical`). Only the eligible
+  slots (the masked slots of the current block) are drawn, scored and normalised. A row's
+  tokens still depend on its own generator only (not its batch, micro-batch or process);
+  the distribution is the same, the tokens are not: switching changes every sampled
+  completion (and so any figure made with the default), greedy decoding is unchanged.
+- ``threshold=τ``: confidence-threshold parallel decoding (Fast-dLLM, Wu et al. 2025): a
+  step commits every eligible slot whose remasking score exceeds τ, and at least the
+  schedule's ceil(masked left / steps left), so ``steps`` stays an upper bound. Strictly
+  above τ, so τ = 1 (like None) commits nothing more and gives today's tokens bit for bit.
+  Slots committed together share their step in ``unmask_step``, and the ``path`` estimator
+  replays them as one view: it scores the sampled trajectory exactly (tests/test_fast_sampling.py,
+  against ``token_logprob``). Departs from the exact sampler's trajectory distribution
+  (several slots drawn independently given the same context), not from its per-slot draws.
+- ``approx_cache="prefix" | "dual"`` (full-attention policies with ``new_cache``): Fast-dLLM's
+  approximate KV caches (`_ApproxCache`). Each block's first step runs the whole sequence, as
+  the exact sampler does, and keeps the keys/values of the prefix (and, ``dual``, of the
+  suffix); the block's later steps feed the block and the suffix (``prefix``) or the block
+  alone (``dual``). An approximation: under full attention the kept keys depend on tokens
+  that change while the block is decoded. Exact: a block's first step; the cache's
+  mechanics (fed the tokens it was built from, a cached call gives the uncached logits); one
+  step per block. A rollout drawn this way is not a sample of the policy that RL scores.
+  Policies without ``new_cache`` (the HF adapters) are refused with an error, not silently
+  run uncached; block models have their exact ``kv_cache`` instead.
+
 Shapes: B batch, P prompt columns, L completion length, V vocabulary.
 """
 
@@ -47,7 +76,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Literal, Sequence
 
 import torch
@@ -66,7 +95,7 @@ from stabledrl.models.policy import Policy
 from stabledrl.settings import SamplingConfig  # defined without torch, for the command line
 
 __all__ = ["SamplingConfig", "GenerationOutput", "generate", "generate_micro_batched", "micro_batch_calls",
-           "restrict_logits", "row_generators"]
+           "restrict_logits", "row_generators", "row_keys", "check_fast_decoding", "counter_uniform", "categorical", "concat_outputs"]
 
 
 @dataclass
@@ -86,6 +115,12 @@ class GenerationOutput:
     entropy: torch.Tensor
     """(B,) mean entropy (nats) of the model's distribution at each slot it committed,
     at the step it committed it (special tokens other than EOS excluded)."""
+    token_logprob: torch.Tensor | None = None
+    """(B, L) the sampler's own log-probability of each scored token: log p(y_i) under the
+    model's distribution (untempered, over the whole vocabulary) in the call that committed
+    slot i, what the `path` estimator scores (`stabledrl.likelihood`); 0 on the unscored
+    slots. (The draw itself excludes MASK, PAD, BOS and UNK, and is tempered.) The built-in sampler
+    always fills it; another engine may leave it None."""
 
 
 def _rows_topk(scores: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
@@ -135,17 +170,102 @@ def restrict_logits(logits: torch.Tensor, top_k: int | None = None, top_p: float
     return logits
 
 
-def _pick(
-    logits: torch.Tensor, eligible: torch.Tensor, steps_left: int | torch.Tensor, temperature: float, remasking: str,
-    generator: Generators, banned: list[int], rows: torch.Tensor, top_k: int | None = None,
-    top_p: float | None = None, eos_confidence_scale: float = 1.0, stop_ids: Sequence[int] = (),
-    own: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One denoising step over W columns: (A, W, V) logits and (A, W) eligible slots of
-    batch rows `rows` (A,), with `steps_left` (an int, or (A,) one per row) -> the slots to
-    commit (A, W) bool, their tokens x0 (A, W) and the entropy (A, W). `own` (A, W): the
-    columns a row draws noise for (`_rand`); None: all."""
-    logits[..., banned] = -math.inf
+_M32 = 0xFFFFFFFF
+_MIX = 0x45D9F3B  # < 2**31: a 32-bit value times it stays below 2**63, so int64 products are exact
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """An integer hash of int64 values in [0, 2**32) onto the same range (two rounds of
+    xorshift-multiply). Only exact int64 operations: products of a 32-bit value and a
+    constant below 2**31, right shifts of non-negative values; the same bits on every device."""
+    x = ((x >> 16) ^ x) * _MIX & _M32
+    x = ((x >> 16) ^ x) * _MIX & _M32
+    return (x >> 16) ^ x
+
+
+def counter_uniform(keys: torch.Tensor, step: int | torch.Tensor, cols: torch.Tensor, purpose: int) -> torch.Tensor:
+    """Counter-based uniforms in (0, 1), float64 (A, W): a pure function of each row's key
+    (A, 2) (two 32-bit halves, `row_keys`), its step (an int or (A,)), the completion column
+    (A, W) or (W,) and the draw's `purpose` (0: the token, 1: the random remasking score).
+    Nothing is consumed, so a row's draws do not depend on its batch, micro-batch, process
+    or device."""
+    step = torch.as_tensor(step, dtype=torch.long, device=keys.device).expand(keys.size(0))  # (A,)
+    h = _mix32(_mix32(keys[:, 0] ^ _mix32(keys[:, 1] ^ purpose)) ^ step)  # (A,)
+    h = _mix32(_mix32(h[:, None] ^ cols.to(keys.device)))  # (A, W)
+    return (h.double() + 0.5) / 2.0**32
+
+
+def row_keys(generator: Generators, B: int, device) -> torch.Tensor | None:
+    """(B, 2) the counter keys of B rows, two 32-bit values drawn from each row's generator
+    (or B pairs from the one generator); None without a generator. A fresh generator with
+    the same seed gives the same keys; drawing them advances it, so a reused generator
+    gives new rollouts, as with the generator noise."""
+    if generator is None:
+        return None
+    if isinstance(generator, torch.Generator):
+        keys = torch.randint(0, 2**32, (B, 2), generator=generator)
+    else:
+        keys = torch.stack([torch.randint(0, 2**32, (2,), generator=g) for g in generator])
+    return keys.to(device)
+
+
+def categorical(probs: torch.Tensor, u: torch.Tensor, chunk: int = 512) -> torch.Tensor:
+    """Inverse-CDF draw: (N, V) probabilities (unnormalised, ≥ 0, a positive sum) and (N,)
+    uniforms -> (N,) the first index whose cumulative mass exceeds u times the total. In two
+    levels, so only (N, V / chunk) and (N, chunk) sums are float64: the chunk holding the
+    target, then the token within it. A zero-probability token is never returned."""
+    N, V = probs.shape
+    whole = V - V % chunk
+    sums = probs[:, :whole].reshape(N, -1, chunk).sum(-1, dtype=torch.float64)  # (N, V // chunk)
+    if whole < V:
+        sums = torch.cat([sums, probs[:, whole:].sum(-1, keepdim=True, dtype=torch.float64)], dim=1)
+    cum = sums.cumsum(-1)  # (N, C)
+    target = u.double() * cum[:, -1]  # (N,)
+    j = torch.searchsorted(cum, target[:, None], right=True).clamp(max=cum.size(1) - 1)  # (N, 1) the chunk
+    rest = target[:, None] - torch.where(j > 0, cum.gather(1, (j - 1).clamp(min=0)), 0.0)  # (N, 1)
+    idx = j * chunk + torch.arange(chunk, device=probs.device)  # (N, chunk)
+    p = probs.gather(1, idx.clamp(max=V - 1)).double().masked_fill(idx >= V, 0.0)  # (N, chunk)
+    i = torch.searchsorted(p.cumsum(-1), rest, right=True)  # (N, 1)
+    # rounding can put the target at the chunk's very end: take its last token of positive mass
+    last = ((p > 0) * torch.arange(chunk, device=probs.device)).amax(-1, keepdim=True)  # (N, 1)
+    return (j * chunk + torch.minimum(i, last)).squeeze(1)
+
+
+def _draw_counter(logits: torch.Tensor, eligible: torch.Tensor, temperature: float, remasking: str,
+                  keys: torch.Tensor | None, step: int | torch.Tensor, cols: torch.Tensor,
+                  top_k: int | None, top_p: float | None) -> tuple[torch.Tensor, ...]:
+    """Counter noise: the draw, score and entropy (each (A, W), 0 off the eligible slots)
+    computed on the eligible slots only. The token is an inverse-CDF draw
+    from the tempered (and restricted) distribution with one counter uniform per slot."""
+    a, w = eligible.nonzero(as_tuple=True)  # (N,) each
+    lg = logits[a, w]  # (N, V)
+    q, logq = lg.softmax(-1), lg.log_softmax(-1)  # (N, V) each
+    if temperature > 0:
+        tempered = lg / temperature if temperature != 1 else lg
+        if top_k is not None or top_p is not None:
+            tempered = restrict_logits(tempered, top_k, top_p)
+        probs = q if tempered is lg else tempered.softmax(-1)  # (N, V)
+        x0 = categorical(probs, counter_uniform(keys, step, cols, 0)[a, w])
+    else:
+        x0 = lg.argmax(-1)  # (N,)
+    if remasking == "low_confidence":
+        score = q.gather(-1, x0[:, None]).squeeze(-1)  # p(x0), as the generator path computes it
+    else:
+        score = counter_uniform(keys, step, cols, 1)[a, w].float()
+    ent = -(q * logq.nan_to_num(neginf=0.0)).sum(-1)  # (N,)
+    out = []
+    for v, fill in ((x0, 0), (score, 0.0), (ent, 0.0)):
+        full = torch.full(eligible.shape, fill, dtype=v.dtype, device=v.device)
+        full[a, w] = v
+        out.append(full)
+    return tuple(out)
+
+
+def _draw_generator(logits: torch.Tensor, temperature: float, remasking: str, generator: Generators,
+                    rows: torch.Tensor, own: torch.Tensor | None, top_k: int | None,
+                    top_p: float | None) -> tuple[torch.Tensor, ...]:
+    """Generator noise (the default, the stream every figure was made with): float64 Gumbel
+    noise over every column and the whole vocabulary -> x0, score and entropy, (A, W)."""
     if temperature > 0:
         u = _rand(logits.shape, generator, rows, logits.device, torch.float64, own)
         gumbel = -torch.log(-torch.log(u.clamp_min(1e-300)))
@@ -159,15 +279,49 @@ def _pick(
         score = logits.softmax(-1).gather(-1, x0[..., None]).squeeze(-1)  # (A, W) p(x0)
     else:
         score = _rand(x0.shape, generator, rows, logits.device, own=own)
+    logq = logits.log_softmax(-1)  # (A, W, V)
+    ent = -(logq.exp() * logq.nan_to_num(neginf=0.0)).sum(-1)  # (A, W)
+    return x0, score, ent
+
+
+def _pick(
+    logits: torch.Tensor, eligible: torch.Tensor, steps_left: int | torch.Tensor, temperature: float, remasking: str,
+    generator: Generators, banned: list[int], rows: torch.Tensor, top_k: int | None = None,
+    top_p: float | None = None, eos_confidence_scale: float = 1.0, stop_ids: Sequence[int] = (),
+    own: torch.Tensor | None = None, noise: str = "generator", keys: torch.Tensor | None = None,
+    step: int | torch.Tensor = 0, cols: torch.Tensor | None = None, threshold: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One denoising step over W columns: (A, W, V) logits and (A, W) eligible slots of
+    batch rows `rows` (A,), with `steps_left` (an int, or (A,) one per row) -> the slots to
+    commit (A, W) bool, their tokens x0 (A, W) and the entropy (A, W).
+    `own` (A, W): the columns a row draws generator noise for (`_rand`); None: all.
+    Counter noise: `keys` (A, 2) the rows' keys, `step` the step (int or (A,)), `cols` (W,)
+    the completion columns of the W. `threshold`: also commit every slot whose score exceeds it."""
+    logits[..., banned] = -math.inf
+    if noise == "counter":
+        x0, score, ent = _draw_counter(logits, eligible, temperature, remasking, keys, step, cols, top_k, top_p)
+    else:
+        x0, score, ent = _draw_generator(logits, temperature, remasking, generator, rows, own, top_k, top_p)
     if eos_confidence_scale != 1:  # EOS damping: a slot that drew a stop token waits
         drew_stop = torch.isin(x0, torch.as_tensor(stop_ids, dtype=torch.long, device=x0.device))  # (A, W)
         score = torch.where(drew_stop, score * eos_confidence_scale, score)
     score = score.masked_fill(~eligible, -math.inf)
     k = (eligible.sum(-1) + steps_left - 1) // steps_left  # ceil(masked / steps left), (A,)
+    if threshold is not None:  # parallel decoding: every slot above the threshold, at least the schedule's k
+        k = torch.maximum(k, (score > threshold).sum(-1))
     chosen = _rows_topk(score, k) & eligible  # (A, W)
-    logq = logits.log_softmax(-1)  # (A, W, V)
-    ent = -(logq.exp() * logq.nan_to_num(neginf=0.0)).sum(-1)  # (A, W)
     return chosen, x0, ent
+
+
+def _step(logits: torch.Tensor, eligible: torch.Tensor, steps_left: int | torch.Tensor,
+          **kw) -> tuple[torch.Tensor, ...]:
+    """`_pick`, and the model's log-probability of each draw (A, W): over the whole
+    vocabulary, special tokens included, as the likelihood scores it (the draw excludes
+    them); computed on the eligible slots (−inf or 0 elsewhere, never committed)."""
+    lse = torch.zeros(eligible.shape, device=logits.device)  # (A, W) the model's normaliser
+    lse[eligible] = logits[eligible].logsumexp(-1)
+    chosen, x0, ent = _pick(logits, eligible, steps_left, **kw)
+    return chosen, x0, ent, logits.gather(-1, x0[..., None]).squeeze(-1) - lse  # x0 is never banned
 
 
 class _Decoding:
@@ -180,13 +334,17 @@ class _Decoding:
         self.comp = torch.full((B, L), self.mask_id, dtype=torch.long, device=device)  # (B, L)
         self.unmask_step = torch.full((B, L), -1, dtype=torch.long, device=device)
         self.entropy_sum = torch.zeros(B, device=device)
+        self.logprob = torch.zeros((B, L), device=device)  # (B, L) log p of each committed token
         self.committed = torch.zeros(B, device=device)
         self.passes = 0
 
-    def commit(self, rows: torch.Tensor, cols: slice, chosen, x0, ent, step: int | torch.Tensor) -> None:
+    def commit(self, rows: torch.Tensor, cols: slice, chosen, x0, ent, logp, step: int | torch.Tensor) -> None:
         """Write the chosen tokens of rows `rows` in columns `cols`; PAD after any EOS.
         `step`: the step number, or (A,) each row's own."""
         self.entropy_sum[rows] += (ent * chosen).sum(-1)
+        logprob = self.logprob[rows]  # (A, L)
+        logprob[:, cols] = torch.where(chosen, logp.float(), logprob[:, cols])
+        self.logprob[rows] = logprob
         self.committed[rows] += chosen.sum(-1)
         comp = self.comp[rows]  # (A, L)
         comp[:, cols] = torch.where(chosen, x0, comp[:, cols])
@@ -202,13 +360,15 @@ class _Decoding:
     def output(self, prompt_ids: torch.Tensor) -> GenerationOutput:
         if (self.comp == self.mask_id).any():  # cannot happen with the ceil schedule; guard the invariant
             raise RuntimeError("generation left masks unfilled")
+        scored = _completion_mask(self.comp, self.stop_ids)  # (B, L)
         return GenerationOutput(
             sequences=torch.cat([prompt_ids, self.comp], dim=1),
             completion_ids=self.comp.clone(),
-            completion_mask=_completion_mask(self.comp, self.stop_ids),
+            completion_mask=scored,
             unmask_step=self.unmask_step,
             forward_passes=self.passes,
             entropy=self.entropy_sum / self.committed.clamp(min=1),
+            token_logprob=self.logprob.masked_fill(~scored, 0.0),
         )
 
 
@@ -233,41 +393,30 @@ def _check_draws(B: int, temperature: float, remasking: str, generator: Generato
         raise ValueError(f"one generator per row: got {len(generator)} generators for {B} rows")
 
 
-@torch.no_grad()
-def generate(
-    policy: Policy,
-    prompt_ids: torch.Tensor,
-    prompt_mask: torch.Tensor | None = None,
-    *,
-    gen_length: int,
-    steps: int | None = None,
-    block_length: int | None = None,
-    temperature: float = 0.0,
-    remasking: Literal["low_confidence", "random"] = "low_confidence",
-    generator: Generators = None,
-    kv_cache: bool = True,
-    synced: bool = False,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    eos_confidence_scale: float = 1.0,
-) -> GenerationOutput:
-    """Generate `gen_length` tokens after each (left-padded) prompt.
+Noise = Literal["generator", "counter"]
+ApproxCache = Literal["none", "prefix", "dual"]
 
-    `steps` defaults to `gen_length` (one slot per step); `block_length` defaults to
-    `gen_length` (one block) for full-attention models and must be the model's block
-    size (or None) for block models. `generator` is required when sampling is random
-    (temperature > 0 or random remasking): one for the batch, or a sequence of B, one per
-    row (then a row's completion does not depend on the rest of the batch). `kv_cache` (block models with a cache only):
-    keep the keys and values of the prompt and finished blocks instead of recomputing them.
-    `synced`: make every model call of the schedule even when no row has work left (the
-    output is discarded), so that processes whose parameters are sharded (FSDP, ZeRO-3),
-    where each call is a collective, make the same number of calls; same tokens.
-    `top_k`, `top_p` (temperature > 0) and `eos_confidence_scale` depart from the exact
-    sampler (module docstring); left at their defaults they change no token.
-    """
-    B, P = prompt_ids.shape
-    L = gen_length
-    steps = L if steps is None else steps
+
+def check_fast_decoding(policy: Policy, remasking: str, noise: str, threshold: float | None,
+                        approx_cache: str) -> None:
+    """`generate`'s options of fast decoding, against the policy (a ValueError saying what to set)."""
+    if noise not in ("generator", "counter"):
+        raise ValueError(f"noise must be 'generator' or 'counter', got {noise!r}")
+    if threshold is not None and not 0 < threshold <= 1:
+        raise ValueError(f"threshold must be in (0, 1] or None, got {threshold}")
+    if threshold is not None and remasking != "low_confidence":
+        raise ValueError("threshold commits the slots whose confidence exceeds it: it needs remasking 'low_confidence'")
+    if approx_cache not in ("none", "prefix", "dual"):
+        raise ValueError(f"approx_cache must be 'none', 'prefix' or 'dual', got {approx_cache!r}")
+    if approx_cache != "none" and policy.attention_kind != "full":
+        raise ValueError("approx_cache is for full-attention models; a block model's kv_cache is already exact")
+    if approx_cache != "none" and not hasattr(policy, "new_cache"):
+        raise ValueError(f"approx_cache {approx_cache!r} needs a policy with a KV cache (new_cache(), cache= in "
+                         f"logits), which {type(policy).__name__} lacks (the HF adapters have none): set it to 'none'")
+
+
+def _blocks(policy: Policy, L: int, steps: int, block_length: int | None) -> tuple[int, int]:
+    """The block length and the number of blocks of `generate`, checked."""
     if policy.attention_kind == "block":
         if block_length not in (None, policy.block_size):
             raise ValueError(f"a block model decodes in its own blocks of {policy.block_size}; "
@@ -286,32 +435,124 @@ def generate(
         raise ValueError(f"steps ({steps}) must be at least the number of blocks ({num_blocks})" + (
             f": with prompt_attention 'sequence_blocks' the prompt's tail shares the first block, so {L} slots "
             f"can span {num_blocks} blocks of {block_length}" if shared else ""))
+    return block_length, num_blocks
+
+
+@torch.no_grad()
+def generate(
+    policy: Policy,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor | None = None,
+    *,
+    gen_length: int,
+    steps: int | None = None,
+    block_length: int | None = None,
+    temperature: float = 0.0,
+    remasking: Literal["low_confidence", "random"] = "low_confidence",
+    generator: Generators = None,
+    kv_cache: bool = True,
+    synced: bool = False,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    eos_confidence_scale: float = 1.0,
+    noise: Noise = "generator",
+    threshold: float | None = None,
+    approx_cache: ApproxCache = "none",
+) -> GenerationOutput:
+    """Generate `gen_length` tokens after each (left-padded) prompt.
+
+    `steps` defaults to `gen_length` (one slot per step); `block_length` defaults to
+    `gen_length` (one block) for full-attention models and must be the model's block
+    size (or None) for block models. `generator` is required when sampling is random
+    (temperature > 0 or random remasking): one for the batch, or a sequence of B, one per
+    row (then a row's completion does not depend on the rest of the batch). `kv_cache` (block models with a cache only):
+    keep the keys and values of the prompt and finished blocks instead of recomputing them.
+    `synced`: make every model call of the schedule even when no row has work left (the
+    output is discarded), so that processes whose parameters are sharded (FSDP, ZeRO-3),
+    where each call is a collective, make the same number of calls; same tokens.
+    `top_k`, `top_p` (temperature > 0) and `eos_confidence_scale` depart from the exact
+    sampler (module docstring); left at their defaults they change no token.
+    Fast decoding (module docstring, "Fast decoding"): `noise` "counter" draws on the model's
+    device, for the decoded slots only (other tokens, the same distribution); `threshold`
+    commits every slot whose confidence exceeds it (parallel decoding; None or 1: today's
+    tokens); `approx_cache` "prefix" / "dual" (full attention, a policy with `new_cache`):
+    Fast-dLLM's approximate caches, refreshed at each block's first step.
+    """
+    B, P = prompt_ids.shape
+    L = gen_length
+    steps = L if steps is None else steps
+    block_length, num_blocks = _blocks(policy, L, steps, block_length)
     _check_draws(B, temperature, remasking, generator, top_k, top_p, eos_confidence_scale)
+    check_fast_decoding(policy, remasking, noise, threshold, approx_cache)
     if prompt_mask is None:
         prompt_mask = torch.ones_like(prompt_ids)
     # Steps per block: as even as possible, earlier blocks take the remainder.
     per_block = [steps // num_blocks + (b < steps % num_blocks) for b in range(num_blocks)]
     dec = _Decoding(policy, B, L, prompt_ids.device)
     pick = dict(temperature=temperature, remasking=remasking, generator=generator, banned=dec.banned,
-                top_k=top_k, top_p=top_p, eos_confidence_scale=eos_confidence_scale, stop_ids=dec.stop_ids)
+                top_k=top_k, top_p=top_p, eos_confidence_scale=eos_confidence_scale, stop_ids=dec.stop_ids,
+                noise=noise, threshold=threshold)
+    keys = row_keys(generator, B, prompt_ids.device) if noise == "counter" else None
     if policy.attention_kind == "block":
         _decode_blocks(policy, dec, prompt_ids, prompt_mask, block_length, steps,
-                       kv_cache and hasattr(policy, "new_cache"), pick, synced)
+                       kv_cache and hasattr(policy, "new_cache"), pick, synced, keys)
     else:
-        _decode_full(policy, dec, prompt_ids, prompt_mask, block_length, per_block, pick, synced)
+        _decode_full(policy, dec, prompt_ids, prompt_mask, block_length, per_block, pick, synced, approx_cache, keys)
     return dec.output(prompt_ids)
 
 
-def _decode_full(policy, dec: _Decoding, prompt_ids, prompt_mask, block_length, per_block, pick, synced) -> None:
-    """Full attention: every step runs the whole [q ; completion] of the rows with work left."""
+class _ApproxCache:
+    """Fast-dLLM's caches for one block [lo, hi) of a full-attention model (Wu et al. 2025).
+
+    The block's first call runs the whole [q ; completion], exactly as the uncached sampler,
+    and keeps the keys and values of the prefix (prompt and finished blocks; ``prefix``) or
+    of everything but the block (``dual``). The block's later calls feed the block and the
+    suffix (``prefix``) or the block alone (``dual``), attending to the kept keys. An
+    approximation: under full attention the kept keys depend on the tokens fed after them,
+    which change as the block is decoded (and with them the suffix's, under ``dual``)."""
+
+    def __init__(self, policy, kind: str, P: int, lo: int, hi: int, attn: torch.Tensor, pos: torch.Tensor) -> None:
+        self.policy, self.kind, self.P, self.lo, self.hi = policy, kind, P, lo, hi
+        self.attn, self.pos = attn, pos  # (B, P+L) all rows
+        T = attn.size(1)
+        col = torch.arange(T, device=attn.device)
+        fed = (col >= P + lo) & ((col < P + hi) | (kind == "prefix"))  # (T,) the columns a later call feeds
+        self.fed, self.kept = fed.nonzero().flatten(), (~fed).nonzero().flatten()
+        self.kv, self.rows = None, None  # the kept keys/values, and the batch rows they are of
+
+    def logits(self, x: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
+        """(A, P+L) inputs of batch rows `active` -> (A, hi - lo, V) logits of the block."""
+        P, lo, hi = self.P, self.lo, self.hi
+        if self.kv is None:  # the block's first call: the whole sequence, its keys kept
+            cache = self.policy.new_cache()
+            out = self.policy.logits(x, self.attn[active], self.pos[active], cache=cache, extend_cache=True)
+            self.kv, self.rows = cache.select(cols=self.kept), active
+            return out[:, P + lo : P + hi]
+        cache = self.kv
+        if not torch.equal(active, self.rows):  # rows that finished the block leave the cache
+            cache = cache.select(rows=torch.searchsorted(self.rows, active))
+        keys = self.attn[active][:, torch.cat([self.kept, self.fed])]  # (A, Tc+F) key padding, cached first
+        out = self.policy.logits(x[:, self.fed], keys, self.pos[active][:, self.fed], cache=cache)
+        return out[:, : hi - lo]
+
+
+def _decode_full(policy, dec: _Decoding, prompt_ids, prompt_mask, block_length, per_block, pick, synced,
+                 approx_cache: str = "none", keys: torch.Tensor | None = None) -> None:
+    """Full attention: every step runs the whole [q ; completion] of the rows with work left
+    (with `approx_cache`, what `_ApproxCache` feeds)."""
     B, P = prompt_ids.shape
     L = dec.comp.size(1)
     attn = torch.cat([prompt_mask, torch.ones((B, L), dtype=prompt_mask.dtype, device=prompt_mask.device)], dim=1)
     pos = position_ids(attn)  # (B, P+L)
     slot = torch.arange(L, device=prompt_ids.device)
+    # Generator noise without a cache draws over every column (the default stream); otherwise only the block's.
+    narrow = pick["noise"] == "counter" or approx_cache != "none"
     step = 0
     for b, block_steps in enumerate(per_block):
-        in_block = (slot >= b * block_length) & (slot < (b + 1) * block_length)  # (L,)
+        lo, hi = b * block_length, min(L, (b + 1) * block_length)
+        cols = slice(lo, hi) if narrow else slice(None)
+        in_block = (slot >= lo) & (slot < hi)  # (L,)
+        cache = None if approx_cache == "none" else _ApproxCache(policy, approx_cache, P, lo, hi, attn, pos)
         for s in range(block_steps):
             eligible = (dec.comp == dec.mask_id) & in_block  # (B, L)
             active = eligible.any(dim=1).nonzero().squeeze(1)  # rows with work left in this block
@@ -324,10 +565,15 @@ def _decode_full(policy, dec: _Decoding, prompt_ids, prompt_mask, block_length, 
                 step += block_steps - s
                 break
             x = torch.cat([prompt_ids[active], dec.comp[active]], dim=1)  # (A, P+L)
-            logits = policy.logits(x, attn[active], pos[active])[:, P:].float()  # (A, L, V)
+            if cache is None:
+                logits = policy.logits(x, attn[active], pos[active])[:, P:][:, cols].float()  # (A, W, V)
+            else:
+                logits = cache.logits(x, active).float()  # (A, W, V)
             dec.passes += 1
-            chosen, x0, ent = _pick(logits, eligible[active], block_steps - s, rows=active, **pick)
-            dec.commit(active, slice(None), chosen, x0, ent, step)
+            chosen, x0, ent, logp = _step(logits, eligible[active][:, cols], block_steps - s, rows=active,
+                                          keys=None if keys is None else keys[active], step=step,
+                                          cols=slot[cols], **pick)
+            dec.commit(active, cols, chosen, x0, ent, logp, step)
             step += 1
 
 
@@ -339,7 +585,8 @@ def _block_schedule(num_blocks: torch.Tensor, steps: int, width: int) -> torch.T
     return per.masked_fill(j[None] >= num_blocks[:, None], 0)
 
 
-def _decode_blocks(policy, dec: _Decoding, prompt_ids, prompt_mask, S, steps, use_cache, pick, synced) -> None:
+def _decode_blocks(policy, dec: _Decoding, prompt_ids, prompt_mask, S, steps, use_cache, pick, synced,
+                   noise_keys: torch.Tensor | None = None) -> None:
     """Block diffusion: block j is denoised attending to the clean blocks < j, then frozen.
     Without the cache each step runs [q ; y_≤j] under the block-causal mask; with it, the
     prompt's whole blocks and each finished block are run once and their keys/values kept,
@@ -409,8 +656,10 @@ def _decode_blocks(policy, dec: _Decoding, prompt_ids, prompt_mask, S, steps, us
                 # A row draws noise for its own block's columns, and only while it has slots to fill: its
                 # draws do not depend on the other rows (a row without any has none left: EOS came).
                 own = member & eligible.any(1, keepdim=True)  # (B, W_j)
-                chosen, x0, ent = _pick(logits.float(), eligible, steps_left, rows=rows, own=own, **pick)
-                dec.commit(rows, slice(lo, hi), chosen, x0, ent, first_step[:, j] + s)
+                chosen, x0, ent, logp = _step(logits.float(), eligible, steps_left, rows=rows, own=own, keys=noise_keys,
+                                              step=first_step[:, j] + s, cols=torch.arange(lo, hi, device=device),
+                                              **pick)
+                dec.commit(rows, slice(lo, hi), chosen, x0, ent, logp, first_step[:, j] + s)
         later = blk_of > j
         if use_cache and j < NB - 1 and (synced or (dec.comp[later] == dec.mask_id).any()):  # freeze block j
             fed = torch.cat([prompt_ids[:, P - head :], dec.comp[:, lo:hi]], dim=1)  # (B, F)
@@ -475,13 +724,14 @@ def generate_micro_batched(
         for _ in range(num_calls - len(starts)):  # the calls of a larger share; output discarded
             spare = [torch.Generator().manual_seed(0)]
             generate(policy, prompt_ids[:1], prompt_mask[:1], generator=spare, synced=True, **kwargs)
+    return concat_outputs(outs)
+
+
+def concat_outputs(outs: Sequence[GenerationOutput]) -> GenerationOutput:
+    """The rows of several outputs (same P and L) in one; `forward_passes` summed, a
+    `token_logprob` kept when every output has one."""
     if len(outs) == 1:
         return outs[0]
-    return GenerationOutput(
-        sequences=torch.cat([o.sequences for o in outs]),
-        completion_ids=torch.cat([o.completion_ids for o in outs]),
-        completion_mask=torch.cat([o.completion_mask for o in outs]),
-        unmask_step=torch.cat([o.unmask_step for o in outs]),
-        forward_passes=sum(o.forward_passes for o in outs),
-        entropy=torch.cat([o.entropy for o in outs]),
-    )
+    cat = {f.name: torch.cat([getattr(o, f.name) for o in outs]) for f in fields(GenerationOutput)
+           if f.name != "forward_passes" and all(getattr(o, f.name) is not None for o in outs)}
+    return GenerationOutput(forward_passes=sum(o.forward_passes for o in outs), **cat)

@@ -149,12 +149,39 @@ class SamplingConfig:
     whose drawn token is a stop token is multiplied by it, so that slot is committed later and the
     slots before it are written first (against LLaDA's early EOS). 1: the exact sampler; below 1
     a departure from the model's decoding rule."""
+    noise: Literal["generator", "counter"] = "generator"
+    """Where the sampling noise comes from. generator: each row's CPU generator, float64 Gumbel
+    noise over every completion column and the whole vocabulary, copied to the device (the stream
+    every figure of the README was made with). counter: one counter-based uniform per decoded
+    slot, a hash of (the row's key, drawn from its generator; the step; the column), made on the
+    model's device for the slots being decoded only, and an inverse-CDF draw: far cheaper at a
+    large vocabulary, still reproducible per row. Same distribution, other tokens: switching
+    changes every sampled completion (greedy decoding is unchanged)."""
+    threshold: float | None = None
+    """Confidence-threshold parallel decoding (Fast-dLLM), in (0, 1]: each step also commits every
+    eligible slot whose confidence exceeds the threshold, and at least the schedule's
+    ceil(masked left / steps left), so `steps` stays an upper bound. Needs low_confidence
+    remasking. None or 1: the exact sampler's tokens. Fewer model calls, but processes with
+    sharded parameters (synced) still make every call of the schedule."""
+    approx_cache: Literal["none", "prefix", "dual"] = "none"
+    """Full-attention models with a KV cache (the tiny models; the HF adapters have none and are
+    refused): Fast-dLLM's approximate caches, refreshed at each block's first step (with
+    block_length < L; one block caches the prompt alone). prefix: later steps feed the block and what follows it, attending to the
+    kept prefix; dual: they feed the block alone, attending to the kept prefix and suffix. An
+    approximation of the exact sampler (other tokens, another distribution); none: exact."""
+    engine: str = "builtin"
+    """What produces the trainer's rollouts (`stabledrl.engines`): builtin (this library's sampler,
+    with every option above) or an external engine, "package.module:ClassName", imported by name
+    and built with `engine_options`. Evaluations always use the built-in sampler (the yardstick)."""
+    engine_options: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments of an external engine's constructor."""
 
     def generate_kwargs(self) -> dict:
         """The keyword arguments of `generate` (all but gen_length and generator)."""
         return dict(steps=self.steps, block_length=self.block_length, temperature=self.temperature,
                     remasking=self.remasking, kv_cache=self.kv_cache, top_k=self.top_k, top_p=self.top_p,
-                    eos_confidence_scale=self.eos_confidence_scale)
+                    eos_confidence_scale=self.eos_confidence_scale, noise=self.noise, threshold=self.threshold,
+                    approx_cache=self.approx_cache)
 
     def __post_init__(self) -> None:
         for name in ("gen_length", "steps", "block_length", "top_k"):
@@ -168,6 +195,15 @@ class SamplingConfig:
               f"sampling.eos_confidence_scale must be in (0, 1], got {self.eos_confidence_scale}")
         check(self.micro_batch is None or self.micro_batch >= 1,
               f"sampling.micro_batch must be a positive integer or null, got {self.micro_batch}")
+        check(self.threshold is None or 0 < self.threshold <= 1,
+              f"sampling.threshold must be in (0, 1] or null, got {self.threshold}")
+        check(self.threshold is None or self.remasking == "low_confidence",
+              "sampling.threshold commits the slots whose confidence exceeds it: set remasking: low_confidence "
+              "or threshold: null")
+        check(self.engine == "builtin" or self.engine.count(":") == 1 and all(self.engine.split(":")),
+              f"sampling.engine must be 'builtin' or 'package.module:ClassName', got {self.engine!r}")
+        check(self.engine != "builtin" or not self.engine_options,
+              "sampling.engine_options are for an external engine; the builtin one takes its options from sampling")
 
 
 @dataclass
@@ -465,6 +501,9 @@ class TrainConfig:
               "than half their rounding step is lost (an AdamW step at lr 1e-6 on every bfloat16 weight larger than "
               "about 5e-4). Keep model.dtype: "
               "float32 and set mixed_precision: bf16 to compute in bfloat16 (with LoRA the base may be bfloat16)")
+        check(self.eval_sampling.engine == "builtin",
+              "eval_sampling.engine: held-out accuracy is measured with the built-in sampler; set the engine "
+              "under rollout")
         check(self.rollout.temperature > 0 or self.rollout.remasking == "random",
               "rollout.temperature is 0 with low_confidence remasking: every completion of a group would be "
               "identical; set rollout.temperature > 0")

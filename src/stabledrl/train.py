@@ -82,6 +82,7 @@ from stabledrl.checkpoint import (
 from stabledrl.config import ConfigError, check, to_dict
 from stabledrl.data import decode_policy_completions, encode_policy_prompts
 from stabledrl.diagnostics import CollapseMonitor, flat_grad_cosine
+from stabledrl.engines import RolloutRequest, check_engine, roll_out
 from stabledrl.evaluate import EVAL_MICRO_BATCH, evaluate
 from stabledrl.likelihood import backward_views, eubo, plan_views, score_views
 from stabledrl.metrics import metrics_line
@@ -90,7 +91,7 @@ from stabledrl.models.lora import add_lora, base_policy
 from stabledrl.models.policy import load_policy
 from stabledrl.objectives import (LossOutput, group_advantages, grpo_loss, spg_likelihood, spg_loss, stabledrl_loss,
                                   wd1_loss)
-from stabledrl.sampling import SamplingConfig, generate_micro_batched, micro_batch_calls, row_generators
+from stabledrl.sampling import SamplingConfig, micro_batch_calls, row_generators
 from stabledrl.settings import MAX_MU, EstimatorConfig, ObjectiveConfig, TrainConfig  # no torch: for the CLI
 from stabledrl.tasks import get_task
 
@@ -273,9 +274,9 @@ def _roll_groups(cfg: TrainConfig, policy, task, problems: list, tag: str, gen_l
     dev = policy.device
     mb = cfg.rollout.micro_batch
     calls = micro_batch_calls(-(-n // procs.world), mb)  # those of the largest share (synced: collectives)
-    roll = generate_micro_batched(policy, p_ids[lo:hi].to(dev), p_mask[lo:hi].to(dev), gen_length=gen_length,
-                                  micro_batch=mb, generator=row_generators(tag, lo, hi), synced=procs.synced,
-                                  num_calls=calls, **cfg.rollout.generate_kwargs())
+    roll = roll_out(RolloutRequest(policy, p_ids[lo:hi].to(dev), p_mask[lo:hi].to(dev), gen_length,
+                                   row_generators(tag, lo, hi), cfg.rollout, micro_batch=mb, synced=procs.synced,
+                                   num_calls=calls))
     texts = decode_policy_completions(policy, roll.completion_ids.cpu())
     rewards = torch.tensor(task.reward(texts, group_problems[lo:hi]), dtype=torch.float32)  # (share,)
     full = [procs.gather(x.to(dev), n).cpu() for x in (roll.completion_ids, roll.completion_mask, roll.unmask_step,
@@ -674,6 +675,8 @@ def set_up(cfg: TrainConfig, *, resume: bool = False, task: Any = None) -> Run:
     device = accelerator.device if cfg.model.device == "auto" or accelerator.num_processes > 1 else cfg.model.device
     initial = load_policy(cfg.model, device=device)
     _check_estimator_fits_model(cfg, initial)  # before a run directory exists
+    check_engine(cfg.rollout, initial)
+    check_engine(cfg.eval_sampling, initial)
     out = Path(cfg.output_dir)
     ckpt = _open_run_dir(cfg, out, accelerator, resume)
     policy, reference = _policy_and_reference(cfg, initial, ckpt, device, accelerator, procs)

@@ -13,7 +13,8 @@ Two attention kinds, set in the config:
   future blocks.
 
 `KVCache` holds the rotated keys and values of tokens already processed (the prompt and
-finished blocks) so that the block sampler feeds only the current block.
+finished blocks) so that the block sampler feeds only the current block; `KVCache.select`
+keeps some of its rows and positions (the full-attention sampler's approximate caches).
 
 Shapes: B batch, T new tokens, Tc cached tokens, D model width, H heads, Dh = D / H,
 V vocabulary.
@@ -105,6 +106,19 @@ class KVCache:
     def __len__(self) -> int:
         """Tc, the number of cached positions."""
         return self.layers[0][0].size(2) if self.layers else 0
+
+    def select(self, rows: torch.Tensor | None = None, cols: torch.Tensor | None = None) -> "KVCache":
+        """A new cache of the batch rows `rows` and cached positions `cols` (index tensors;
+        None: all), in that order. The order of the cached positions does not matter to the
+        model (their positions are in the rotated keys); a query's mask must follow it."""
+        out = KVCache()
+        for k, v in self.layers:  # (B, H, Tc, Dh) each
+            if rows is not None:
+                k, v = k.index_select(0, rows), v.index_select(0, rows)
+            if cols is not None:
+                k, v = k.index_select(2, cols), v.index_select(2, cols)
+            out.layers.append((k, v))
+        return out
 
 
 class _Block(nn.Module):

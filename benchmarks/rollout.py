@@ -1,0 +1,298 @@
+"""Fast rollouts (issue 15): the cost of the sampling noise, rollout tokens/s under each
+decoding scheme, and what each scheme does to held-out accuracy.
+
+    python benchmarks/rollout.py noise                                   # ~1 min
+    python benchmarks/rollout.py speed --model tiny --lengths 64 256     # ~4 min
+    python benchmarks/rollout.py speed --model tiny --lengths 1024 --batch 2 --repeats 1 --tag -1024
+    python benchmarks/rollout.py speed --model mid --lengths 64 256      # ~15 min
+    python benchmarks/rollout.py accuracy --n 500                        # ~5 min
+    python benchmarks/rollout.py drift --n 200                           # ~2 min
+
+Each writes its section of benchmarks/results/rollout.json (the others are kept), with the
+command that made it. CPU only, one thread (no GPU was available for these measurements).
+
+1. noise: one denoising step's draw (`stabledrl.sampling._pick`) for one row at L = 256 and
+   LLaDA's vocabulary (126,464), random logits: the noise alone and the whole step, for the
+   generator noise (float64 Gumbel over every column x the vocabulary, the default) and the
+   counter noise (one uniform per decoded slot, inverse-CDF draw), with every column eligible
+   (a one-block step) and with a block of 32.
+2. speed: B rows of held-out Countdown prompts, temperature 1, block length 32, steps L/4;
+   EOS is suppressed so that every row decodes every slot (the time does not depend on when
+   the model would stop). Schemes (`SCHEMES`): today's sampler; counter noise; + prefix cache;
+   + dual cache (instead); + threshold 0.9 / 0.7 on the dual cache. Models: the shipped tiny
+   model (its positions are trained up to 25 only: beyond that it writes noise, which changes
+   nothing to the time but makes its confidences those of a confused model) and a randomly
+   initialised mid-size full-attention model (12 layers, width 768, 12 heads, vocabulary
+   32,000: 162 M parameters), whose near-uniform predictions never reach a threshold, so
+   threshold decoding saves no call there. Tokens/s = B·L / seconds, median over repeats;
+   the share of the time outside the model's forward; model calls.
+3. accuracy: the shipped model on the first n Countdown test problems (L = 11), greedy and
+   temperature 1, under each scheme (one block, T = L as the README's figures, and blocks of 4).
+4. drift: temperature-1 rollouts of the shipped model under each scheme; per row the sampler's
+   own log-probability (Σ token_logprob), the path estimate and an mc ELBO (16 views): how far
+   what RL estimates is from what the sampler did.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from stabledrl.data import encode_policy_prompts
+from stabledrl.evaluate import evaluate
+from stabledrl.models import TinyDiffusionConfig, TinyDiffusionLM, TinyPolicy, load_policy
+from stabledrl.sampling import SamplingConfig, _pick, generate, row_generators, row_keys
+from stabledrl.tasks import get_task
+from stabledrl.tokenizer import build_char_tokenizer
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from block import _median_time  # noqa: E402
+
+OUT = Path(__file__).parent / "results" / "rollout.json"
+SHIPPED = "checkpoints/countdown-tiny"
+SCHEMES = {  # name -> generate options on top of the common ones
+    "today": {},
+    "counter": {"noise": "counter"},
+    "counter+prefix": {"noise": "counter", "approx_cache": "prefix"},
+    "counter+dual": {"noise": "counter", "approx_cache": "dual"},
+    "counter+dual+tau0.9": {"noise": "counter", "approx_cache": "dual", "threshold": 0.9},
+    "counter+dual+tau0.7": {"noise": "counter", "approx_cache": "dual", "threshold": 0.7},
+}
+
+
+class Timed:
+    """The policy, with the wall time of its forwards accumulated; EOS suppressed if asked."""
+
+    def __init__(self, policy, no_eos: bool = False):
+        self.inner, self.no_eos, self.seconds = policy, no_eos, 0.0
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def logits(self, *args, **kwargs):
+        t0 = time.perf_counter()
+        out = self.inner.logits(*args, **kwargs)
+        if self.no_eos:
+            out[..., self.inner.eos_token_id] = -1e4
+        self.seconds += time.perf_counter() - t0
+        return out
+
+
+def _warm_median_time(fn, repeats: int) -> float:
+    fn()  # warm-up
+    return _median_time(fn, repeats)
+
+
+def bench_noise(repeats: int) -> dict:
+    """Seconds per row per step of the draw at L = 256, V = 126,464."""
+    from stabledrl.sampling import _rand, counter_uniform
+
+    L, V = 256, 126_464
+    logits = torch.randn(1, L, V, generator=torch.Generator().manual_seed(0)) * 3
+    rows = torch.arange(1)
+    out = {"gen_length": L, "vocab": V}
+    for width in (L, 32):
+        eligible = torch.zeros(1, L, dtype=torch.bool)
+        eligible[:, :width] = True
+        gens = row_generators("noise", 0, 1)
+        keys = row_keys(gens, 1, "cpu")
+        cols = torch.arange(L)
+
+        def old_noise():
+            u = _rand(logits.shape, gens, rows, "cpu", torch.float64)
+            return -torch.log(-torch.log(u.clamp_min(1e-300)))
+
+        def new_noise():
+            return counter_uniform(keys, 0, cols, 0)[eligible]
+
+        def step(noise):
+            return lambda: _pick(logits.clone(), eligible, 8, 1.0, "low_confidence", gens, [0, 1, 2], rows,
+                                 noise=noise, keys=keys, step=0, cols=cols)
+
+        out[f"eligible_{width}"] = {
+            "generator_noise_seconds": _warm_median_time(old_noise, repeats),
+            "counter_noise_seconds": _warm_median_time(new_noise, repeats),
+            "generator_step_seconds": _warm_median_time(step("generator"), repeats),
+            "counter_step_seconds": _warm_median_time(step("counter"), repeats),
+        }
+    return out
+
+
+def _mid_policy() -> TinyPolicy:
+    tok = build_char_tokenizer()
+    torch.manual_seed(0)
+    cfg = TinyDiffusionConfig(vocab_size=32_000, hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
+                              max_position_embeddings=2048, mask_token_id=tok.mask_token_id,
+                              pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id,
+                              eos_token_id=tok.eos_token_id)
+    return TinyPolicy(TinyDiffusionLM(cfg).eval(), tok)
+
+
+def bench_speed(model: str, lengths: list[int], batch: int, repeats: int, schemes: list[str]) -> dict:
+    policy = load_policy(SHIPPED) if model == "tiny" else _mid_policy()
+    timed = Timed(policy, no_eos=True)
+    problems = get_task("countdown").generate(batch, split="test", seed=0)
+    ids, mask = encode_policy_prompts(policy, [p.prompt for p in problems])
+    result = {}
+    for L in lengths:
+        common = dict(gen_length=L, steps=L // 4, block_length=32, temperature=1.0)
+        per = {}
+        for name in schemes:
+            runs = []
+            for r in range(repeats + 1):  # the first run warms up and is dropped
+                timed.seconds = 0.0
+                t0 = time.perf_counter()
+                out = generate(timed, ids, mask, generator=row_generators(f"speed/{r}", 0, batch),
+                               **common, **SCHEMES[name])
+                total = time.perf_counter() - t0
+                if r:
+                    runs.append({"seconds": total, "forward_seconds": timed.seconds,
+                                 "forward_passes": out.forward_passes})
+            sec = statistics.median(x["seconds"] for x in runs)
+            per[name] = {"tokens_per_second": batch * L / sec, "seconds_median": sec,
+                         "share_outside_forward": statistics.median(1 - x["forward_seconds"] / x["seconds"]
+                                                                    for x in runs),
+                         "forward_passes": statistics.median(x["forward_passes"] for x in runs), "runs": runs}
+            base = per.get("today")
+            if base:
+                per[name]["speedup_vs_today"] = base["seconds_median"] / sec
+            print(f"{model} L={L} {name}: {per[name]['tokens_per_second']:.1f} tok/s, "
+                  f"{per[name]['forward_passes']} calls", flush=True)
+        result[f"L{L}"] = {"settings": common, "batch": batch, "schemes": per}
+    return result
+
+
+ACCURACY_SCHEMES = {  # name -> sampling options (steps = L = 11 unless set)
+    "today": {},
+    "counter": {"noise": "counter"},
+    "tau0.9": {"noise": "counter", "threshold": 0.9},
+    "tau0.7": {"noise": "counter", "threshold": 0.7},
+    "prefix(prompt)": {"noise": "counter", "approx_cache": "prefix"},
+    "prefix(prompt)+tau0.9": {"noise": "counter", "approx_cache": "prefix", "threshold": 0.9},
+    "blocks4": {"block_length": 4},
+    "blocks4+counter": {"block_length": 4, "noise": "counter"},
+    "blocks4+prefix": {"block_length": 4, "noise": "counter", "approx_cache": "prefix"},
+    "blocks4+dual": {"block_length": 4, "noise": "counter", "approx_cache": "dual"},
+    "blocks4+dual+tau0.9": {"block_length": 4, "noise": "counter", "approx_cache": "dual", "threshold": 0.9},
+    "blocks4+dual+tau0.7": {"block_length": 4, "noise": "counter", "approx_cache": "dual", "threshold": 0.7},
+}
+
+
+def bench_accuracy(n: int) -> dict:
+    policy = Timed(load_policy(SHIPPED))
+    task = get_task("countdown")
+    problems = task.generate(n, split="test", seed=0)
+    result = {}
+    for temperature in (0.0, 1.0):
+        for name, options in ACCURACY_SCHEMES.items():
+            policy.seconds = 0.0
+            calls = []
+            counting = _CountingGenerate(calls)
+            with counting:
+                res = evaluate(policy, task, problems, SamplingConfig(temperature=temperature, **options),
+                               progress=False)
+            result[f"T{temperature:g}/{name}"] = {"accuracy": res.accuracy, "mean_reward": res.mean_reward,
+                                                  "seconds": res.seconds, "forward_passes": sum(calls)}
+            print(f"T={temperature:g} {name}: accuracy {res.accuracy:.4f}, calls {sum(calls)}", flush=True)
+    return {"n": n, "split": "test", "gen_length": task.completion_length, "results": result}
+
+
+DRIFT_SCHEMES = {k: ACCURACY_SCHEMES[k] for k in ("today", "counter", "tau0.9", "tau0.7", "prefix(prompt)",
+                                                   "blocks4", "blocks4+prefix", "blocks4+dual",
+                                                   "blocks4+dual+tau0.7")}
+
+
+def bench_drift(n: int, mc_samples: int) -> dict:
+    """What each scheme does to the likelihood RL estimates: temperature-1 rollouts of the
+    shipped model; per row, the sampler's own log-probability (Σ token_logprob), the path
+    estimate (the exact model along the sampled trajectory) and an mc ELBO estimate."""
+    from stabledrl.likelihood import estimate
+
+    policy = load_policy(SHIPPED)
+    task = get_task("countdown")
+    problems = task.generate(n, split="test", seed=0)
+    ids, mask = encode_policy_prompts(policy, [p.prompt for p in problems])
+    result = {}
+    for name, options in DRIFT_SCHEMES.items():
+        out = generate(policy, ids, mask, gen_length=task.completion_length, temperature=1.0,
+                       generator=row_generators("drift", 0, n), **options)
+        with torch.no_grad():
+            path = estimate(policy, ids, out.completion_ids, out.completion_mask, prompt_mask=mask, method="path",
+                            unmask_step=out.unmask_step).sequence
+            mc = estimate(policy, ids, out.completion_ids, out.completion_mask, prompt_mask=mask, method="mc",
+                          num_samples=mc_samples, generator=torch.Generator().manual_seed(0)).sequence
+        own = out.token_logprob.sum(1)
+        result[name] = {"sampler_logprob_mean": float(own.mean()), "path_mean": float(path.mean()),
+                        "mc_elbo_mean": float(mc.mean()),
+                        "sampler_minus_path_mean_abs": float((own - path).abs().mean()),
+                        "mc_minus_path_mean": float((mc - path).mean()),
+                        "completion_length_mean": float(out.completion_mask.sum(1).double().mean())}
+        print(name, {k: round(v, 4) for k, v in result[name].items()}, flush=True)
+    return {"n": n, "mc_samples": mc_samples, "temperature": 1.0, "results": result}
+
+
+class _CountingGenerate:
+    """Adds up `forward_passes` of every `generate` call made inside the block."""
+
+    def __init__(self, calls: list[int]):
+        self.calls = calls
+
+    def __enter__(self):
+        import stabledrl.sampling as sampling
+
+        self.module, self.real = sampling, sampling.generate
+
+        def counted(*args, **kwargs):
+            out = self.real(*args, **kwargs)
+            self.calls.append(out.forward_passes)
+            return out
+
+        sampling.generate = counted
+        return self
+
+    def __exit__(self, *exc):
+        self.module.generate = self.real
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("part", choices=["noise", "speed", "accuracy", "drift"])
+    ap.add_argument("--model", choices=["tiny", "mid"], default="tiny")
+    ap.add_argument("--lengths", type=int, nargs="+", default=[64, 256])
+    ap.add_argument("--batch", type=int, default=None, help="rows (speed); default 8 tiny, 1 mid")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--schemes", nargs="+", default=list(SCHEMES), choices=list(SCHEMES))
+    ap.add_argument("--n", type=int, default=500)
+    ap.add_argument("--mc-samples", type=int, default=16)
+    ap.add_argument("--tag", default="", help="appended to the JSON key of a speed section")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    if args.part == "noise":
+        key, section = "noise", bench_noise(args.repeats)
+    elif args.part == "speed":
+        batch = args.batch or (8 if args.model == "tiny" else 1)
+        key, section = f"speed_{args.model}{args.tag}", bench_speed(args.model, args.lengths, batch, args.repeats, args.schemes)
+    elif args.part == "drift":
+        key, section = "drift", bench_drift(args.n, args.mc_samples)
+    else:
+        key, section = "accuracy", bench_accuracy(args.n)
+    section.update(command="python benchmarks/rollout.py " + " ".join(sys.argv[1:]), threads=1,
+                   load_average_at_end=os.getloadavg(),
+                   device="cpu (no GPU available)", torch=torch.__version__, machine=platform.machine())
+    data = json.loads(OUT.read_text()) if OUT.is_file() else {}
+    data[key] = section
+    OUT.parent.mkdir(parents=True, exist_ok=True)
+    OUT.write_text(json.dumps(data, indent=2))
+    print(json.dumps({k: v for k, v in section.items() if k not in ("runs",)}, indent=1)[:3000])
+
+
+if __name__ == "__main__":
+    main()
