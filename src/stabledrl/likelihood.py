@@ -670,8 +670,9 @@ def plan_views(
 
     Options by method (`planner_options(method)`; an option another method takes is an
     error, not ignored): mc: masking ("count" | "bernoulli"), stratified, antithetic;
-    sdmc: num_nodes, weight ("count" | "time"); mean_field: p_prompt; blockwise: inner
-    ("mc" | "sdmc" | "exact"), num_nodes, stratified."""
+    sdmc: num_nodes, weight ("count" | "time"); mean_field: p_prompt, prompt_columns
+    ("tokens" | "all"); coupled: t_min, t_max; block_random: block_length, p_prompt;
+    blockwise: inner ("mc" | "sdmc" | "exact"), num_nodes, stratified."""
     takes = planner_options(method)
     unknown = set(options) - set(takes)
     if unknown:
