@@ -48,13 +48,15 @@ import torch
 
 from stabledrl.data import encode_policy_prompts
 from stabledrl.evaluate import evaluate
-from stabledrl.models import TinyDiffusionConfig, TinyDiffusionLM, TinyPolicy, load_policy
+from stabledrl.models import TinyPolicy, load_policy
 from stabledrl.sampling import SamplingConfig, _pick, generate, row_generators, row_keys
 from stabledrl.tasks import get_task
 from stabledrl.tokenizer import build_char_tokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from block import _median_time  # noqa: E402
+from sampler import TimedPolicy  # noqa: E402
+from scale import Shape, build_model  # noqa: E402
 
 OUT = Path(__file__).parent / "results" / "rollout.json"
 SHIPPED = "checkpoints/countdown-tiny"
@@ -68,21 +70,18 @@ SCHEMES = {  # name -> generate options on top of the common ones
 }
 
 
-class Timed:
-    """The policy, with the wall time of its forwards accumulated; EOS suppressed if asked."""
+class Timed(TimedPolicy):
+    """`TimedPolicy` (benchmarks/sampler.py), with EOS suppressed if asked, so that every row
+    decodes every slot."""
 
     def __init__(self, policy, no_eos: bool = False):
-        self.inner, self.no_eos, self.seconds = policy, no_eos, 0.0
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
+        super().__init__(policy)
+        self.no_eos = no_eos
 
     def logits(self, *args, **kwargs):
-        t0 = time.perf_counter()
-        out = self.inner.logits(*args, **kwargs)
+        out = super().logits(*args, **kwargs)
         if self.no_eos:
             out[..., self.inner.eos_token_id] = -1e4
-        self.seconds += time.perf_counter() - t0
         return out
 
 
@@ -126,14 +125,13 @@ def bench_noise(repeats: int) -> dict:
     return out
 
 
+MID = Shape(32_000, 768, 12, 12, 4 * 768, rope_theta=10_000.0, max_position_embeddings=2048)
+"""The mid-size full-attention model of the speed part: 12 layers, width 768, vocab 32k (162 M)."""
+
+
 def _mid_policy() -> TinyPolicy:
-    tok = build_char_tokenizer()
     torch.manual_seed(0)
-    cfg = TinyDiffusionConfig(vocab_size=32_000, hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
-                              max_position_embeddings=2048, mask_token_id=tok.mask_token_id,
-                              pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id,
-                              eos_token_id=tok.eos_token_id)
-    return TinyPolicy(TinyDiffusionLM(cfg).eval(), tok)
+    return TinyPolicy(build_model(MID, "cpu"), build_char_tokenizer())
 
 
 def bench_speed(model: str, lengths: list[int], batch: int, repeats: int, schemes: list[str]) -> dict:

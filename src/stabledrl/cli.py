@@ -17,11 +17,12 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Sequence
+from typing import Sequence, get_args
 
 import yaml
 
 from stabledrl.config import ConfigError, check, load_config
+from stabledrl.settings import ApproxCache, Noise  # no torch
 
 __all__ = ["main"]
 
@@ -52,12 +53,12 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
                    help="nucleus sampling: the smallest set of tokens of mass p (temperature > 0)")
     g.add_argument("--eos-confidence-scale", type=float, default=1.0,
                    help="EOS damping: scale of the remasking score of a slot that drew a stop token, in (0, 1]")
-    g.add_argument("--noise", choices=["generator", "counter"], default="generator",
+    g.add_argument("--noise", choices=get_args(Noise), default="generator",
                    help="counter: device-side counter noise for the decoded slots only (same distribution, "
                         "other tokens than the default generator noise)")
     g.add_argument("--threshold", type=float,
                    help="parallel decoding: also commit every slot whose confidence exceeds it, in (0, 1]")
-    g.add_argument("--approx-cache", choices=["none", "prefix", "dual"], default="none",
+    g.add_argument("--approx-cache", choices=get_args(ApproxCache), default="none",
                    help="full attention: Fast-dLLM's approximate prefix / dual KV cache, refreshed per block")
 
 

@@ -77,7 +77,7 @@ from __future__ import annotations
 import hashlib
 import math
 from dataclasses import dataclass, fields
-from typing import Literal, Sequence
+from typing import Literal, Sequence, get_args
 
 import torch
 from tqdm.auto import tqdm
@@ -92,7 +92,7 @@ from stabledrl.models.attention import (
     tail_width,
 )
 from stabledrl.models.policy import Policy
-from stabledrl.settings import SamplingConfig  # defined without torch, for the command line
+from stabledrl.settings import ApproxCache, Noise, SamplingConfig  # defined without torch, for the command line
 
 __all__ = ["SamplingConfig", "GenerationOutput", "generate", "generate_micro_batched", "micro_batch_calls",
            "restrict_logits", "row_generators", "row_keys", "check_fast_decoding", "counter_uniform", "categorical", "concat_outputs"]
@@ -393,20 +393,16 @@ def _check_draws(B: int, temperature: float, remasking: str, generator: Generato
         raise ValueError(f"one generator per row: got {len(generator)} generators for {B} rows")
 
 
-Noise = Literal["generator", "counter"]
-ApproxCache = Literal["none", "prefix", "dual"]
-
-
 def check_fast_decoding(policy: Policy, remasking: str, noise: str, threshold: float | None,
                         approx_cache: str) -> None:
     """`generate`'s options of fast decoding, against the policy (a ValueError saying what to set)."""
-    if noise not in ("generator", "counter"):
+    if noise not in get_args(Noise):
         raise ValueError(f"noise must be 'generator' or 'counter', got {noise!r}")
     if threshold is not None and not 0 < threshold <= 1:
         raise ValueError(f"threshold must be in (0, 1] or None, got {threshold}")
     if threshold is not None and remasking != "low_confidence":
         raise ValueError("threshold commits the slots whose confidence exceeds it: it needs remasking 'low_confidence'")
-    if approx_cache not in ("none", "prefix", "dual"):
+    if approx_cache not in get_args(ApproxCache):
         raise ValueError(f"approx_cache must be 'none', 'prefix' or 'dual', got {approx_cache!r}")
     if approx_cache != "none" and policy.attention_kind != "full":
         raise ValueError("approx_cache is for full-attention models; a block model's kv_cache is already exact")

@@ -17,12 +17,17 @@ from typing import Any, ClassVar, Literal, get_args
 
 from stabledrl.config import check
 
-__all__ = ["METHODS", "Method", "MAX_MU", "ModelConfig", "LoraSettings", "SamplingConfig", "TaskConfig", "TinyModelConfig",
+__all__ = ["METHODS", "Method", "Noise", "ApproxCache", "MAX_MU", "ModelConfig", "LoraSettings", "SamplingConfig", "TaskConfig", "TinyModelConfig",
            "SFTConfig", "EstimatorConfig", "ObjectiveConfig", "TrainConfig"]
 
 Method = Literal["mc", "sdmc", "mean_field", "exact", "blockwise", "path", "coupled", "block_random"]
 """The likelihood estimators (`stabledrl.likelihood`, whose `PLANNERS` has one planner for each)."""
 METHODS: tuple[str, ...] = get_args(Method)
+
+Noise = Literal["generator", "counter"]
+"""Where the sampler's noise comes from (`SamplingConfig.noise`)."""
+ApproxCache = Literal["none", "prefix", "dual"]
+"""Fast-dLLM's approximate caches of the full-attention sampler (`SamplingConfig.approx_cache`)."""
 
 MAX_MU = 13
 """Inner iterations per step at most: `stabledrl.train` seeds 16 streams per step, 3 of them
@@ -149,7 +154,7 @@ class SamplingConfig:
     whose drawn token is a stop token is multiplied by it, so that slot is committed later and the
     slots before it are written first (against LLaDA's early EOS). 1: the exact sampler; below 1
     a departure from the model's decoding rule."""
-    noise: Literal["generator", "counter"] = "generator"
+    noise: Noise = "generator"
     """Where the sampling noise comes from. generator: each row's CPU generator, float64 Gumbel
     noise over every completion column and the whole vocabulary, copied to the device (the stream
     every figure of the README was made with). counter: one counter-based uniform per decoded
@@ -163,11 +168,12 @@ class SamplingConfig:
     ceil(masked left / steps left), so `steps` stays an upper bound. Needs low_confidence
     remasking. None or 1: the exact sampler's tokens. Fewer model calls, but processes with
     sharded parameters (synced) still make every call of the schedule."""
-    approx_cache: Literal["none", "prefix", "dual"] = "none"
+    approx_cache: ApproxCache = "none"
     """Full-attention models with a KV cache (the tiny models; the HF adapters have none and are
     refused): Fast-dLLM's approximate caches, refreshed at each block's first step (with
-    block_length < L; one block caches the prompt alone). prefix: later steps feed the block and what follows it, attending to the
-    kept prefix; dual: they feed the block alone, attending to the kept prefix and suffix. An
+    block_length < L; one block caches the prompt alone). prefix: later steps feed the block and
+    what follows it, attending to the kept prefix; dual: they feed the block alone, attending to
+    the kept prefix and suffix. An
     approximation of the exact sampler (other tokens, another distribution); none: exact."""
     engine: str = "builtin"
     """What produces the trainer's rollouts (`stabledrl.engines`): builtin (this library's sampler,
@@ -314,9 +320,8 @@ class EstimatorConfig:
     options: dict[str, Any] = field(default_factory=dict)
     """Method options: mc: masking, stratified, antithetic; sdmc: num_nodes, weight (count: n/k per
     node, ours; time: 1/t, GDPO's; docs/methods.md); mean_field: p_prompt, prompt_columns (tokens | all,
-    d1's); coupled: t_min, t_max;
-    block_random: block_length, p_prompt;
-    blockwise: inner (mc | sdmc | exact), num_nodes, stratified."""
+    d1's); coupled: t_min, t_max; block_random: block_length, p_prompt; blockwise: inner (mc | sdmc |
+    exact), num_nodes, stratified."""
     reduction: Literal["sum", "mean"] = "sum"
     """sum: a log-likelihood; mean: per scored token."""
     max_views_per_forward: int | None = None
