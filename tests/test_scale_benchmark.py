@@ -1,6 +1,7 @@
 """benchmarks/scale.py: the memory model against hand arithmetic, the LLaDA-8B meta model's
 parameter count, the live-tensor counter, and one step of the benchmark on a tiny shape."""
 
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -79,6 +80,24 @@ def test_live_bytes_counts_a_saved_tensor_until_the_backward_frees_it():
         # the saved output is freed; x.grad (4,000 bytes) was made by the backward
         assert live.live == 4 + 4_000
     assert live.peaks["start"] >= 8_000
+
+
+def test_a_forward_without_a_graph_keeps_nothing_per_layer():
+    # The memory model gives a forward without a graph no term per layer: the peak of the
+    # tensors it makes is one layer's temporaries or the head's, whatever the depth.
+    # (TinyDiffusionLM used to keep every layer's qkv output and RoPE'd k to its end: 4 layers
+    # then peaked 3 · (96 + 32) · 4 bytes per token, 147,456 for 4 × 24 tokens, above 1 layer.)
+    ids = torch.randint(5, TINY.vocab_size, (4, 24), generator=torch.Generator().manual_seed(0))  # (B, T)
+    made = []
+    for layers in (1, 4):
+        model = scale.build_model(dataclasses.replace(TINY, num_hidden_layers=layers), "cpu")
+        with torch.no_grad(), scale.LiveBytes() as live:
+            for t in (*model.parameters(), *model.buffers(), ids):  # counted before, as the benchmark does
+                live.add(t)
+            start = live.live
+            model(ids)
+        made.append(max(live.peaks.values()) - start)
+    assert made[0] == made[1] > 0
 
 
 @pytest.mark.parametrize("mode", ["full", "lora"])

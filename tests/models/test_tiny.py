@@ -1,3 +1,5 @@
+import weakref
+
 import pytest
 import torch
 
@@ -107,6 +109,31 @@ def test_kv_cache_gives_the_same_logits_as_the_full_pass():
     assert torch.allclose(chunk, reference[:, Tp:], atol=1e-5)
     policy.logits(x[:, Tp:], full_mask[:, Tp:], pos[:, Tp:], cache=cache, extend_cache=True)
     assert len(cache) == Tp + T
+
+
+@pytest.mark.parametrize("extend", [False, True])
+def test_a_forward_keeps_layer_keys_and_values_only_for_the_cache(extend):
+    # Each block returns its (k, v): k the RoPE'd keys, v a view of the block's whole qkv
+    # output. Without extend_cache nothing may hold them: by the time the head runs, every
+    # layer's storages are freed (they were kept to the forward's end, all layers at once).
+    # With extend_cache the cache holds every layer's.
+    policy = make_tiny_policy(seed=3, num_hidden_layers=3)
+    x = torch.randint(5, len(policy.tokenizer), (2, 7))
+    mask, pos = torch.ones_like(x), torch.arange(7).expand(2, 7)
+    refs, alive_at_head = [], []
+
+    def watch(block, args, out):  # weak references to the storages of the layer's k and v
+        refs.append([weakref.ref(t.untyped_storage()) for t in out[1]])
+
+    for block in policy.model.blocks:
+        block.register_forward_hook(watch)
+    policy.model.lm_head.register_forward_pre_hook(
+        lambda *a: alive_at_head.extend(r() is not None for layer in refs for r in layer))
+    cache = policy.new_cache()
+    with torch.no_grad():
+        policy.logits(x, mask, pos, cache=cache, extend_cache=extend)
+    assert alive_at_head == [extend] * 6  # 3 layers × (k, v)
+    assert len(cache) == (7 if extend else 0)
 
 
 @pytest.mark.parametrize("kw", [{}, dict(attention_kind="block", block_size=3)])

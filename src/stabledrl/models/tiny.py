@@ -246,6 +246,8 @@ class TinyDiffusionLM(PreTrainedModel):
             position_ids = torch.arange(T, device=input_ids.device).expand(B, T)
         angles = position_ids[:, None, :, None].float() * self.inv_freq  # (B, 1, T, Dh/2)
         cos, sin = angles.cos(), angles.sin()
+        if extend_cache and past_key_values is None:
+            raise ValueError("extend_cache needs a KVCache in past_key_values")
         x = self.embed(input_ids)  # (B, T, D)
         new_layers = []
         for i, block in enumerate(self.blocks):
@@ -256,10 +258,12 @@ class TinyDiffusionLM(PreTrainedModel):
                 x, kv = checkpoint(block, x, cos, sin, mask, past, use_reentrant=False)
             else:
                 x, kv = block(x, cos, sin, mask, past)
-            new_layers.append(kv)
+            # Keep a layer's keys and values only for the cache: v is a view of the whole qkv
+            # output, so holding them would keep 3D + D values per token and layer to the end.
+            if extend_cache:
+                new_layers.append(kv)
+            del kv
         if extend_cache:
-            if past_key_values is None:
-                raise ValueError("extend_cache needs a KVCache in past_key_values")
             past_key_values.layers = new_layers
         logits = self.lm_head(self.norm(x))  # (B, T, V)
         loss = None
