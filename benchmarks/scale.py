@@ -194,8 +194,7 @@ class Footprint:
     prompt_length: int  # Pl
     gen_length: int  # L
     rows_per_call: int  # A: rollout rows in one sampler call (rollout.micro_batch, else the share)
-    views_per_forward: int  # scoring without a graph: views in one forward
-    views_with_graph: int  # the update: views whose activations are alive at once
+    views_per_forward: int  # views in one forward, with a graph (the update) or without (scoring)
     lora_params: int = 0  # trainable adapter parameters; 0: full fine-tuning
     weight_bytes: int = 4  # bytes per model weight: 4 (float32), 2 (a bfloat16 LoRA base)
     autocast: bool = False  # mixed_precision bf16: the forwards compute in bfloat16
@@ -203,7 +202,6 @@ class Footprint:
     shards: int = 1  # FSDP / ZeRO-3 processes sharing weights, gradients and AdamW states
     optimizer_chunk: int | None = None  # elements stepped at a time (the trainer: 2**26); None: all
     foreach: bool = False  # torch's multi-tensor AdamW (its default for CUDA tensors)
-    keeps_kv: bool = True  # a forward keeps every layer's qkv and k to its end (TinyDiffusionLM, not LLaDA's code)
 
 
 def activation_bytes(shape: Shape, f: Footprint) -> int:
@@ -254,11 +252,10 @@ def predict_memory(shape: Shape, f: Footprint) -> dict[str, Any]:
       Gumbel draw u, the noise, the tempered logits and their sum (4 × 8 bytes), then the
       float32 softmax, log-softmax, exp and product of the entropy while u, the noise and the
       tempered logits are held: 40·A·L·V bytes besides the logits;
-    - scoring: a forward without a graph: what the layers leave (`keeps_kv`: TinyDiffusionLM
-      collects every layer's keys and values, the whole qkv output and the RoPE'd k, until it
-      returns; LLaDA's code keeps nothing) and the larger of a layer's temporaries and the head
-      (the final residual, its norm and the logits (n, T, V)); then the log-softmax (n, L, V);
-    - update: the activations of the views with a graph (`activation_bytes`), the weight
+    - scoring: a forward without a graph, which keeps nothing across layers: the larger of a
+      layer's temporaries and the head (the final residual, its norm and the logits (n, T, V));
+      then the log-softmax (n, L, V);
+    - update: the activations of the n views with a graph (`activation_bytes`), the weight
       copies, and the backward's first steps: the log-softmax's two gradients (2 × L·V per
       view), then the logits' gradient (T·V) with the head's input and weight gradients;
     - optimizer: all gradients and the step's temporaries: √v and its quotient for the
@@ -285,19 +282,18 @@ def predict_memory(shape: Shape, f: Footprint) -> dict[str, Any]:
     else:  # autocast casts every trainable float32 weight once per forward and keeps the casts to its end
         terms["forward_weight_copies"] = 2 * N if f.autocast and full else 0
     resident = terms["weights"] + terms["reference"] + terms["adamw_states"]
-    A, n, m = f.rows_per_call, f.views_per_forward, f.views_with_graph
+    A, n = f.rows_per_call, f.views_per_forward
     I = shape.intermediate_size
 
-    def forward_peak(rows: int) -> int:  # a forward without a graph: the layers' leftovers, then the logits
-        left = rows * T * shape.num_hidden_layers * (3 * d * act + 4 * d) if f.keeps_kv else 0  # qkv; RoPE'd k
-        return terms["forward_weight_copies"] + left + rows * T * max((4 * I + 3 * d) * act, 3 * d * act + V * logit)
+    def forward_peak(rows: int) -> int:  # a forward without a graph: a layer's temporaries, or the head
+        return terms["forward_weight_copies"] + rows * T * max((4 * I + 3 * d) * act, 3 * d * act + V * logit)
 
     pick = A * T * V * logit + (4 * A * L * V if f.autocast else 0) + 40 * A * L * V
     terms["rollout_transient"] = max(forward_peak(A), pick)
     terms["scoring_transient"] = max(forward_peak(n), n * V * (T * logit + 4 * L))
-    terms["activations"] = m * activation_bytes(shape, f)
+    terms["activations"] = n * activation_bytes(shape, f)
     head_grad = 4 * V * d if full else 0
-    terms["update_backward_transient"] = max(8 * m * L * V, m * T * V * logit + m * T * d * act + head_grad)
+    terms["update_backward_transient"] = max(8 * n * L * V, n * T * V * logit + n * T * d * act + head_grad)
     stepped = train // shard
     if f.foreach:
         chunk = stepped if f.optimizer_chunk is None else min(stepped, f.optimizer_chunk)
@@ -334,7 +330,7 @@ def footprint(cfg: TrainConfig, prompt_length: int, *, lora_params: int = 0, wei
     budget = cfg.estimator.max_views_per_forward
     return Footprint(prompt_length=prompt_length, gen_length=cfg.rollout.gen_length,
                      rows_per_call=min(rows, cfg.rollout.micro_batch or rows),
-                     views_per_forward=min(views, budget or views), views_with_graph=min(views, budget or views),
+                     views_per_forward=min(views, budget or views),
                      lora_params=lora_params, weight_bytes=weight_bytes, autocast=cfg.mixed_precision == "bf16",
                      reference=cfg.lora is None and _needs_reference(cfg), shards=shards,
                      optimizer_chunk=optimizer_chunk, foreach=foreach)
@@ -624,44 +620,38 @@ def _largest(fits, hi: int) -> int:
     return lo
 
 
-def predict_layouts(shape_name: str, pre: Preset, *, shards: int, lora: LoraSettings, gpu_bytes: float,
-                    keeps_kv: bool = False) -> dict[str, Any]:
+def predict_layouts(shape_name: str, pre: Preset, *, shards: int, lora: LoraSettings,
+                    gpu_bytes: float) -> dict[str, Any]:
     """The memory model, per process, for full fine-tuning sharded over `shards` processes
     (FSDP, the trainer's chunked AdamW step, foreach) and for LoRA over a bfloat16 base in
     one process, at the preset's sizes, and what fits in `gpu_bytes`: the largest
     rollout.micro_batch and estimator.max_views_per_forward, and under FSDP the largest
     share of rows that fits without a view budget (docs/scale-out.md: with sharded
-    parameters the trainer leaves `max_views_per_forward` unset). `keeps_kv` False: LLaDA's
-    own modelling code, which keeps nothing across layers in a forward without a graph."""
+    parameters the trainer leaves `max_views_per_forward` unset)."""
     shape = SHAPES[shape_name]
     n_meta = sum(p.numel() for p in build_model(shape, "meta").parameters())  # the real module tree
     if n_meta != param_count(shape):
         raise RuntimeError(f"the meta model has {n_meta} parameters, param_count {param_count(shape)}")
     K = views_per_row(pre.config)
-    out: dict[str, Any] = {"params": n_meta, "lora_params": lora_param_count(shape, lora.r), "gpu_bytes": gpu_bytes,
-                           "keeps_kv": keeps_kv}
+    out: dict[str, Any] = {"params": n_meta, "lora_params": lora_param_count(shape, lora.r), "gpu_bytes": gpu_bytes}
     full = footprint(pre.config, pre.prompt_length, shards=shards, optimizer_chunk=2**26, foreach=True)
     low = footprint(_with_lora(pre.config, "lora", lora), pre.prompt_length, lora_params=out["lora_params"],
                     weight_bytes=2, optimizer_chunk=2**26, foreach=True)
     for name, f in ((f"full FT, FSDP over {shards} processes", full), ("LoRA, one process", low)):
-        f = dataclasses.replace(f, keeps_kv=keeps_kv)
         share = -(-pre.config.prompts_per_step * pre.config.group_size // f.shards)
         predict = lambda **kw: predict_memory(shape, dataclasses.replace(f, **kw))  # noqa: E731
         peak = lambda **kw: predict(**kw)["peak"]  # noqa: E731
-        rows = _largest(lambda k: peak(rows_per_call=k, views_per_forward=1, views_with_graph=1) <= gpu_bytes, share)
-        views = _largest(lambda k: peak(rows_per_call=1, views_per_forward=k, views_with_graph=k) <= gpu_bytes,
-                         share * K)
+        rows = _largest(lambda k: peak(rows_per_call=k, views_per_forward=1) <= gpu_bytes, share)
+        views = _largest(lambda k: peak(rows_per_call=1, views_per_forward=k) <= gpu_bytes, share * K)
         entry = {"footprint": dataclasses.asdict(f), "share_rows": share, **predict_memory(shape, f),
                  "rollout_bytes_per_row": predict(rows_per_call=max(2, f.rows_per_call))["phases"]["rollout"]
                  - predict(rows_per_call=max(1, f.rows_per_call - 1))["phases"]["rollout"],  # at the preset's size
                  "activation_bytes_per_view": activation_bytes(shape, f),
                  "fits": {"rollout.micro_batch": rows, "estimator.max_views_per_forward": views,
-                          "peak": peak(rows_per_call=max(rows, 1), views_per_forward=max(views, 1),
-                                       views_with_graph=max(views, 1))}}
+                          "peak": peak(rows_per_call=max(rows, 1), views_per_forward=max(views, 1))}}
         if f.shards > 1:
             entry["fits"]["rows_per_process_without_view_budget"] = _largest(
-                lambda k: peak(rows_per_call=min(k, f.rows_per_call), views_per_forward=k * K,
-                               views_with_graph=k * K) <= gpu_bytes, share)
+                lambda k: peak(rows_per_call=min(k, f.rows_per_call), views_per_forward=k * K) <= gpu_bytes, share)
         out[name] = entry
     return out
 

@@ -33,8 +33,7 @@ def test_llada_8b_meta_model_has_the_published_parameter_count():
 
 
 def _footprint(**kw):
-    return scale.Footprint(**{"prompt_length": 13, "gen_length": 11, "rows_per_call": 4, "views_per_forward": 8,
-                              "views_with_graph": 8, **kw})
+    return scale.Footprint(**{"prompt_length": 13, "gen_length": 11, "rows_per_call": 4, "views_per_forward": 8, **kw})
 
 
 def test_resident_terms_by_hand():
