@@ -254,7 +254,9 @@ def predict_memory(shape: Shape, f: Footprint) -> dict[str, Any]:
       tempered logits are held: 40·A·L·V bytes besides the logits;
     - scoring: a forward without a graph, which keeps nothing across layers: the larger of a
       layer's temporaries and the head (the final residual, its norm and the logits (n, T, V));
-      then the log-softmax (n, L, V);
+      under autocast, accelerate's float32 copy of the bfloat16 logits, made beside them (the
+      prepared model returns float32 outputs); then the float32 logits and the log-softmax
+      (n, L, V);
     - update: the activations of the n views with a graph (`activation_bytes`), the weight
       copies, and the backward's first steps: the log-softmax's two gradients (2 × L·V per
       view), then the logits' gradient (T·V) with the head's input and weight gradients;
@@ -290,7 +292,8 @@ def predict_memory(shape: Shape, f: Footprint) -> dict[str, Any]:
 
     pick = A * T * V * logit + (4 * A * L * V if f.autocast else 0) + 40 * A * L * V
     terms["rollout_transient"] = max(forward_peak(A), pick)
-    terms["scoring_transient"] = max(forward_peak(n), n * V * (T * logit + 4 * L))
+    to_float32 = n * T * V * (logit + 4) if f.autocast else 0  # accelerate's convert_outputs_to_fp32
+    terms["scoring_transient"] = max(forward_peak(n), to_float32, n * V * (4 * T + 4 * L))
     terms["activations"] = n * activation_bytes(shape, f)
     head_grad = 4 * V * d if full else 0
     terms["update_backward_transient"] = max(8 * n * L * V, n * T * V * logit + n * T * d * act + head_grad)

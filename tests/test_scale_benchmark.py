@@ -68,6 +68,40 @@ def test_activation_bytes_by_hand():
     assert t["activations"] == 8 * 180_992
 
 
+def test_scoring_terms_by_hand():
+    # 8 views of T = 24 tokens (L = 11 scored), V = 256, float32: the larger of a layer's
+    # temporaries, 8·24·(4·96 + 3·32)·4 = 368,640, the head's, 8·24·(3·32 + 256)·4 = 270,336,
+    # and the logits with their log-softmax, 8·256·(4·24 + 4·11) = 286,720
+    t = scale.predict_memory(TINY, _footprint())["terms"]
+    assert t["scoring_transient"] == 368_640
+    # Under autocast the prepared model's bfloat16 logits (2 bytes) get a float32 copy (4)
+    # beside them: 8·24·256·6 = 294,912, above the forward (autocast's casts 2·43,168 =
+    # 86,336 plus 8·24·480·2 = 184,320) and the float32 logits with the log-softmax (286,720)
+    t = scale.predict_memory(TINY, _footprint(autocast=True))["terms"]
+    assert t["scoring_transient"] == 294_912
+
+
+def test_the_prepared_model_returns_float32_logits_made_beside_the_bfloat16_ones():
+    # What the scoring term reads: under mixed_precision bf16 accelerate converts the
+    # outputs to float32 after autocast has freed its casts, so with a vocabulary large
+    # enough for the head to dominate (V = 2048, one layer) a forward without a graph peaks
+    # at n·T·V·(2 + 4) bytes: 8·24·2048·6 = 2,359,296.
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+
+    shape = dataclasses.replace(TINY, vocab_size=2048, num_hidden_layers=1)
+    AcceleratorState._reset_state()
+    model = Accelerator(cpu=True, mixed_precision="bf16").prepare(scale.build_model(shape, "cpu"))
+    ids = torch.randint(5, 2048, (8, 24), generator=torch.Generator().manual_seed(0))  # (n, T)
+    with torch.no_grad(), scale.LiveBytes() as live:
+        for t in (*model.parameters(), *model.buffers(), ids):
+            live.add(t)
+        start = live.live
+        logits = model(input_ids=ids).logits
+    assert logits.dtype == torch.float32
+    assert max(live.peaks.values()) - start == 2_359_296
+
+
 def test_live_bytes_counts_a_saved_tensor_until_the_backward_frees_it():
     x = torch.randn(1000, requires_grad=True)
     with scale.LiveBytes() as live:
