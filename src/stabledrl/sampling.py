@@ -95,7 +95,8 @@ from stabledrl.models.policy import Policy
 from stabledrl.settings import ApproxCache, Noise, SamplingConfig  # defined without torch, for the command line
 
 __all__ = ["SamplingConfig", "GenerationOutput", "generate", "generate_micro_batched", "micro_batch_calls",
-           "restrict_logits", "row_generators", "row_keys", "check_fast_decoding", "counter_uniform", "categorical", "concat_outputs"]
+           "restrict_logits", "row_generators", "row_keys", "check_fast_decoding", "counter_uniform", "categorical", "concat_outputs",
+           "take_rows"]
 
 
 @dataclass
@@ -687,6 +688,7 @@ def generate_micro_batched(
     synced: bool = False,
     num_calls: int | None = None,
     progress: bool = False,
+    sort_by_length: bool = False,
     **kwargs,
 ) -> GenerationOutput:
     """`generate` on at most `micro_batch` rows at a time (None: all at once), the outputs
@@ -696,11 +698,21 @@ def generate_micro_batched(
     in its batch (tests/test_sampling.py). A single generator would be consumed in another
     order, so it is refused when there is more than one micro-batch.
 
+    `sort_by_length`: the rows are cut into micro-batches in order of prompt length (each
+    row with its own generator), and each call drops the left padding columns that all its
+    rows have, so a micro-batch of short prompts runs on short sequences; the output is in
+    the given row order, `sequences` with the P columns of `prompt_ids`. Where a row's
+    positions come from the padding mask (the tiny models, and every adapter but LLaDA's) it
+    sees the same positions and keys, and only the number of hidden padding keys changes:
+    the same tokens but for rounding (tests/test_sampling.py, in float64). LLaDA counts
+    positions itself, so its positions shift by the columns dropped, which RoPE's relative
+    angles absorb, again up to rounding. With a single micro-batch the order is kept.
+
     `synced` with `num_calls`: processes with sharded parameters must make the same model
     calls, so a process with fewer micro-batches than `num_calls` (those of the largest
     share, `micro_batch_calls`) makes the missing ones on its first row and discards them.
     `progress`: a progress bar over the micro-batches."""
-    B = prompt_ids.size(0)
+    B, P = prompt_ids.shape
     if prompt_mask is None:
         prompt_mask = torch.ones_like(prompt_ids)
     if micro_batch is not None and micro_batch < 1:
@@ -711,16 +723,41 @@ def generate_micro_batched(
     if len(starts) > 1 and one_generator:
         raise ValueError("micro-batches need one generator per row (stabledrl.sampling.row_generators): "
                          "a single generator would give other draws than one call")
+    order = torch.arange(B)  # (B,) the rows in the order they are cut into micro-batches
+    if sort_by_length and len(starts) > 1:
+        order = prompt_mask.sum(1).cpu().argsort(stable=True)
     outs = []
     for s in tqdm(starts, desc="sampling", disable=not progress, leave=False):
-        gens = generator if generator is None or one_generator else generator[s : s + size]
-        outs.append(generate(policy, prompt_ids[s : s + size], prompt_mask[s : s + size], generator=gens,
-                             synced=synced, **kwargs))
+        rows = order[s : s + size]  # (b,)
+        gens = generator if generator is None or one_generator else [generator[i] for i in rows.tolist()]
+        ids, mask = prompt_ids[rows.to(prompt_ids.device)], prompt_mask[rows.to(prompt_mask.device)]  # (b, P)
+        lead = _common_padding(mask) if sort_by_length else 0
+        out = generate(policy, ids[:, lead:], mask[:, lead:], generator=gens, synced=synced, **kwargs)
+        if lead:  # back to the P columns of the prompts as given
+            out.sequences = torch.cat([ids[:, :lead], out.sequences], dim=1)  # (b, P + L)
+        outs.append(out)
     if synced and num_calls is not None:
         for _ in range(num_calls - len(starts)):  # the calls of a larger share; output discarded
             spare = [torch.Generator().manual_seed(0)]
             generate(policy, prompt_ids[:1], prompt_mask[:1], generator=spare, synced=True, **kwargs)
-    return concat_outputs(outs)
+    out = concat_outputs(outs)
+    if not torch.equal(order, torch.arange(B)):
+        out = take_rows(out, order.argsort().to(out.completion_ids.device))
+    return out
+
+
+def _common_padding(prompt_mask: torch.Tensor) -> int:
+    """The number of leading columns of (b, P) `prompt_mask` that are padding in every row
+    (none when no row has a prompt token)."""
+    real = prompt_mask.bool().any(0).nonzero()  # columns where some row has a token
+    return int(real[0]) if real.numel() else 0
+
+
+def take_rows(out: GenerationOutput, rows: torch.Tensor) -> GenerationOutput:
+    """The rows `rows` (an index tensor) of `out`, in that order; `forward_passes` kept."""
+    picked = {f.name: getattr(out, f.name)[rows] for f in fields(GenerationOutput)
+              if f.name != "forward_passes" and getattr(out, f.name) is not None}
+    return GenerationOutput(forward_passes=out.forward_passes, **picked)
 
 
 def concat_outputs(outs: Sequence[GenerationOutput]) -> GenerationOutput:
