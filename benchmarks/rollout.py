@@ -9,6 +9,7 @@ decoding scheme, and what each scheme does to held-out accuracy.
     python benchmarks/rollout.py drift --n 200                           # ~2 min
     python benchmarks/rollout.py sort --lengths 64 --repeats 3           # ~6 min
     python benchmarks/rollout.py sort --lengths 256 --repeats 2 --tag -256
+    python benchmarks/rollout.py logprob --repeats 5                     # ~1 min
 
 Each writes its section of benchmarks/results/rollout.json (the others are kept), with the
 command that made it. CPU only, one thread (no GPU was available for these measurements).
@@ -38,6 +39,9 @@ command that made it. CPU only, one thread (no GPU was available for these measu
    micro-batch's common left padding dropped (`sort_by_length`), interleaved; the shipped tiny
    model, EOS suppressed, temperature 1, blocks of 32, steps L/4. Median seconds per rollout of
    the 64 rows, and how many rows wrote the same tokens both ways.
+6. logprob: the cost of recording `token_logprob` (`generate(record_logprob=True)`: a logsumexp
+   over the vocabulary per eligible slot) in one step's draw of 4 rows at L = 256 and LLaDA's
+   vocabulary, counter noise, random logits: `_step` with the record against `_pick` without.
 """
 
 from __future__ import annotations
@@ -129,6 +133,33 @@ def bench_noise(repeats: int) -> dict:
             "generator_step_seconds": _warm_median_time(step("generator"), repeats),
             "counter_step_seconds": _warm_median_time(step("counter"), repeats),
         }
+    return out
+
+
+def bench_logprob(repeats: int, rows: int) -> dict:
+    """The share of `token_logprob` (a full-vocabulary logsumexp per eligible slot, `_step`) in
+    a denoising step's draw (`_pick`), counter noise, at L = 256 and LLaDA's vocabulary, random
+    logits; every column eligible and a block of 32."""
+    from stabledrl.sampling import _step
+
+    L, V = 256, 126_464
+    logits = torch.randn(rows, L, V, generator=torch.Generator().manual_seed(0)) * 3  # (A, L, V)
+    gens = row_generators("logprob", 0, rows)
+    kw = dict(temperature=1.0, remasking="low_confidence", generator=gens, banned=[0, 1, 2], rows=torch.arange(rows),
+              noise="counter", keys=row_keys(gens, rows, "cpu"), step=0, cols=torch.arange(L))
+    out = {"gen_length": L, "vocab": V, "rows": rows}
+    for width in (L, 32):
+        eligible = torch.zeros(rows, L, dtype=torch.bool)
+        eligible[:, :width] = True
+        t = {"clone": _warm_median_time(lambda: logits.clone(), repeats),
+             "pick": _warm_median_time(lambda: _pick(logits.clone(), eligible, 8, **kw), repeats),
+             "step": _warm_median_time(lambda: _step(logits.clone(), eligible, 8, logprob=True, **kw), repeats)}
+        draw = t["step"] - t["clone"]  # the sampler's work on one call's logits, token_logprob included
+        out[f"eligible_{width}"] = {**{f"{k}_seconds": v for k, v in t.items()},
+                                    "logprob_seconds": t["step"] - t["pick"],
+                                    "logprob_share_of_step": (t["step"] - t["pick"]) / draw}
+        print(f"eligible {width}: step {draw:.3f} s, of which token_logprob {t['step'] - t['pick']:.3f} s "
+              f"({(t['step'] - t['pick']) / draw:.1%})", flush=True)
     return out
 
 
@@ -228,7 +259,7 @@ def bench_drift(n: int, mc_samples: int) -> dict:
     result = {}
     for name, options in DRIFT_SCHEMES.items():
         out = generate(policy, ids, mask, gen_length=task.completion_length, temperature=1.0,
-                       generator=row_generators("drift", 0, n), **options)
+                       generator=row_generators("drift", 0, n), record_logprob=True, **options)
         with torch.no_grad():
             path = estimate(policy, ids, out.completion_ids, out.completion_mask, prompt_mask=mask, method="path",
                             unmask_step=out.unmask_step).sequence
@@ -307,7 +338,7 @@ class _CountingGenerate:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("part", choices=["noise", "speed", "accuracy", "drift", "sort"])
+    ap.add_argument("part", choices=["noise", "speed", "accuracy", "drift", "sort", "logprob"])
     ap.add_argument("--model", choices=["tiny", "mid"], default="tiny")
     ap.add_argument("--lengths", type=int, nargs="+", default=[64, 256])
     ap.add_argument("--batch", type=int, default=None, help="rows (speed); default 8 tiny, 1 mid")
@@ -326,6 +357,8 @@ def main() -> None:
     elif args.part == "speed":
         batch = args.batch or (8 if args.model == "tiny" else 1)
         key, section = f"speed_{args.model}{args.tag}", bench_speed(args.model, args.lengths, batch, args.repeats, args.schemes)
+    elif args.part == "logprob":
+        key, section = "logprob", bench_logprob(args.repeats, args.batch or 4)
     elif args.part == "sort":
         key, section = f"sort{args.tag}", bench_sort(args.lengths, args.batch or 64, args.micro_batch, args.repeats,
                                           *args.prompt_lengths)

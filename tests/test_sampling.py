@@ -300,7 +300,7 @@ def test_sorted_micro_batches_drop_padding_and_write_the_tokens_of_one_call(kind
     policy = _EosEager(make_tiny_policy(seed=31, max_position_embeddings=128, **block), boost=1.0)
     policy.model.double()
     ids, mask = encode_prompts(policy.tokenizer, UNEVEN)  # (9, 61): BOS and up to 60 characters
-    common = dict(gen_length=9, temperature=1.0, **kw)
+    common = dict(gen_length=9, temperature=1.0, record_logprob=True, **kw)
     whole = generate_micro_batched(policy, ids, mask, micro_batch=None, generator=row_generators("s", 0, 9), **common)
     part = generate_micro_batched(policy, ids, mask, micro_batch=3, generator=row_generators("s", 0, 9),
                                   sort_by_length=True, **common)
@@ -323,7 +323,7 @@ def test_sorting_prompts_of_one_length_changes_nothing(prompt_widths):
     prompts = ["3,5,7=22", "12,13=99", "1,2,3=45", "20,2=100", "7,7,7=49"]
     ids, mask = encode_prompts(policy.tokenizer, prompts)
     assert mask.all()
-    common = dict(gen_length=8, temperature=1.0, micro_batch=2)
+    common = dict(gen_length=8, temperature=1.0, micro_batch=2, record_logprob=True)
     plain = generate_micro_batched(policy, ids, mask, generator=row_generators("e", 0, 5), **common)
     ordered = generate_micro_batched(policy, ids, mask, generator=row_generators("e", 0, 5), sort_by_length=True,
                                      **common)

@@ -18,7 +18,8 @@ prompts of the request and L = ``request.gen_length``,
 - ``entropy`` (B,) float: the mean entropy of the committed slots' distributions (a
   diagnostic; zeros if the engine does not know it);
 - ``sequences``, ``forward_passes`` and ``token_logprob`` as `GenerationOutput` describes them
-  (an engine may set ``forward_passes`` 0 and ``token_logprob`` None).
+  (an engine may set ``forward_passes`` 0 and ``token_logprob`` None: the trainer does not read
+  ``token_logprob``, and the built-in engine leaves it None).
 Row b must be a sample of the policy ``request.policy`` *as it is now* (the trainer scores it
 with those weights), seeded by ``request.generators[b]``: a row's completion may depend on its
 generator and prompt only, not on its batch. The engine may ignore ``micro_batch``,

@@ -120,8 +120,10 @@ class GenerationOutput:
     """(B, L) the sampler's own log-probability of each scored token: log p(y_i) under the
     model's distribution (untempered, over the whole vocabulary) in the call that committed
     slot i, what the `path` estimator scores (`stabledrl.likelihood`); 0 on the unscored
-    slots. (The draw itself excludes MASK, PAD, BOS and UNK, and is tempered.) The built-in sampler
-    always fills it; another engine may leave it None."""
+    slots. (The draw itself excludes MASK, PAD, BOS and UNK, and is tempered.) Filled by the
+    built-in sampler when asked, ``generate(record_logprob=True)`` (a logsumexp over the
+    vocabulary for every eligible slot of every step: a quarter of a step's draw at a 126k
+    vocabulary), else None; the trainer does not read it, and another engine may leave it None."""
 
 
 def _rows_topk(scores: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
@@ -314,11 +316,13 @@ def _pick(
     return chosen, x0, ent
 
 
-def _step(logits: torch.Tensor, eligible: torch.Tensor, steps_left: int | torch.Tensor,
+def _step(logits: torch.Tensor, eligible: torch.Tensor, steps_left: int | torch.Tensor, *, logprob: bool,
           **kw) -> tuple[torch.Tensor, ...]:
-    """`_pick`, and the model's log-probability of each draw (A, W): over the whole
-    vocabulary, special tokens included, as the likelihood scores it (the draw excludes
-    them); computed on the eligible slots (−inf or 0 elsewhere, never committed)."""
+    """`_pick`, and with `logprob` the model's log-probability of each draw (A, W), else None:
+    over the whole vocabulary, special tokens included, as the likelihood scores it (the draw
+    excludes them); computed on the eligible slots (−inf or 0 elsewhere, never committed)."""
+    if not logprob:
+        return *_pick(logits, eligible, steps_left, **kw), None
     lse = torch.zeros(eligible.shape, device=logits.device)  # (A, W) the model's normaliser
     lse[eligible] = logits[eligible].logsumexp(-1)
     chosen, x0, ent = _pick(logits, eligible, steps_left, **kw)
@@ -328,14 +332,15 @@ def _step(logits: torch.Tensor, eligible: torch.Tensor, steps_left: int | torch.
 class _Decoding:
     """The completion being written and its bookkeeping, shared by both samplers."""
 
-    def __init__(self, policy: Policy, B: int, L: int, device: torch.device) -> None:
+    def __init__(self, policy: Policy, B: int, L: int, device: torch.device, record_logprob: bool = False) -> None:
         self.mask_id, self.pad_id = policy.mask_token_id, policy.pad_token_id
         self.stop_ids = tuple(getattr(policy, "stop_token_ids", (policy.eos_token_id,)))  # ends a completion
         self.banned = sorted({self.mask_id, self.pad_id, *policy.tokenizer.all_special_ids} - set(self.stop_ids))
         self.comp = torch.full((B, L), self.mask_id, dtype=torch.long, device=device)  # (B, L)
         self.unmask_step = torch.full((B, L), -1, dtype=torch.long, device=device)
         self.entropy_sum = torch.zeros(B, device=device)
-        self.logprob = torch.zeros((B, L), device=device)  # (B, L) log p of each committed token
+        # (B, L) log p of each committed token, if recorded
+        self.logprob = torch.zeros((B, L), device=device) if record_logprob else None
         self.committed = torch.zeros(B, device=device)
         self.passes = 0
 
@@ -343,9 +348,10 @@ class _Decoding:
         """Write the chosen tokens of rows `rows` in columns `cols`; PAD after any EOS.
         `step`: the step number, or (A,) each row's own."""
         self.entropy_sum[rows] += (ent * chosen).sum(-1)
-        logprob = self.logprob[rows]  # (A, L)
-        logprob[:, cols] = torch.where(chosen, logp.float(), logprob[:, cols])
-        self.logprob[rows] = logprob
+        if self.logprob is not None:
+            logprob = self.logprob[rows]  # (A, L)
+            logprob[:, cols] = torch.where(chosen, logp.float(), logprob[:, cols])
+            self.logprob[rows] = logprob
         self.committed[rows] += chosen.sum(-1)
         comp = self.comp[rows]  # (A, L)
         comp[:, cols] = torch.where(chosen, x0, comp[:, cols])
@@ -369,7 +375,7 @@ class _Decoding:
             unmask_step=self.unmask_step,
             forward_passes=self.passes,
             entropy=self.entropy_sum / self.committed.clamp(min=1),
-            token_logprob=self.logprob.masked_fill(~scored, 0.0),
+            token_logprob=None if self.logprob is None else self.logprob.masked_fill(~scored, 0.0),
         )
 
 
@@ -455,6 +461,7 @@ def generate(
     noise: Noise = "generator",
     threshold: float | None = None,
     approx_cache: ApproxCache = "none",
+    record_logprob: bool = False,
 ) -> GenerationOutput:
     """Generate `gen_length` tokens after each (left-padded) prompt.
 
@@ -474,6 +481,9 @@ def generate(
     commits every slot whose confidence exceeds it (parallel decoding; None or 1: today's
     tokens); `approx_cache` "prefix" / "dual" (full attention, a policy with `new_cache`):
     Fast-dLLM's approximate caches, refreshed at each block's first step.
+    `record_logprob`: fill `GenerationOutput.token_logprob` (the sampler's own log-probability of
+    each token, which the `path` estimator should reproduce; the trainer does not need it);
+    else it is None. Same tokens either way.
     """
     B, P = prompt_ids.shape
     L = gen_length
@@ -485,7 +495,7 @@ def generate(
         prompt_mask = torch.ones_like(prompt_ids)
     # Steps per block: as even as possible, earlier blocks take the remainder.
     per_block = [steps // num_blocks + (b < steps % num_blocks) for b in range(num_blocks)]
-    dec = _Decoding(policy, B, L, prompt_ids.device)
+    dec = _Decoding(policy, B, L, prompt_ids.device, record_logprob)
     pick = dict(temperature=temperature, remasking=remasking, generator=generator, banned=dec.banned,
                 top_k=top_k, top_p=top_p, eos_confidence_scale=eos_confidence_scale, stop_ids=dec.stop_ids,
                 noise=noise, threshold=threshold)
@@ -567,7 +577,8 @@ def _decode_full(policy, dec: _Decoding, prompt_ids, prompt_mask, block_length, 
             else:
                 logits = cache.logits(x, active).float()  # (A, W, V)
             dec.passes += 1
-            chosen, x0, ent, logp = _step(logits, eligible[active][:, cols], block_steps - s, rows=active,
+            chosen, x0, ent, logp = _step(logits, eligible[active][:, cols], block_steps - s,
+                                          logprob=dec.logprob is not None, rows=active,
                                           keys=None if keys is None else keys[active], step=step,
                                           cols=slot[cols], **pick)
             dec.commit(active, cols, chosen, x0, ent, logp, step)
@@ -653,7 +664,8 @@ def _decode_blocks(policy, dec: _Decoding, prompt_ids, prompt_mask, S, steps, us
                 # A row draws noise for its own block's columns, and only while it has slots to fill: its
                 # draws do not depend on the other rows (a row without any has none left: EOS came).
                 own = member & eligible.any(1, keepdim=True)  # (B, W_j)
-                chosen, x0, ent, logp = _step(logits.float(), eligible, steps_left, rows=rows, own=own, keys=noise_keys,
+                chosen, x0, ent, logp = _step(logits.float(), eligible, steps_left, logprob=dec.logprob is not None,
+                                              rows=rows, own=own, keys=noise_keys,
                                               step=first_step[:, j] + s, cols=torch.arange(lo, hi, device=device),
                                               **pick)
                 dec.commit(rows, slice(lo, hi), chosen, x0, ent, logp, first_step[:, j] + s)
