@@ -122,8 +122,8 @@ class GenerationOutput:
     slot i, what the `path` estimator scores (`stabledrl.likelihood`); 0 on the unscored
     slots. (The draw itself excludes MASK, PAD, BOS and UNK, and is tempered.) Filled by the
     built-in sampler when asked, ``generate(record_logprob=True)`` (a logsumexp over the
-    vocabulary for every eligible slot of every step: a quarter of a step's draw at a 126k
-    vocabulary), else None; the trainer does not read it, and another engine may leave it None."""
+    vocabulary for every eligible slot of every step: a quarter to a third of a step's draw at
+    a 126k vocabulary), else None; the trainer does not read it, and another engine may leave it None."""
 
 
 def _rows_topk(scores: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
@@ -724,7 +724,7 @@ def generate_micro_batched(
     calls, so a process with fewer micro-batches than `num_calls` (those of the largest
     share, `micro_batch_calls`) makes the missing ones on its first row and discards them.
     `progress`: a progress bar over the micro-batches."""
-    B, P = prompt_ids.shape
+    B = prompt_ids.size(0)
     if prompt_mask is None:
         prompt_mask = torch.ones_like(prompt_ids)
     if micro_batch is not None and micro_batch < 1:
