@@ -7,6 +7,9 @@ decoding scheme, and what each scheme does to held-out accuracy.
     python benchmarks/rollout.py speed --model mid --lengths 64 256      # ~15 min
     python benchmarks/rollout.py accuracy --n 500                        # ~5 min
     python benchmarks/rollout.py drift --n 200                           # ~2 min
+    python benchmarks/rollout.py sort --lengths 64 --repeats 3           # ~6 min
+    python benchmarks/rollout.py sort --lengths 256 --repeats 2 --tag -256
+    python benchmarks/rollout.py logprob --repeats 5                     # ~1 min
 
 Each writes its section of benchmarks/results/rollout.json (the others are kept), with the
 command that made it. CPU only, one thread (no GPU was available for these measurements).
@@ -31,6 +34,14 @@ command that made it. CPU only, one thread (no GPU was available for these measu
 4. drift: temperature-1 rollouts of the shipped model under each scheme; per row the sampler's
    own log-probability (Σ token_logprob), the path estimate and an mc ELBO (16 views): how far
    what RL estimates is from what the sampler did.
+5. sort: B = 64 prompts of random tokens whose lengths vary as GSM8K's (uniform in 40..300
+   tokens), micro-batches of 16, in the given order against sorted by prompt length with each
+   micro-batch's common left padding dropped (`sort_by_length`), interleaved; the shipped tiny
+   model, EOS suppressed, temperature 1, blocks of 32, steps L/4. Median seconds per rollout of
+   the 64 rows, and how many rows wrote the same tokens both ways.
+6. logprob: the cost of recording `token_logprob` (`generate(record_logprob=True)`: a logsumexp
+   over the vocabulary per eligible slot) in one step's draw of 4 rows at L = 256 and LLaDA's
+   vocabulary, counter noise, random logits: `_step` with the record against `_pick` without.
 """
 
 from __future__ import annotations
@@ -49,7 +60,7 @@ import torch
 from stabledrl.data import encode_policy_prompts
 from stabledrl.evaluate import evaluate
 from stabledrl.models import TinyPolicy, load_policy
-from stabledrl.sampling import SamplingConfig, _pick, generate, row_generators, row_keys
+from stabledrl.sampling import SamplingConfig, _pick, generate, generate_micro_batched, row_generators, row_keys
 from stabledrl.tasks import get_task
 from stabledrl.tokenizer import build_char_tokenizer
 
@@ -122,6 +133,33 @@ def bench_noise(repeats: int) -> dict:
             "generator_step_seconds": _warm_median_time(step("generator"), repeats),
             "counter_step_seconds": _warm_median_time(step("counter"), repeats),
         }
+    return out
+
+
+def bench_logprob(repeats: int, rows: int) -> dict:
+    """The share of `token_logprob` (a full-vocabulary logsumexp per eligible slot, `_step`) in
+    a denoising step's draw (`_pick`), counter noise, at L = 256 and LLaDA's vocabulary, random
+    logits; every column eligible and a block of 32."""
+    from stabledrl.sampling import _step
+
+    L, V = 256, 126_464
+    logits = torch.randn(rows, L, V, generator=torch.Generator().manual_seed(0)) * 3  # (A, L, V)
+    gens = row_generators("logprob", 0, rows)
+    kw = dict(temperature=1.0, remasking="low_confidence", generator=gens, banned=[0, 1, 2], rows=torch.arange(rows),
+              noise="counter", keys=row_keys(gens, rows, "cpu"), step=0, cols=torch.arange(L))
+    out = {"gen_length": L, "vocab": V, "rows": rows}
+    for width in (L, 32):
+        eligible = torch.zeros(rows, L, dtype=torch.bool)
+        eligible[:, :width] = True
+        t = {"clone": _warm_median_time(lambda: logits.clone(), repeats),
+             "pick": _warm_median_time(lambda: _pick(logits.clone(), eligible, 8, **kw), repeats),
+             "step": _warm_median_time(lambda: _step(logits.clone(), eligible, 8, logprob=True, **kw), repeats)}
+        draw = t["step"] - t["clone"]  # the sampler's work on one call's logits, token_logprob included
+        out[f"eligible_{width}"] = {**{f"{k}_seconds": v for k, v in t.items()},
+                                    "logprob_seconds": t["step"] - t["pick"],
+                                    "logprob_share_of_step": (t["step"] - t["pick"]) / draw}
+        print(f"eligible {width}: step {draw:.3f} s, of which token_logprob {t['step'] - t['pick']:.3f} s "
+              f"({(t['step'] - t['pick']) / draw:.1%})", flush=True)
     return out
 
 
@@ -221,7 +259,7 @@ def bench_drift(n: int, mc_samples: int) -> dict:
     result = {}
     for name, options in DRIFT_SCHEMES.items():
         out = generate(policy, ids, mask, gen_length=task.completion_length, temperature=1.0,
-                       generator=row_generators("drift", 0, n), **options)
+                       generator=row_generators("drift", 0, n), record_logprob=True, **options)
         with torch.no_grad():
             path = estimate(policy, ids, out.completion_ids, out.completion_mask, prompt_mask=mask, method="path",
                             unmask_step=out.unmask_step).sequence
@@ -235,6 +273,44 @@ def bench_drift(n: int, mc_samples: int) -> dict:
                         "completion_length_mean": float(out.completion_mask.sum(1).double().mean())}
         print(name, {k: round(v, 4) for k, v in result[name].items()}, flush=True)
     return {"n": n, "mc_samples": mc_samples, "temperature": 1.0, "results": result}
+
+
+def bench_sort(lengths: list[int], batch: int, micro_batch: int, repeats: int, lo: int, hi: int) -> dict:
+    """Micro-batched rollouts of prompts whose lengths vary as GSM8K's do (uniform in [lo, hi]
+    tokens, random tokens, left-padded to hi), in the given order against sorted by length
+    (`generate_micro_batched(sort_by_length=True)`), interleaved; the shipped tiny model with
+    EOS suppressed, temperature 1, blocks of 32, steps L/4."""
+    policy = Timed(load_policy(SHIPPED), no_eos=True)
+    rng = torch.Generator().manual_seed(0)
+    special = set(policy.tokenizer.all_special_ids)
+    vocab = torch.tensor([t for t in range(len(policy.tokenizer)) if t not in special])
+    n = torch.randint(lo, hi + 1, (batch,), generator=rng)  # (B,) prompt lengths
+    P = int(n.max())
+    mask = (torch.arange(P) >= P - n[:, None]).long()  # (B, P) left padding
+    ids = vocab[torch.randint(0, vocab.numel(), (batch, P), generator=rng)].masked_fill(mask == 0,
+                                                                                       policy.pad_token_id)
+    result = {"prompt_lengths": n.tolist(), "batch": batch, "micro_batch": micro_batch}
+    for L in lengths:
+        common = dict(gen_length=L, steps=L // 4, block_length=32, temperature=1.0, micro_batch=micro_batch)
+        runs = {False: [], True: []}
+        outs = {}
+        for r in range(repeats + 1):  # the first round warms up and is dropped
+            for sort in (False, True):
+                policy.seconds = 0.0
+                t0 = time.perf_counter()
+                outs[sort] = generate_micro_batched(policy, ids, mask, generator=row_generators(f"sort/{r}", 0, batch),
+                                                    sort_by_length=sort, **common)
+                if r:
+                    runs[sort].append({"seconds": time.perf_counter() - t0, "forward_seconds": policy.seconds,
+                                       "forward_passes": outs[sort].forward_passes})
+        med = {k: statistics.median(x["seconds"] for x in v) for k, v in runs.items()}
+        same = (outs[False].completion_ids == outs[True].completion_ids).all(1)  # (B,) the last round's rows
+        result[f"L{L}"] = {"settings": common, "unsorted_seconds_median": med[False],
+                           "sorted_seconds_median": med[True], "speedup": med[False] / med[True],
+                           "rows_with_identical_tokens": int(same.sum()), "runs": {str(k): v for k, v in runs.items()}}
+        print(f"L={L}: unsorted {med[False]:.2f} s, sorted {med[True]:.2f} s, {med[False] / med[True]:.2f}x; "
+              f"identical rows {int(same.sum())}/{batch}", flush=True)
+    return result
 
 
 class _CountingGenerate:
@@ -262,7 +338,7 @@ class _CountingGenerate:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("part", choices=["noise", "speed", "accuracy", "drift"])
+    ap.add_argument("part", choices=["noise", "speed", "accuracy", "drift", "sort", "logprob"])
     ap.add_argument("--model", choices=["tiny", "mid"], default="tiny")
     ap.add_argument("--lengths", type=int, nargs="+", default=[64, 256])
     ap.add_argument("--batch", type=int, default=None, help="rows (speed); default 8 tiny, 1 mid")
@@ -270,7 +346,10 @@ def main() -> None:
     ap.add_argument("--schemes", nargs="+", default=list(SCHEMES), choices=list(SCHEMES))
     ap.add_argument("--n", type=int, default=500)
     ap.add_argument("--mc-samples", type=int, default=16)
-    ap.add_argument("--tag", default="", help="appended to the JSON key of a speed section")
+    ap.add_argument("--tag", default="", help="appended to the JSON key of a speed or sort section")
+    ap.add_argument("--micro-batch", type=int, default=16, help="rows per sampler call (sort)")
+    ap.add_argument("--prompt-lengths", type=int, nargs=2, default=[40, 300], metavar=("LO", "HI"),
+                    help="prompt lengths, uniform in [LO, HI] tokens (sort)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     if args.part == "noise":
@@ -278,6 +357,11 @@ def main() -> None:
     elif args.part == "speed":
         batch = args.batch or (8 if args.model == "tiny" else 1)
         key, section = f"speed_{args.model}{args.tag}", bench_speed(args.model, args.lengths, batch, args.repeats, args.schemes)
+    elif args.part == "logprob":
+        key, section = "logprob", bench_logprob(args.repeats, args.batch or 4)
+    elif args.part == "sort":
+        key, section = f"sort{args.tag}", bench_sort(args.lengths, args.batch or 64, args.micro_batch, args.repeats,
+                                          *args.prompt_lengths)
     elif args.part == "drift":
         key, section = "drift", bench_drift(args.n, args.mc_samples)
     else:

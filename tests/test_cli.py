@@ -27,6 +27,21 @@ def test_eval_prints_and_writes_json(saved_model, tmp_path, capsys):
     assert report["mean_reward"] == pytest.approx(sum(s["reward"] for s in report["samples"]) / 12)
 
 
+def test_eval_sorts_batches_by_prompt_length_when_asked(saved_model, tmp_path, monkeypatch):
+    import stabledrl.evaluate as evaluate_mod
+
+    seen, real = [], evaluate_mod.evaluate
+
+    def spy(policy, task, problems, sampling, **kw):
+        seen.append(sampling.sort_by_length)
+        return real(policy, task, problems, sampling, **kw)
+
+    monkeypatch.setattr(evaluate_mod, "evaluate", spy)
+    common = ["eval", "--model", str(saved_model), "--n", "4", "--batch-size", "2", "--out", str(tmp_path / "e.json")]
+    assert main(common + ["--sort-by-length"]) == 0 and main(common) == 0
+    assert seen == [True, False]
+
+
 def test_sample_prints_one_line_per_completion(saved_model, capsys):
     args = ["sample", "--model", str(saved_model), "--prompt", "3,5,7=22", "--prompt", "1,2,3=6",
             "--num-samples", "2", "--temperature", "1.0", "--seed", "3"]

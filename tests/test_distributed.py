@@ -118,6 +118,11 @@ def assert_same_update(a: dict, b: dict) -> None:
     ("stabledrl", {"group_size": 3}, {"estimator.max_views_per_forward": 2}, False),
     # the path estimator replays each rollout's unmask order, which is gathered with the rows
     ("stabledrl", {"group_size": 3, "estimator.method": "path", "estimator.num_samples": 1}, {}, False),
+    # counter noise: a row's keys come from its own generator, so it samples the same on either
+    # process as in one (uneven shares). Temperature set again: a rollout section given in an
+    # override is built from SamplingConfig's defaults (temperature 0), not TrainConfig's (1)
+    pytest.param("stabledrl", {"group_size": 3, "rollout.noise": "counter", "rollout.temperature": 1.0}, {}, False,
+                 id="counter-noise"),
     # FSDP (configs/accelerate/fsdp.yaml, on CPU: see _cpu_fsdp_main): each process holds
     # half of every weight; sampling in lockstep, gathered weights saved
     ("stabledrl", {}, {}, True),
@@ -137,6 +142,13 @@ def test_two_processes_make_the_update_of_one(init_model, tmp_path, objective, c
     # reference copy differs (under FSDP, one loaded without its weights)
     for key in ("reward_mean", "loss", "grad_norm", "ratio_max", "groups_used", "drift_kl"):
         assert r1[key] == pytest.approx(r2[key], rel=1e-5, abs=1e-7), key
+    if common.get("rollout.noise") == "counter":  # not vacuous: random rollouts, which the noise decides
+        cfg = load_config(TrainConfig, None, _overrides(init_model, tmp_path / "generator", objective, **{
+            **common, "rollout.noise": "generator"}))
+        assert cfg.rollout.temperature > 0
+        run_train(cfg, progress=False)
+        other = tmp_path / "generator"
+        assert _max_diff(_update(init_model, one), _update(init_model, other)) > 1e-2
 
 
 def test_micro_batches_give_the_update_of_one_batch(init_model, tmp_path):

@@ -45,6 +45,22 @@ def test_the_micro_batch_comes_from_the_argument_then_the_sampling_settings_then
     assert seen == [1, 2, 256]
 
 
+def test_sort_by_length_reaches_the_sampler(monkeypatch):
+    seen = []
+    real = evaluate_mod.generate_micro_batched
+
+    def spy(*args, sort_by_length, **kw):
+        seen.append(sort_by_length)
+        return real(*args, sort_by_length=sort_by_length, **kw)
+
+    monkeypatch.setattr(evaluate_mod, "generate_micro_batched", spy)
+    policy, task = make_tiny_policy(seed=5), get_task("countdown")
+    problems = task.generate(3, split="test", seed=0)
+    for sort in (True, False):
+        evaluate(policy, task, problems, SamplingConfig(micro_batch=2, sort_by_length=sort), progress=False)
+    assert seen == [True, False]
+
+
 def test_each_completion_is_scored_once_and_the_figures_are_the_tasks():
     # One `score` per completion gives both its reward and its correctness (no second pass
     # for is_correct); the figures are those reward and is_correct give.

@@ -158,8 +158,8 @@ def test_counter_noise_a_row_samples_the_same_alone_in_a_batch_and_in_micro_batc
 @pytest.mark.parametrize("kind,kw", [("full", {}), ("full", {"block_length": 4}), ("block", {})])
 def test_counter_noise_leaves_greedy_decoding_unchanged(kind, kw):
     policy = make_tiny_policy(seed=8, **(BLOCK if kind == "block" else {}))
-    want = _run(policy, gen_length=10, steps=6, **kw)
-    got = _run(policy, gen_length=10, steps=6, noise="counter", **kw)
+    want = _run(policy, gen_length=10, steps=6, record_logprob=True, **kw)
+    got = _run(policy, gen_length=10, steps=6, noise="counter", record_logprob=True, **kw)
     assert torch.equal(got.completion_ids, want.completion_ids) and torch.equal(got.unmask_step, want.unmask_step)
     assert torch.equal(got.token_logprob, want.token_logprob)
 
@@ -202,8 +202,8 @@ def test_threshold_commits_every_slot_above_it_and_at_least_the_schedule():
 ])
 def test_threshold_one_gives_todays_tokens_bit_for_bit(kind, kw):
     policy = Sharpened(make_tiny_policy(seed=12, **(BLOCK if kind == "block" else {})))
-    outs = [_run(policy, gen_length=10, steps=7, generator=row_generators("th", 0, 5), threshold=tau, **kw)
-            for tau in (None, 1.0)]
+    outs = [_run(policy, gen_length=10, steps=7, generator=row_generators("th", 0, 5), threshold=tau,
+                 record_logprob=True, **kw) for tau in (None, 1.0)]
     for f in ("completion_ids", "unmask_step", "entropy", "token_logprob"):
         assert torch.equal(getattr(outs[0], f), getattr(outs[1], f)), f
     assert outs[0].forward_passes == outs[1].forward_passes
@@ -237,7 +237,8 @@ def test_path_scores_a_parallel_decoded_trajectory_exactly(kind, gen_kw):
     policy = EosLeaning(Sharpened(make_tiny_policy(seed=5, **(BLOCK if kind == "block" else {}))), bias=12.0)
     checked = parallel = 0
     for seed in range(24):
-        out, ids, mask, want, approximated = sampler_path_logprob(policy, PROMPTS[seed % 4], L, seed, **gen_kw)
+        out, ids, mask, want, approximated = sampler_path_logprob(policy, PROMPTS[seed % 4], L, seed,
+                                                                  record_logprob=True, **gen_kw)
         if approximated:  # an EOS turned an earlier committed slot into PAD: path's known approximation
             continue
         recorded = float(out.token_logprob[0].sum())
@@ -250,6 +251,22 @@ def test_path_scores_a_parallel_decoded_trajectory_exactly(kind, gen_kw):
         steps = out.unmask_step[0][out.completion_mask[0]]
         parallel += int(steps.unique().numel() < steps.numel())  # some slots were committed together
     assert checked >= 6 and parallel >= 3
+
+
+@pytest.mark.parametrize("kind,kw", [("full", {}), ("full", {"noise": "counter", "block_length": 4}),
+                                     ("block", {}), ("block", {"noise": "counter"})])
+def test_token_logprob_is_recorded_only_when_asked_and_changes_no_token(kind, kw):
+    # The record costs a logsumexp over the vocabulary per eligible slot and step; the trainer
+    # does not read it, so it is off by default, and asking for it changes no draw.
+    policy = make_tiny_policy(seed=14, **(BLOCK if kind == "block" else {}))
+    common = dict(gen_length=8, temperature=1.0, **kw)
+    plain = _run(policy, generator=row_generators("lp", 0, 5), **common)
+    recorded = _run(policy, generator=row_generators("lp", 0, 5), record_logprob=True, **common)
+    assert plain.token_logprob is None
+    for f in ("completion_ids", "unmask_step", "entropy"):
+        assert torch.equal(getattr(plain, f), getattr(recorded, f)), f
+    lp = recorded.token_logprob  # (5, 8): log p of each scored token, 0 elsewhere
+    assert (lp[recorded.completion_mask] < 0).all() and (lp[~recorded.completion_mask] == 0).all()
 
 
 # ---------------------------------------------------------------- approximate caches

@@ -263,6 +263,76 @@ def test_micro_batches_write_the_same_tokens_as_one_call(block, temperature):
                                    **common)
 
 
+@pytest.fixture
+def prompt_widths(monkeypatch):
+    """The prompt columns P of each `generate` call that `generate_micro_batched` makes."""
+    import stabledrl.sampling as sampling
+
+    widths, real = [], sampling.generate
+
+    def recorded(policy, prompt_ids, *args, **kwargs):
+        widths.append(prompt_ids.size(1))
+        return real(policy, prompt_ids, *args, **kwargs)
+
+    monkeypatch.setattr(sampling, "generate", recorded)
+    return widths
+
+
+def _digits(n: int, seed: int) -> str:
+    """A prompt of n characters the char tokenizer knows."""
+    rng = torch.Generator().manual_seed(seed)
+    return "".join("0123456789,+="[int(i)] for i in torch.randint(0, 13, (n,), generator=rng))
+
+
+# prompt lengths 2 .. 60 characters, in no order: sorted, micro-batches of 3 hold 2-9, 14-30, 41-60
+UNEVEN = [_digits(n, i) for i, n in enumerate((41, 3, 60, 9, 14, 2, 30, 52, 21))]
+
+
+@pytest.mark.parametrize("kind,kw", [("full", {}), ("full", {"block_length": 4}), ("full", {"noise": "counter"}),
+                                     ("block", {}), ("block", {"kv_cache": False})])
+def test_sorted_micro_batches_drop_padding_and_write_the_tokens_of_one_call(kind, kw, prompt_widths):
+    # Sorted by prompt length, each micro-batch of 3 runs without the padding columns all
+    # its rows have (short prompts on short sequences); each row keeps its own generator, so
+    # it writes what it writes in one call of all 9 rows over the whole P columns. Only the
+    # number of hidden padding keys differs, so the model runs in float64: a rounding
+    # difference of 1e-16 cannot flip a token.
+    block = dict(attention_kind="block", block_size=3) if kind == "block" else {}
+    policy = _EosEager(make_tiny_policy(seed=31, max_position_embeddings=128, **block), boost=1.0)
+    policy.model.double()
+    ids, mask = encode_prompts(policy.tokenizer, UNEVEN)  # (9, 61): BOS and up to 60 characters
+    common = dict(gen_length=9, temperature=1.0, record_logprob=True, **kw)
+    whole = generate_micro_batched(policy, ids, mask, micro_batch=None, generator=row_generators("s", 0, 9), **common)
+    part = generate_micro_batched(policy, ids, mask, micro_batch=3, generator=row_generators("s", 0, 9),
+                                  sort_by_length=True, **common)
+    assert prompt_widths == [61, 1 + 9, 1 + 30, 1 + 60]  # one call over all columns; then each micro-batch's
+    for f in ("sequences", "completion_ids", "completion_mask", "unmask_step"):
+        assert torch.equal(getattr(part, f), getattr(whole, f)), f
+    assert len(set(whole.completion_mask.sum(1).tolist())) > 1  # rows end at different slots
+    torch.testing.assert_close(part.entropy, whole.entropy, rtol=0, atol=1e-6)
+    torch.testing.assert_close(part.token_logprob, whole.token_logprob, rtol=0, atol=1e-6)
+    assert part.forward_passes > whole.forward_passes  # summed over the 3 calls
+    other = generate_micro_batched(policy, ids, mask, micro_batch=3, generator=row_generators("t", 0, 9),
+                                   sort_by_length=True, **common)
+    assert not torch.equal(other.completion_ids, whole.completion_ids)  # the noise does matter
+
+
+def test_sorting_prompts_of_one_length_changes_nothing(prompt_widths):
+    # Equal lengths: the stable sort keeps the order and no column is padding in every row, so
+    # the calls and the output are those without the option, bit for bit (in float32).
+    policy = make_tiny_policy(seed=32)
+    prompts = ["3,5,7=22", "12,13=99", "1,2,3=45", "20,2=100", "7,7,7=49"]
+    ids, mask = encode_prompts(policy.tokenizer, prompts)
+    assert mask.all()
+    common = dict(gen_length=8, temperature=1.0, micro_batch=2, record_logprob=True)
+    plain = generate_micro_batched(policy, ids, mask, generator=row_generators("e", 0, 5), **common)
+    ordered = generate_micro_batched(policy, ids, mask, generator=row_generators("e", 0, 5), sort_by_length=True,
+                                     **common)
+    assert prompt_widths == [9] * 6
+    for f in ("sequences", "completion_ids", "completion_mask", "unmask_step", "entropy", "token_logprob"):
+        assert torch.equal(getattr(ordered, f), getattr(plain, f)), f
+    assert ordered.forward_passes == plain.forward_passes
+
+
 class _Counting:
     """A policy that counts its model calls."""
 

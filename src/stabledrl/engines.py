@@ -18,12 +18,13 @@ prompts of the request and L = ``request.gen_length``,
 - ``entropy`` (B,) float: the mean entropy of the committed slots' distributions (a
   diagnostic; zeros if the engine does not know it);
 - ``sequences``, ``forward_passes`` and ``token_logprob`` as `GenerationOutput` describes them
-  (an engine may set ``forward_passes`` 0 and ``token_logprob`` None).
+  (an engine may set ``forward_passes`` 0 and ``token_logprob`` None: the trainer does not read
+  ``token_logprob``, and the built-in engine leaves it None).
 Row b must be a sample of the policy ``request.policy`` *as it is now* (the trainer scores it
 with those weights), seeded by ``request.generators[b]``: a row's completion may depend on its
 generator and prompt only, not on its batch. The engine may ignore ``micro_batch``,
-``synced``, ``num_calls`` and ``progress`` (the built-in sampler's options). `check_output`
-enforces the shapes and types, with an error naming the engine.
+``synced``, ``num_calls``, ``progress`` and ``sampling.sort_by_length`` (the built-in sampler's
+options). `check_output` enforces the shapes and types, with an error naming the engine.
 """
 
 from __future__ import annotations
@@ -84,7 +85,8 @@ class BuiltinEngine:
         r = request
         return generate_micro_batched(r.policy, r.prompt_ids, r.prompt_mask, micro_batch=r.micro_batch,
                                       generator=r.generators, synced=r.synced, num_calls=r.num_calls,
-                                      progress=r.progress, gen_length=r.gen_length, **r.sampling.generate_kwargs())
+                                      progress=r.progress, sort_by_length=r.sampling.sort_by_length,
+                                      gen_length=r.gen_length, **r.sampling.generate_kwargs())
 
 
 def load_engine(spec: str = "builtin", options: dict[str, Any] | None = None) -> RolloutEngine:

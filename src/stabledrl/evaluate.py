@@ -68,7 +68,8 @@ def evaluate(
     ids, mask = encode_policy_prompts(policy, [p.prompt for p in problems])  # (n, P): one padding for all
     out = generate_micro_batched(policy, ids.to(policy.device), mask.to(policy.device), micro_batch=micro_batch,
                                  generator=generators, synced=synced, num_calls=num_calls, progress=progress,
-                                 gen_length=gen_length, **sampling.generate_kwargs())
+                                 sort_by_length=sampling.sort_by_length, gen_length=gen_length,
+                                 **sampling.generate_kwargs())
     texts = decode_policy_completions(policy, out.completion_ids.cpu())
     seconds = time.perf_counter() - t0
     policy.model.train(was_training)

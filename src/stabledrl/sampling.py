@@ -95,7 +95,8 @@ from stabledrl.models.policy import Policy
 from stabledrl.settings import ApproxCache, Noise, SamplingConfig  # defined without torch, for the command line
 
 __all__ = ["SamplingConfig", "GenerationOutput", "generate", "generate_micro_batched", "micro_batch_calls",
-           "restrict_logits", "row_generators", "row_keys", "check_fast_decoding", "counter_uniform", "categorical", "concat_outputs"]
+           "restrict_logits", "row_generators", "row_keys", "check_fast_decoding", "counter_uniform", "categorical", "concat_outputs",
+           "take_rows"]
 
 
 @dataclass
@@ -119,8 +120,10 @@ class GenerationOutput:
     """(B, L) the sampler's own log-probability of each scored token: log p(y_i) under the
     model's distribution (untempered, over the whole vocabulary) in the call that committed
     slot i, what the `path` estimator scores (`stabledrl.likelihood`); 0 on the unscored
-    slots. (The draw itself excludes MASK, PAD, BOS and UNK, and is tempered.) The built-in sampler
-    always fills it; another engine may leave it None."""
+    slots. (The draw itself excludes MASK, PAD, BOS and UNK, and is tempered.) Filled by the
+    built-in sampler when asked, ``generate(record_logprob=True)`` (a logsumexp over the
+    vocabulary for every eligible slot of every step: a quarter to a third of a step's draw at
+    a 126k vocabulary), else None; the trainer does not read it, and another engine may leave it None."""
 
 
 def _rows_topk(scores: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
@@ -313,11 +316,13 @@ def _pick(
     return chosen, x0, ent
 
 
-def _step(logits: torch.Tensor, eligible: torch.Tensor, steps_left: int | torch.Tensor,
+def _step(logits: torch.Tensor, eligible: torch.Tensor, steps_left: int | torch.Tensor, *, logprob: bool,
           **kw) -> tuple[torch.Tensor, ...]:
-    """`_pick`, and the model's log-probability of each draw (A, W): over the whole
-    vocabulary, special tokens included, as the likelihood scores it (the draw excludes
-    them); computed on the eligible slots (−inf or 0 elsewhere, never committed)."""
+    """`_pick`, and with `logprob` the model's log-probability of each draw (A, W), else None:
+    over the whole vocabulary, special tokens included, as the likelihood scores it (the draw
+    excludes them); computed on the eligible slots (−inf or 0 elsewhere, never committed)."""
+    if not logprob:
+        return *_pick(logits, eligible, steps_left, **kw), None
     lse = torch.zeros(eligible.shape, device=logits.device)  # (A, W) the model's normaliser
     lse[eligible] = logits[eligible].logsumexp(-1)
     chosen, x0, ent = _pick(logits, eligible, steps_left, **kw)
@@ -327,14 +332,15 @@ def _step(logits: torch.Tensor, eligible: torch.Tensor, steps_left: int | torch.
 class _Decoding:
     """The completion being written and its bookkeeping, shared by both samplers."""
 
-    def __init__(self, policy: Policy, B: int, L: int, device: torch.device) -> None:
+    def __init__(self, policy: Policy, B: int, L: int, device: torch.device, record_logprob: bool = False) -> None:
         self.mask_id, self.pad_id = policy.mask_token_id, policy.pad_token_id
         self.stop_ids = tuple(getattr(policy, "stop_token_ids", (policy.eos_token_id,)))  # ends a completion
         self.banned = sorted({self.mask_id, self.pad_id, *policy.tokenizer.all_special_ids} - set(self.stop_ids))
         self.comp = torch.full((B, L), self.mask_id, dtype=torch.long, device=device)  # (B, L)
         self.unmask_step = torch.full((B, L), -1, dtype=torch.long, device=device)
         self.entropy_sum = torch.zeros(B, device=device)
-        self.logprob = torch.zeros((B, L), device=device)  # (B, L) log p of each committed token
+        # (B, L) log p of each committed token, if recorded
+        self.logprob = torch.zeros((B, L), device=device) if record_logprob else None
         self.committed = torch.zeros(B, device=device)
         self.passes = 0
 
@@ -342,9 +348,10 @@ class _Decoding:
         """Write the chosen tokens of rows `rows` in columns `cols`; PAD after any EOS.
         `step`: the step number, or (A,) each row's own."""
         self.entropy_sum[rows] += (ent * chosen).sum(-1)
-        logprob = self.logprob[rows]  # (A, L)
-        logprob[:, cols] = torch.where(chosen, logp.float(), logprob[:, cols])
-        self.logprob[rows] = logprob
+        if self.logprob is not None:
+            logprob = self.logprob[rows]  # (A, L)
+            logprob[:, cols] = torch.where(chosen, logp.float(), logprob[:, cols])
+            self.logprob[rows] = logprob
         self.committed[rows] += chosen.sum(-1)
         comp = self.comp[rows]  # (A, L)
         comp[:, cols] = torch.where(chosen, x0, comp[:, cols])
@@ -368,7 +375,7 @@ class _Decoding:
             unmask_step=self.unmask_step,
             forward_passes=self.passes,
             entropy=self.entropy_sum / self.committed.clamp(min=1),
-            token_logprob=self.logprob.masked_fill(~scored, 0.0),
+            token_logprob=None if self.logprob is None else self.logprob.masked_fill(~scored, 0.0),
         )
 
 
@@ -454,6 +461,7 @@ def generate(
     noise: Noise = "generator",
     threshold: float | None = None,
     approx_cache: ApproxCache = "none",
+    record_logprob: bool = False,
 ) -> GenerationOutput:
     """Generate `gen_length` tokens after each (left-padded) prompt.
 
@@ -473,6 +481,9 @@ def generate(
     commits every slot whose confidence exceeds it (parallel decoding; None or 1: today's
     tokens); `approx_cache` "prefix" / "dual" (full attention, a policy with `new_cache`):
     Fast-dLLM's approximate caches, refreshed at each block's first step.
+    `record_logprob`: fill `GenerationOutput.token_logprob` (the sampler's own log-probability of
+    each token, which the `path` estimator should reproduce; the trainer does not need it);
+    else it is None. Same tokens either way.
     """
     B, P = prompt_ids.shape
     L = gen_length
@@ -484,7 +495,7 @@ def generate(
         prompt_mask = torch.ones_like(prompt_ids)
     # Steps per block: as even as possible, earlier blocks take the remainder.
     per_block = [steps // num_blocks + (b < steps % num_blocks) for b in range(num_blocks)]
-    dec = _Decoding(policy, B, L, prompt_ids.device)
+    dec = _Decoding(policy, B, L, prompt_ids.device, record_logprob)
     pick = dict(temperature=temperature, remasking=remasking, generator=generator, banned=dec.banned,
                 top_k=top_k, top_p=top_p, eos_confidence_scale=eos_confidence_scale, stop_ids=dec.stop_ids,
                 noise=noise, threshold=threshold)
@@ -566,7 +577,8 @@ def _decode_full(policy, dec: _Decoding, prompt_ids, prompt_mask, block_length, 
             else:
                 logits = cache.logits(x, active).float()  # (A, W, V)
             dec.passes += 1
-            chosen, x0, ent, logp = _step(logits, eligible[active][:, cols], block_steps - s, rows=active,
+            chosen, x0, ent, logp = _step(logits, eligible[active][:, cols], block_steps - s,
+                                          logprob=dec.logprob is not None, rows=active,
                                           keys=None if keys is None else keys[active], step=step,
                                           cols=slot[cols], **pick)
             dec.commit(active, cols, chosen, x0, ent, logp, step)
@@ -652,7 +664,8 @@ def _decode_blocks(policy, dec: _Decoding, prompt_ids, prompt_mask, S, steps, us
                 # A row draws noise for its own block's columns, and only while it has slots to fill: its
                 # draws do not depend on the other rows (a row without any has none left: EOS came).
                 own = member & eligible.any(1, keepdim=True)  # (B, W_j)
-                chosen, x0, ent, logp = _step(logits.float(), eligible, steps_left, rows=rows, own=own, keys=noise_keys,
+                chosen, x0, ent, logp = _step(logits.float(), eligible, steps_left, logprob=dec.logprob is not None,
+                                              rows=rows, own=own, keys=noise_keys,
                                               step=first_step[:, j] + s, cols=torch.arange(lo, hi, device=device),
                                               **pick)
                 dec.commit(rows, slice(lo, hi), chosen, x0, ent, logp, first_step[:, j] + s)
@@ -687,6 +700,7 @@ def generate_micro_batched(
     synced: bool = False,
     num_calls: int | None = None,
     progress: bool = False,
+    sort_by_length: bool = False,
     **kwargs,
 ) -> GenerationOutput:
     """`generate` on at most `micro_batch` rows at a time (None: all at once), the outputs
@@ -695,6 +709,16 @@ def generate_micro_batched(
     writes the same tokens as in a single call: a row's tokens do not depend on the others
     in its batch (tests/test_sampling.py). A single generator would be consumed in another
     order, so it is refused when there is more than one micro-batch.
+
+    `sort_by_length`: the rows are cut into micro-batches in order of prompt length (each
+    row with its own generator), and each call drops the left padding columns that all its
+    rows have, so a micro-batch of short prompts runs on short sequences; the output is in
+    the given row order, `sequences` with the P columns of `prompt_ids`. Where a row's
+    positions come from the padding mask (the tiny models, and every adapter but LLaDA's) it
+    sees the same positions and keys, and only the number of hidden padding keys changes:
+    the same tokens but for rounding (tests/test_sampling.py, in float64). LLaDA counts
+    positions itself, so its positions shift by the columns dropped, which RoPE's relative
+    angles absorb, again up to rounding. With a single micro-batch the order is kept.
 
     `synced` with `num_calls`: processes with sharded parameters must make the same model
     calls, so a process with fewer micro-batches than `num_calls` (those of the largest
@@ -711,16 +735,41 @@ def generate_micro_batched(
     if len(starts) > 1 and one_generator:
         raise ValueError("micro-batches need one generator per row (stabledrl.sampling.row_generators): "
                          "a single generator would give other draws than one call")
+    order = torch.arange(B)  # (B,) the rows in the order they are cut into micro-batches
+    if sort_by_length and len(starts) > 1:
+        order = prompt_mask.sum(1).cpu().argsort(stable=True)
     outs = []
     for s in tqdm(starts, desc="sampling", disable=not progress, leave=False):
-        gens = generator if generator is None or one_generator else generator[s : s + size]
-        outs.append(generate(policy, prompt_ids[s : s + size], prompt_mask[s : s + size], generator=gens,
-                             synced=synced, **kwargs))
+        rows = order[s : s + size]  # (b,)
+        gens = generator if generator is None or one_generator else [generator[i] for i in rows.tolist()]
+        ids, mask = prompt_ids[rows.to(prompt_ids.device)], prompt_mask[rows.to(prompt_mask.device)]  # (b, P)
+        lead = _common_padding(mask) if sort_by_length else 0
+        out = generate(policy, ids[:, lead:], mask[:, lead:], generator=gens, synced=synced, **kwargs)
+        if lead:  # back to the P columns of the prompts as given
+            out.sequences = torch.cat([ids[:, :lead], out.sequences], dim=1)  # (b, P + L)
+        outs.append(out)
     if synced and num_calls is not None:
         for _ in range(num_calls - len(starts)):  # the calls of a larger share; output discarded
             spare = [torch.Generator().manual_seed(0)]
             generate(policy, prompt_ids[:1], prompt_mask[:1], generator=spare, synced=True, **kwargs)
-    return concat_outputs(outs)
+    out = concat_outputs(outs)
+    if not torch.equal(order, torch.arange(B)):
+        out = take_rows(out, order.argsort().to(out.completion_ids.device))
+    return out
+
+
+def _common_padding(prompt_mask: torch.Tensor) -> int:
+    """The number of leading columns of (b, P) `prompt_mask` that are padding in every row
+    (none when no row has a prompt token)."""
+    real = prompt_mask.bool().any(0).nonzero()  # columns where some row has a token
+    return int(real[0]) if real.numel() else 0
+
+
+def take_rows(out: GenerationOutput, rows: torch.Tensor) -> GenerationOutput:
+    """The rows `rows` (an index tensor) of `out`, in that order; `forward_passes` kept."""
+    picked = {f.name: getattr(out, f.name)[rows] for f in fields(GenerationOutput)
+              if f.name != "forward_passes" and getattr(out, f.name) is not None}
+    return GenerationOutput(forward_passes=out.forward_passes, **picked)
 
 
 def concat_outputs(outs: Sequence[GenerationOutput]) -> GenerationOutput:
