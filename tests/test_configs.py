@@ -127,3 +127,17 @@ def test_a_word_that_yaml_reads_as_a_bool_is_the_word_for_a_choice_of_words():
     assert load_config(TrainConfig, None, ["mixed_precision=no"]).mixed_precision == "no"
     with pytest.raises(ConfigError, match="mixed_precision"):  # no word for True among no | bf16
         load_config(TrainConfig, None, ["mixed_precision=yes"])
+
+
+@pytest.mark.parametrize("source, overrides", [
+    ({}, ["rollout.noise=counter"]),
+    ({"rollout": {"noise": "counter"}}, []),
+])
+def test_a_section_given_in_part_keeps_its_fields_default(source, overrides):
+    # TrainConfig's rollout defaults to temperature 1.0 where SamplingConfig's own default is 0
+    assert TrainConfig().rollout.temperature == 1.0
+    cfg = load_config(TrainConfig, source, overrides)
+    assert cfg.rollout.noise == "counter" and cfg.rollout.temperature == 1.0
+    # a key that is given wins, and the other sections keep their class defaults
+    cfg = load_config(TrainConfig, {"rollout": {"temperature": 0.5}, "eval_sampling": {"steps": 4}})
+    assert cfg.rollout.temperature == 0.5 and cfg.eval_sampling.temperature == 0.0

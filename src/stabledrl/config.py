@@ -84,6 +84,7 @@ def load_config(cls: type[C], source: str | Path | Mapping[str, Any] | None = No
         _set_dotted(data, key.strip(), value)
         _expand_shorthands(cls, data)
     _reject_unknown(cls, data, "")
+    _start_from_field_defaults(cls, data)
     try:
         return dacite.from_dict(cls, data, config=dacite.Config(strict=True, type_hooks={float: _to_float}))
     except dacite.WrongTypeError as e:
@@ -140,6 +141,27 @@ def _expand_shorthands(cls: Any, data: Any) -> None:
             if short is not None and not isinstance(value, Mapping):
                 data[key] = value = {short: value}
             _expand_shorthands(sub, value)
+
+
+def _start_from_field_defaults(cls: Any, data: Any) -> None:
+    """In place: a section given in part starts from its field's default, not from its class's
+    (``rollout: {noise: counter}`` keeps TrainConfig's rollout temperature 1.0, where
+    SamplingConfig's own default is 0): the keys it leaves out are filled in where the two differ."""
+    if not (dataclasses.is_dataclass(cls) and isinstance(data, dict)):
+        return
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        sub, value = _section(hints[f.name]), data.get(f.name)
+        if not (dataclasses.is_dataclass(sub) and isinstance(value, dict)):
+            continue
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else None
+        if dataclasses.is_dataclass(default):
+            for g in dataclasses.fields(sub):
+                own = (g.default if g.default is not dataclasses.MISSING else
+                       g.default_factory() if g.default_factory is not dataclasses.MISSING else dataclasses.MISSING)
+                if g.name not in value and getattr(default, g.name) != own:
+                    value[g.name] = getattr(default, g.name)
+        _start_from_field_defaults(sub, value)
 
 
 def _reject_unknown(cls: Any, data: Any, path: str) -> None:
