@@ -119,9 +119,8 @@ def assert_same_update(a: dict, b: dict) -> None:
     # the path estimator replays each rollout's unmask order, which is gathered with the rows
     ("stabledrl", {"group_size": 3, "estimator.method": "path", "estimator.num_samples": 1}, {}, False),
     # counter noise: a row's keys come from its own generator, so it samples the same on either
-    # process as in one (uneven shares). Temperature set again: a rollout section given in an
-    # override is built from SamplingConfig's defaults (temperature 0), not TrainConfig's (1)
-    pytest.param("stabledrl", {"group_size": 3, "rollout.noise": "counter", "rollout.temperature": 1.0}, {}, False,
+    # process as in one (uneven shares); rollouts at TrainConfig's temperature 1
+    pytest.param("stabledrl", {"group_size": 3, "rollout.noise": "counter"}, {}, False,
                  id="counter-noise"),
     # FSDP (configs/accelerate/fsdp.yaml, on CPU: see _cpu_fsdp_main): each process holds
     # half of every weight; sampling in lockstep, gathered weights saved
