@@ -28,37 +28,36 @@ def test_completions_do_not_depend_on_the_micro_batch_or_the_split(temperature):
         assert texts(evaluate(policy, task, problems, sampling, seed=1, progress=False)) != whole
 
 
-def test_the_micro_batch_comes_from_the_argument_then_the_sampling_settings_then_256(monkeypatch):
+def _sampler_calls(monkeypatch) -> list[dict]:
+    """The keyword arguments of every `generate_micro_batched` call `evaluate` makes."""
     seen = []
     real = evaluate_mod.generate_micro_batched
 
-    def spy(*args, micro_batch, **kw):
-        seen.append(micro_batch)
-        return real(*args, micro_batch=micro_batch, **kw)
+    def spy(*args, **kw):
+        seen.append(kw)
+        return real(*args, **kw)
 
     monkeypatch.setattr(evaluate_mod, "generate_micro_batched", spy)
+    return seen
+
+
+def test_the_micro_batch_comes_from_the_argument_then_the_sampling_settings_then_256(monkeypatch):
+    seen = _sampler_calls(monkeypatch)
     policy, task = make_tiny_policy(seed=5), get_task("countdown")
     problems = task.generate(3, split="test", seed=0)
     evaluate(policy, task, problems, SamplingConfig(micro_batch=2), batch_size=1, progress=False)
     evaluate(policy, task, problems, SamplingConfig(micro_batch=2), progress=False)
     evaluate(policy, task, problems, SamplingConfig(), progress=False)
-    assert seen == [1, 2, 256]
+    assert [kw["micro_batch"] for kw in seen] == [1, 2, 256]
 
 
 def test_sort_by_length_reaches_the_sampler(monkeypatch):
-    seen = []
-    real = evaluate_mod.generate_micro_batched
-
-    def spy(*args, sort_by_length, **kw):
-        seen.append(sort_by_length)
-        return real(*args, sort_by_length=sort_by_length, **kw)
-
-    monkeypatch.setattr(evaluate_mod, "generate_micro_batched", spy)
+    seen = _sampler_calls(monkeypatch)
     policy, task = make_tiny_policy(seed=5), get_task("countdown")
     problems = task.generate(3, split="test", seed=0)
     for sort in (True, False):
         evaluate(policy, task, problems, SamplingConfig(micro_batch=2, sort_by_length=sort), progress=False)
-    assert seen == [True, False]
+    assert [kw["sort_by_length"] for kw in seen] == [True, False]
 
 
 def test_each_completion_is_scored_once_and_the_figures_are_the_tasks():
