@@ -61,3 +61,18 @@ def metric_rows(run_dir) -> list[dict]:
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return [{k: v for k, v in r.items() if not (k.startswith("time_") or k in ("seconds", "framework_share"))}
             for r in rows]
+
+
+@pytest.fixture
+def prompt_widths(monkeypatch):
+    """The prompt columns P of each `generate` call that `generate_micro_batched` makes."""
+    import stabledrl.sampling as sampling
+
+    widths, real = [], sampling.generate
+
+    def recorded(policy, prompt_ids, *args, **kwargs):
+        widths.append(prompt_ids.size(1))
+        return real(policy, prompt_ids, *args, **kwargs)
+
+    monkeypatch.setattr(sampling, "generate", recorded)
+    return widths

@@ -58,23 +58,14 @@ def test_the_builtin_engine_is_the_sampler_with_every_option(fast):
     assert isinstance(load_engine("builtin"), BuiltinEngine)
 
 
-def test_the_builtin_engine_sorts_micro_batches_by_prompt_length_when_asked(monkeypatch):
-    import stabledrl.sampling as sampling
-
-    widths, real = [], sampling.generate
-
-    def recorded(policy, prompt_ids, *args, **kwargs):  # the prompt columns of each sampler call
-        widths.append(prompt_ids.size(1))
-        return real(policy, prompt_ids, *args, **kwargs)
-
-    monkeypatch.setattr(sampling, "generate", recorded)
+def test_the_builtin_engine_sorts_micro_batches_by_prompt_length_when_asked(prompt_widths):
     policy = make_tiny_policy(seed=2)
     prompts = ("..12..4..4.11.3.", "1.3", "4.1..3..2", "2")  # BOS and 16, 3, 9, 1 characters
     for sort in (False, True):
         req = _request(policy, prompts, temperature=1.0, sort_by_length=sort)
         req.micro_batch = 2
         roll_out(req)
-    assert widths == [17, 17, 1 + 3, 1 + 16]  # sorted: (1, 3) then (9, 16), each without common padding
+    assert prompt_widths == [17, 17, 1 + 3, 1 + 16]  # sorted: (1, 3) then (9, 16), each without common padding
 
 
 def test_an_external_engine_is_imported_by_name_and_its_output_checked():

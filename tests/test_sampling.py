@@ -263,21 +263,6 @@ def test_micro_batches_write_the_same_tokens_as_one_call(block, temperature):
                                    **common)
 
 
-@pytest.fixture
-def prompt_widths(monkeypatch):
-    """The prompt columns P of each `generate` call that `generate_micro_batched` makes."""
-    import stabledrl.sampling as sampling
-
-    widths, real = [], sampling.generate
-
-    def recorded(policy, prompt_ids, *args, **kwargs):
-        widths.append(prompt_ids.size(1))
-        return real(policy, prompt_ids, *args, **kwargs)
-
-    monkeypatch.setattr(sampling, "generate", recorded)
-    return widths
-
-
 def _digits(n: int, seed: int) -> str:
     """A prompt of n characters the char tokenizer knows."""
     rng = torch.Generator().manual_seed(seed)

@@ -95,8 +95,7 @@ from stabledrl.models.policy import Policy
 from stabledrl.settings import ApproxCache, Noise, SamplingConfig  # defined without torch, for the command line
 
 __all__ = ["SamplingConfig", "GenerationOutput", "generate", "generate_micro_batched", "micro_batch_calls",
-           "restrict_logits", "row_generators", "row_keys", "check_fast_decoding", "counter_uniform", "categorical", "concat_outputs",
-           "take_rows"]
+           "restrict_logits", "row_generators", "row_keys", "check_fast_decoding", "counter_uniform", "categorical", "concat_outputs"]
 
 
 @dataclass
@@ -400,17 +399,23 @@ def _check_draws(B: int, temperature: float, remasking: str, generator: Generato
         raise ValueError(f"one generator per row: got {len(generator)} generators for {B} rows")
 
 
+def _one_of(choices) -> str:
+    """A Literal's values for a message: 'a', 'b' or 'c'."""
+    words = [repr(c) for c in get_args(choices)]
+    return ", ".join(words[:-1]) + " or " + words[-1]
+
+
 def check_fast_decoding(policy: Policy, remasking: str, noise: str, threshold: float | None,
                         approx_cache: str) -> None:
     """`generate`'s options of fast decoding, against the policy (a ValueError saying what to set)."""
     if noise not in get_args(Noise):
-        raise ValueError(f"noise must be 'generator' or 'counter', got {noise!r}")
+        raise ValueError(f"noise must be {_one_of(Noise)}, got {noise!r}")
     if threshold is not None and not 0 < threshold <= 1:
         raise ValueError(f"threshold must be in (0, 1] or None, got {threshold}")
     if threshold is not None and remasking != "low_confidence":
         raise ValueError("threshold commits the slots whose confidence exceeds it: it needs remasking 'low_confidence'")
     if approx_cache not in get_args(ApproxCache):
-        raise ValueError(f"approx_cache must be 'none', 'prefix' or 'dual', got {approx_cache!r}")
+        raise ValueError(f"approx_cache must be {_one_of(ApproxCache)}, got {approx_cache!r}")
     if approx_cache != "none" and policy.attention_kind != "full":
         raise ValueError("approx_cache is for full-attention models; a block model's kv_cache is already exact")
     if approx_cache != "none" and not hasattr(policy, "new_cache"):
@@ -718,7 +723,8 @@ def generate_micro_batched(
     sees the same positions and keys, and only the number of hidden padding keys changes:
     the same tokens but for rounding (tests/test_sampling.py, in float64). LLaDA counts
     positions itself, so its positions shift by the columns dropped, which RoPE's relative
-    angles absorb, again up to rounding. With a single micro-batch the order is kept.
+    angles absorb, again up to rounding. With a single micro-batch the order is kept (and
+    its common padding still dropped).
 
     `synced` with `num_calls`: processes with sharded parameters must make the same model
     calls, so a process with fewer micro-batches than `num_calls` (those of the largest
@@ -754,7 +760,7 @@ def generate_micro_batched(
             generate(policy, prompt_ids[:1], prompt_mask[:1], generator=spare, synced=True, **kwargs)
     out = concat_outputs(outs)
     if not torch.equal(order, torch.arange(B)):
-        out = take_rows(out, order.argsort().to(out.completion_ids.device))
+        out = _take_rows(out, order.argsort().to(out.completion_ids.device))
     return out
 
 
@@ -765,7 +771,7 @@ def _common_padding(prompt_mask: torch.Tensor) -> int:
     return int(real[0]) if real.numel() else 0
 
 
-def take_rows(out: GenerationOutput, rows: torch.Tensor) -> GenerationOutput:
+def _take_rows(out: GenerationOutput, rows: torch.Tensor) -> GenerationOutput:
     """The rows `rows` (an index tensor) of `out`, in that order; `forward_passes` kept."""
     picked = {f.name: getattr(out, f.name)[rows] for f in fields(GenerationOutput)
               if f.name != "forward_passes" and getattr(out, f.name) is not None}

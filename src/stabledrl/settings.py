@@ -143,7 +143,7 @@ class SamplingConfig:
     """Rows per sampler call, to bound its memory; the tokens are the same (every row draws from
     its own generator). None: a process's rollouts of a step at once, evaluation 256 at a time."""
     sort_by_length: bool = False
-    """With several micro-batches: cut the rows into micro-batches in order of prompt length, each
+    """Cut the rows into micro-batches in order of prompt length (with several micro-batches), each
     call dropping the left padding its rows all have (prompts of very different lengths: GSM8K,
     MATH). Outputs in the given order; a row's tokens are the same but for rounding (a different
     number of hidden padding keys; `stabledrl.sampling.generate_micro_batched`)."""
