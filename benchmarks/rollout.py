@@ -5,6 +5,7 @@ decoding scheme, and what each scheme does to held-out accuracy.
     python benchmarks/rollout.py speed --model tiny --lengths 64 256     # ~4 min
     python benchmarks/rollout.py speed --model tiny --lengths 1024 --batch 2 --repeats 1 --tag -1024
     python benchmarks/rollout.py speed --model mid --lengths 64 256      # ~15 min
+    python benchmarks/rollout.py speed --model mid --lengths 1024 --repeats 1 --short-warmup --tag -1024
     python benchmarks/rollout.py accuracy --n 500                        # ~5 min
     python benchmarks/rollout.py drift --n 200                           # ~2 min
     python benchmarks/rollout.py sort --lengths 64 --repeats 3           # ~6 min
@@ -172,7 +173,10 @@ def _mid_policy() -> TinyPolicy:
     return TinyPolicy(build_model(MID, "cpu"), build_char_tokenizer())
 
 
-def bench_speed(model: str, lengths: list[int], batch: int, repeats: int, schemes: list[str]) -> dict:
+def bench_speed(model: str, lengths: list[int], batch: int, repeats: int, schemes: list[str],
+                short_warmup: bool = False) -> dict:
+    """`short_warmup`: warm each scheme up with one rollout of 32 tokens instead of a full one
+    (for long rollouts, where a full warm-up would double the run's time)."""
     policy = load_policy(SHIPPED) if model == "tiny" else _mid_policy()
     timed = Timed(policy, no_eos=True)
     problems = get_task("countdown").generate(batch, split="test", seed=0)
@@ -183,7 +187,10 @@ def bench_speed(model: str, lengths: list[int], batch: int, repeats: int, scheme
         per = {}
         for name in schemes:
             runs = []
-            for r in range(repeats + 1):  # the first run warms up and is dropped
+            if short_warmup:
+                generate(timed, ids, mask, generator=row_generators("speed/warm", 0, batch),
+                         **dict(common, gen_length=32, steps=8), **SCHEMES[name])
+            for r in range(int(short_warmup), repeats + 1):  # run 0 warms up and is dropped
                 timed.seconds = 0.0
                 t0 = time.perf_counter()
                 out = generate(timed, ids, mask, generator=row_generators(f"speed/{r}", 0, batch),
@@ -346,6 +353,8 @@ def main() -> None:
     ap.add_argument("--schemes", nargs="+", default=list(SCHEMES), choices=list(SCHEMES))
     ap.add_argument("--n", type=int, default=500)
     ap.add_argument("--mc-samples", type=int, default=16)
+    ap.add_argument("--short-warmup", action="store_true",
+                    help="speed: warm up with a 32-token rollout instead of a full one (long L)")
     ap.add_argument("--tag", default="", help="appended to the JSON key of a speed or sort section")
     ap.add_argument("--micro-batch", type=int, default=16, help="rows per sampler call (sort)")
     ap.add_argument("--prompt-lengths", type=int, nargs=2, default=[40, 300], metavar=("LO", "HI"),
@@ -356,7 +365,8 @@ def main() -> None:
         key, section = "noise", bench_noise(args.repeats)
     elif args.part == "speed":
         batch = args.batch or (8 if args.model == "tiny" else 1)
-        key, section = f"speed_{args.model}{args.tag}", bench_speed(args.model, args.lengths, batch, args.repeats, args.schemes)
+        key, section = f"speed_{args.model}{args.tag}", bench_speed(args.model, args.lengths, batch, args.repeats, args.schemes,
+                                                                    args.short_warmup)
     elif args.part == "logprob":
         key, section = "logprob", bench_logprob(args.repeats, args.batch or 4)
     elif args.part == "sort":
