@@ -3,6 +3,7 @@ difficulty-controlled training reward, over seeds.
 
     python benchmarks/rl_learns.py passk --model checkpoints/countdown-tiny-diverse --split test --n 1000
     python benchmarks/rl_learns.py main --seeds 0 1 2            # the README's main command, 3 seeds (~30 min)
+    python benchmarks/rl_learns.py controlled --config C --run-dir RUN --tag T   # of a finished run
 
 `passk`: greedy accuracy, and at temperature 1 pass@1 (the mean over k samples) and
 pass@k (any of k samples right), on `n` problems of a split (seed 0, as `stabledrl eval`).
@@ -12,7 +13,8 @@ pass@k (any of k samples right), on `n` problems of a split (seed 0, as `stabled
 the above before and after, and the training reward with the difficulty of each step's
 prompts controlled for: the step's prompts are drawn again and scored under the initial
 model with the same G samples per prompt, so that `reward − reward_initial` per step
-shows learning, not easier prompts. Writes benchmarks/results/rl_learns-<tag>.json.
+shows learning, not easier prompts (`summarise_gaps`: by sixths, the second half with its
+standard error, the slope). `controlled`: that measurement alone, for a finished run. Writes benchmarks/results/rl_learns-<tag>.json.
 
 Choose settings with `--split validation`; report `--split test` (the test split has
 1,592 Countdown-3 problems; `--n 1000` draws 1,000 of them).
@@ -65,11 +67,29 @@ def training_reward_controlled(cfg: TrainConfig, initial: str | Path, run_dir: P
         res = evaluate(policy, task, [p for p in problems for _ in range(cfg.group_size)], cfg.rollout,
                        seed=10_000 + step, progress=False)
         gaps[step + 1] = rows[step + 1]["reward_mean"] - res.mean_reward
+    return {"every": every, "gap_by_step": gaps, **summarise_gaps(gaps)}
+
+
+def summarise_gaps(gaps: dict[int, float]) -> dict[str, float]:
+    """The controlled reward gap by step -> its mean over the first and last sixth of the
+    measured steps, over the second half with its standard error, and the least-squares
+    slope per 100 steps with its standard error. At step 1 the run's model is the initial
+    one, so the gap there is sampling noise; one step's gap has a noise of a few hundredths,
+    so a sixth (a few measured steps) is a rough summary and the slope a firmer one."""
     steps = sorted(gaps)
     sixth = max(1, len(steps) // 6)
-    return {"every": every, "gap_by_step": gaps,
-            "gap_first_sixth": statistics.mean(gaps[s] for s in steps[:sixth]),
-            "gap_last_sixth": statistics.mean(gaps[s] for s in steps[-sixth:])}
+    half = [gaps[s] for s in steps[len(steps) // 2:]]
+    x = torch.tensor(steps, dtype=torch.float64)
+    y = torch.tensor([gaps[s] for s in steps], dtype=torch.float64)
+    xc = x - x.mean()
+    slope = float((xc * (y - y.mean())).sum() / (xc**2).sum())
+    resid = y - y.mean() - slope * xc
+    se_slope = float((resid**2).sum() / max(1, len(steps) - 2) / (xc**2).sum()) ** 0.5
+    return {"gap_first_sixth": statistics.mean(gaps[s] for s in steps[:sixth]),
+            "gap_last_sixth": statistics.mean(gaps[s] for s in steps[-sixth:]),
+            "gap_second_half": statistics.mean(half),
+            "gap_second_half_se": statistics.stdev(half) / len(half) ** 0.5 if len(half) > 1 else float("nan"),
+            "slope_per_100_steps": 100 * slope, "slope_per_100_steps_se": 100 * se_slope}
 
 
 def cmd_passk(args) -> dict:
@@ -108,6 +128,14 @@ def cmd_main(args) -> dict:
             "runs": runs, "gain_mean": statistics.mean(gains), "gain_min": min(gains)}
 
 
+def cmd_controlled(args) -> dict:
+    """The controlled training reward of a finished run (`--run-dir`) of `--config`."""
+    cfg = load_config(TrainConfig, args.config, list(args.set))
+    res = training_reward_controlled(cfg, cfg.model.path, Path(args.run_dir))
+    print(json.dumps({k: v for k, v in res.items() if k != "gap_by_step"}))
+    return {"config": args.config, "set": args.set, "run_dir": args.run_dir, "training_reward": res}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -122,6 +150,11 @@ def main() -> None:
     p.add_argument("--set", action="append", default=[], help="config override, as `stabledrl train --set`")
     p.add_argument("--runs-dir", default="runs/rl-learns")
     p.set_defaults(func=cmd_main)
+    p = sub.add_parser("controlled")
+    p.add_argument("--config", required=True)
+    p.add_argument("--run-dir", required=True, help="a finished run of --config (its metrics.jsonl)")
+    p.add_argument("--set", action="append", default=[], help="config override, as `stabledrl train --set`")
+    p.set_defaults(func=cmd_controlled)
     for p in sub.choices.values():
         p.add_argument("--split", choices=["validation", "test"], default="validation")
         p.add_argument("--n", type=int, default=1000)

@@ -1,0 +1,143 @@
+"""How much of one step's update is mask noise? (issue 13: why StableDRL gains little in the
+noisy-ratio regime on Sudoku)
+
+    python benchmarks/mask_noise.py --preset sudoku     # ~15 min on one thread
+    python benchmarks/mask_noise.py --preset countdown
+
+For a preset's first `--batches` training batches (its own rollouts from the shipped model,
+the groups with a signal), the update direction of one step is computed, without stepping,
+under several mask draws of the likelihood estimator:
+
+- `reference`: the expected update at μ = 1, the REINFORCE gradient ∇ mean_groups (1/G)
+  Σ_i A_i ℓ(y_i), averaged over `--reference-draws` mask draws (disjoint from the others);
+- `shared`: one draw, ℓ_old on the same masks as ℓ_θ (masks: shared), so ρ = 1 exactly and
+  every objective is that gradient with one draw's noise;
+- `stabledrl-independent` / `grpo-independent`: ℓ_old on one draw and ℓ_θ on another
+  (masks: independent): the log-ratios are pure estimation noise at θ = θ_old.
+
+Per variant: the median over `--draws` draws of the cosine with the reference and of the
+gradient norm, the cosine of the draws' mean with the reference (a variant whose noise
+averages out over steps comes closer to it as draws are added; a bias does not), and
+(StableDRL) the weights' effective sample size. The cosine is the share
+of an update that pushes the way the batch's expected gradient does; after the trainer's
+gradient clipping, a unit step moves the weights along the signal by about that much.
+Writes benchmarks/results/mask_noise-<preset>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from stabledrl.config import load_config
+from stabledrl.diagnostics import flat_grad_cosine
+from stabledrl.objectives import grpo_loss, group_advantages, stabledrl_loss
+from stabledrl.train import TrainConfig, _plan, _score, collect_groups, set_up
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _grad(run, loss_of) -> tuple[list[torch.Tensor], dict]:
+    """∇ of `loss_of()` (loss, metrics) in the policy's parameters, as a list of tensors."""
+    run.opt.zero_grad(set_to_none=True)
+    loss, metrics = loss_of()
+    loss.backward()
+    grads = [torch.zeros_like(p) if p.grad is None else p.grad.detach().clone() for p in run.params]
+    run.opt.zero_grad(set_to_none=True)
+    return grads, metrics
+
+
+def _norm(g: list[torch.Tensor]) -> float:
+    return float(torch.sqrt(sum((x.double() ** 2).sum() for x in g)))
+
+
+def measure_batch(run, step: int, *, draws: int, reference_draws: int) -> dict:
+    cfg = run.cfg
+    groups = collect_groups(run, step).groups
+    G = cfg.group_size
+    adv = group_advantages(groups.rewards.flatten(), G, cfg.objective.advantage_scale)
+    policy = run.policy
+
+    def plan(k: int):  # mask draw k of this batch (seeds apart from the trainer's slots)
+        return _plan(dataclasses.replace(cfg, seed=10_000 + k), groups, step, 1, policy)
+
+    def logp(k: int, grad: bool) -> torch.Tensor:
+        with torch.set_grad_enabled(grad):
+            return _score(cfg, policy, plan(k), groups)
+
+    def reinforce(k: int):
+        ell = logp(k, True)
+        return -(adv * ell).view(-1, G).sum(1).div(G).mean(), {}
+
+    ref = None
+    for k in range(reference_draws):
+        g, _ = _grad(run, lambda: reinforce(1000 + k))
+        ref = g if ref is None else [a + b for a, b in zip(ref, g)]
+    rows: dict[str, list] = {"shared": [], "stabledrl-independent": [], "grpo-independent": []}
+    sums: dict[str, list[torch.Tensor] | None] = dict.fromkeys(rows)
+    ess, log_std = [], []
+    for k in range(draws):
+        old = logp(2 * k, False)  # ℓ_old on draw 2k; ℓ_θ on draw 2k+1 (independent)
+        g_sh, _ = _grad(run, lambda: reinforce(2 * k))
+        g_st, m_st = _grad(run, lambda: (lambda r: (r.loss, r.metrics))(
+            stabledrl_loss(logp(2 * k + 1, True), old, adv, group_size=G, clip=cfg.objective.clip,
+                           clip_max=cfg.objective.clip_max, clip_eps=cfg.objective.clip_eps)))
+        g_gr, _ = _grad(run, lambda: (lambda r: (r.loss, r.metrics))(
+            grpo_loss(logp(2 * k + 1, True), old, adv, group_size=G, clip_eps=cfg.objective.clip_eps)))
+        for name, g in (("shared", g_sh), ("stabledrl-independent", g_st), ("grpo-independent", g_gr)):
+            rows[name].append({"cos_reference": flat_grad_cosine(g, ref), "norm": _norm(g)})
+            sums[name] = g if sums[name] is None else [a + b for a, b in zip(sums[name], g)]
+        ess.append(m_st["ess"])
+        log_std.append(m_st.get("log_ratio_std", float("nan")))
+    summary = {name: {"cos_reference_median": statistics.median(r["cos_reference"] for r in rs),
+                      "norm_median": statistics.median(r["norm"] for r in rs),
+                      "cos_reference_of_mean": flat_grad_cosine(sums[name], ref), "draws": rs}
+               for name, rs in rows.items()}
+    return {"step": step, "rows": int(groups.completion_ids.size(0)), "groups": len(groups.problems),
+            "reference_norm": _norm([x / reference_draws for x in ref]),
+            "stabledrl_ess_median": statistics.median(ess), "log_ratio_std_median": statistics.median(log_std),
+            "variants": summary}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--preset", default="sudoku", help="configs/<preset>-stabledrl.yaml")
+    ap.add_argument("--batches", type=int, default=2)
+    ap.add_argument("--draws", type=int, default=4)
+    ap.add_argument("--reference-draws", type=int, default=8)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = load_config(TrainConfig, ROOT / "configs" / f"{args.preset}-stabledrl.yaml",
+                          [f"output_dir={tmp}", "eval_n=1", "threads=1"])
+        run = set_up(cfg)
+        run.policy.model.eval()  # as the trainer's update: no dropout
+        batches = []
+        for step in range(args.batches):
+            batches.append(measure_batch(run, step, draws=args.draws, reference_draws=args.reference_draws))
+            b = batches[-1]
+            print(f"step {step}: {b['groups']} groups, ESS {b['stabledrl_ess_median']:.2f}, log-ratio std "
+                  f"{b['log_ratio_std_median']:.2f}; cos with the reference: "
+                  + ", ".join(f"{n} {v['cos_reference_median']:.3f} (mean of draws {v['cos_reference_of_mean']:.3f})"
+                             for n, v in b["variants"].items()), flush=True)
+        run.tb.close()
+        run.metrics_file.close()
+    out = ROOT / "benchmarks" / "results" / f"mask_noise-{args.preset}.json"
+    out.write_text(json.dumps({"command": "python benchmarks/mask_noise.py " + " ".join(sys.argv[1:]),
+                               "config": f"configs/{args.preset}-stabledrl.yaml", "estimator": cfg.estimator.method,
+                               "num_samples": cfg.estimator.num_samples, "batches": batches,
+                               "seconds": time.perf_counter() - t0, "device": "cpu, one thread"}, indent=2))
+    print(out)
+
+
+if __name__ == "__main__":
+    main()
