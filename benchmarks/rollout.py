@@ -29,7 +29,10 @@ command that made it. CPU only, one thread (no GPU was available for these measu
    initialised mid-size full-attention model (12 layers, width 768, 12 heads, vocabulary
    32,000: 162 M parameters), whose near-uniform predictions never reach a threshold, so
    threshold decoding saves no call there. Tokens/s = B·L / seconds, median over repeats;
-   the share of the time outside the model's forward; model calls.
+   the share of the time outside the model's forward; model calls. Also tokens per CPU
+   second of this (one-thread) process, `time.process_time`: on a machine that other jobs
+   share, wall time grows with their load while CPU time barely does, so schemes timed
+   during different loads compare by their CPU time (`cpu_speedup_vs_today`).
 3. accuracy: the shipped model on the first n Countdown test problems (L = 11), greedy and
    temperature 1, under each scheme (one block, T = L as the README's figures, and blocks of 4).
 4. drift: temperature-1 rollouts of the shipped model under each scheme; per row the sampler's
@@ -192,22 +195,26 @@ def bench_speed(model: str, lengths: list[int], batch: int, repeats: int, scheme
                          **dict(common, gen_length=32, steps=8), **SCHEMES[name])
             for r in range(int(short_warmup), repeats + 1):  # run 0 warms up and is dropped
                 timed.seconds = 0.0
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 out = generate(timed, ids, mask, generator=row_generators(f"speed/{r}", 0, batch),
                                **common, **SCHEMES[name])
-                total = time.perf_counter() - t0
+                total, cpu = time.perf_counter() - t0, time.process_time() - c0
                 if r:
-                    runs.append({"seconds": total, "forward_seconds": timed.seconds,
+                    runs.append({"seconds": total, "cpu_seconds": cpu, "forward_seconds": timed.seconds,
                                  "forward_passes": out.forward_passes})
             sec = statistics.median(x["seconds"] for x in runs)
+            cpu = statistics.median(x["cpu_seconds"] for x in runs)
             per[name] = {"tokens_per_second": batch * L / sec, "seconds_median": sec,
+                         "tokens_per_cpu_second": batch * L / cpu, "cpu_seconds_median": cpu,
                          "share_outside_forward": statistics.median(1 - x["forward_seconds"] / x["seconds"]
                                                                     for x in runs),
                          "forward_passes": statistics.median(x["forward_passes"] for x in runs), "runs": runs}
             base = per.get("today")
             if base:
                 per[name]["speedup_vs_today"] = base["seconds_median"] / sec
+                per[name]["cpu_speedup_vs_today"] = base["cpu_seconds_median"] / cpu
             print(f"{model} L={L} {name}: {per[name]['tokens_per_second']:.1f} tok/s, "
+                  f"{per[name]['tokens_per_cpu_second']:.1f} tok per CPU second, "
                   f"{per[name]['forward_passes']} calls", flush=True)
         result[f"L{L}"] = {"settings": common, "batch": batch, "schemes": per}
     return result
