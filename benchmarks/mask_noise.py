@@ -1,8 +1,7 @@
-"""How much of one step's update is mask noise? (issue 13: why StableDRL gains little in the
-noisy-ratio regime on Sudoku)
+"""How much of one step's update is mask noise? Why GRPO collapses under noisy ratios while
+StableDRL keeps learning (README, "GRPO vs StableDRL", its Sudoku part).
 
     python benchmarks/mask_noise.py --preset sudoku     # ~15 min on one thread
-    python benchmarks/mask_noise.py --preset countdown
 
 For a preset's first `--batches` training batches (its own rollouts from the shipped model,
 the groups with a signal), the update direction of one step is computed, without stepping,
@@ -18,10 +17,7 @@ under several mask draws of the likelihood estimator:
 Per variant: the median over `--draws` draws of the cosine with the reference and of the
 gradient norm, the cosine of the draws' mean with the reference (a variant whose noise
 averages out over steps comes closer to it as draws are added; a bias does not), and
-(StableDRL) the weights' effective sample size. The cosine is the share
-of an update that pushes the way the batch's expected gradient does; after the trainer's
-gradient clipping, a unit step moves the weights along the signal by about that much.
-Writes benchmarks/results/mask_noise-<preset>.json.
+(StableDRL) the weights' effective sample size. Writes benchmarks/results/mask_noise-<preset>.json.
 """
 
 from __future__ import annotations
@@ -111,8 +107,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="sudoku", help="configs/<preset>-stabledrl.yaml")
     ap.add_argument("--batches", type=int, default=2)
-    ap.add_argument("--draws", type=int, default=4)
-    ap.add_argument("--reference-draws", type=int, default=8)
+    ap.add_argument("--draws", type=int, default=6)
+    ap.add_argument("--reference-draws", type=int, default=16)
     args = ap.parse_args()
     torch.set_num_threads(1)
     t0 = time.perf_counter()

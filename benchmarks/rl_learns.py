@@ -14,7 +14,8 @@ the above before and after, and the training reward with the difficulty of each 
 prompts controlled for: the step's prompts are drawn again and scored under the initial
 model with the same G samples per prompt, so that `reward − reward_initial` per step
 shows learning, not easier prompts (`summarise_gaps`: by sixths, the second half with its
-standard error, the slope). `controlled`: that measurement alone, for a finished run. Writes benchmarks/results/rl_learns-<tag>.json.
+standard error, the slope). `controlled`: that measurement alone, for a finished run.
+Writes benchmarks/results/rl_learns-<tag>.json.
 
 Choose settings with `--split validation`; report `--split test` (the test split has
 1,592 Countdown-3 problems; `--n 1000` draws 1,000 of them).
