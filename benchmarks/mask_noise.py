@@ -7,8 +7,9 @@ For a preset's first `--batches` training batches (its own rollouts from the shi
 the groups with a signal), the update direction of one step is computed, without stepping,
 under several mask draws of the likelihood estimator:
 
-- `reference`: the expected update at μ = 1, the REINFORCE gradient ∇ mean_groups (1/G)
-  Σ_i A_i ℓ(y_i), averaged over `--reference-draws` mask draws (disjoint from the others);
+- `reference`: the expected update at μ = 1 with shared masks: StableDRL's gradient at ρ = 1
+  (uniform weights: ∇ mean_groups (1/G) Σ_i A_i ℓ(y_i)), averaged over `--reference-draws`
+  mask draws (disjoint from the others);
 - `shared`: one draw, ℓ_old on the same masks as ℓ_θ (masks: shared), so ρ = 1 exactly and
   every objective is that gradient with one draw's noise;
 - `stabledrl-independent` / `grpo-independent`: ℓ_old on one draw and ℓ_θ on another
@@ -41,14 +42,13 @@ from stabledrl.train import TrainConfig, _plan, _score, collect_groups, set_up
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _grad(run, loss_of) -> tuple[list[torch.Tensor], dict]:
-    """∇ of `loss_of()` (loss, metrics) in the policy's parameters, as a list of tensors."""
+def _grad(run, loss: torch.Tensor) -> list[torch.Tensor]:
+    """∇ `loss` in the policy's parameters, as a list of tensors."""
     run.opt.zero_grad(set_to_none=True)
-    loss, metrics = loss_of()
     loss.backward()
     grads = [torch.zeros_like(p) if p.grad is None else p.grad.detach().clone() for p in run.params]
     run.opt.zero_grad(set_to_none=True)
-    return grads, metrics
+    return grads
 
 
 def _norm(g: list[torch.Tensor]) -> float:
@@ -69,30 +69,29 @@ def measure_batch(run, step: int, *, draws: int, reference_draws: int) -> dict:
         with torch.set_grad_enabled(grad):
             return _score(cfg, policy, plan(k), groups)
 
-    def reinforce(k: int):
-        ell = logp(k, True)
-        return -(adv * ell).view(-1, G).sum(1).div(G).mean(), {}
+    def stabledrl(k_new: int, old: torch.Tensor | None = None):  # ℓ_old = ℓ_θ's own value: ρ = 1, uniform weights
+        ell = logp(k_new, True)
+        return stabledrl_loss(ell, ell.detach() if old is None else old, adv, group_size=G, clip=cfg.objective.clip,
+                              clip_max=cfg.objective.clip_max, clip_eps=cfg.objective.clip_eps)
 
     ref = None
     for k in range(reference_draws):
-        g, _ = _grad(run, lambda: reinforce(1000 + k))
+        g = _grad(run, stabledrl(1000 + k).loss)
         ref = g if ref is None else [a + b for a, b in zip(ref, g)]
     rows: dict[str, list] = {"shared": [], "stabledrl-independent": [], "grpo-independent": []}
     sums: dict[str, list[torch.Tensor] | None] = dict.fromkeys(rows)
     ess, log_std = [], []
     for k in range(draws):
         old = logp(2 * k, False)  # ℓ_old on draw 2k; ℓ_θ on draw 2k+1 (independent)
-        g_sh, _ = _grad(run, lambda: reinforce(2 * k))
-        g_st, m_st = _grad(run, lambda: (lambda r: (r.loss, r.metrics))(
-            stabledrl_loss(logp(2 * k + 1, True), old, adv, group_size=G, clip=cfg.objective.clip,
-                           clip_max=cfg.objective.clip_max, clip_eps=cfg.objective.clip_eps)))
-        g_gr, _ = _grad(run, lambda: (lambda r: (r.loss, r.metrics))(
-            grpo_loss(logp(2 * k + 1, True), old, adv, group_size=G, clip_eps=cfg.objective.clip_eps)))
-        for name, g in (("shared", g_sh), ("stabledrl-independent", g_st), ("grpo-independent", g_gr)):
+        indep = stabledrl(2 * k + 1, old)
+        grads = {"shared": _grad(run, stabledrl(2 * k).loss), "stabledrl-independent": _grad(run, indep.loss),
+                 "grpo-independent": _grad(run, grpo_loss(logp(2 * k + 1, True), old, adv, group_size=G,
+                                                          clip_eps=cfg.objective.clip_eps).loss)}
+        for name, g in grads.items():
             rows[name].append({"cos_reference": flat_grad_cosine(g, ref), "norm": _norm(g)})
             sums[name] = g if sums[name] is None else [a + b for a, b in zip(sums[name], g)]
-        ess.append(m_st["ess"])
-        log_std.append(m_st.get("log_ratio_std", float("nan")))
+        ess.append(indep.metrics["ess"])
+        log_std.append(indep.metrics["log_ratio_std"])
     summary = {name: {"cos_reference_median": statistics.median(r["cos_reference"] for r in rs),
                       "norm_median": statistics.median(r["norm"] for r in rs),
                       "cos_reference_of_mean": flat_grad_cosine(sums[name], ref), "draws": rs}

@@ -79,13 +79,12 @@ def summarise_gaps(gaps: dict[int, float]) -> dict[str, float]:
     so a sixth (a few measured steps) is a rough summary and the slope a firmer one."""
     steps = sorted(gaps)
     sixth = max(1, len(steps) // 6)
-    half = [gaps[s] for s in steps[len(steps) // 2:]]
-    x = torch.tensor(steps, dtype=torch.float64)
-    y = torch.tensor([gaps[s] for s in steps], dtype=torch.float64)
-    xc = x - x.mean()
-    slope = float((xc * (y - y.mean())).sum() / (xc**2).sum())
-    resid = y - y.mean() - slope * xc
-    se_slope = float((resid**2).sum() / max(1, len(steps) - 2) / (xc**2).sum()) ** 0.5
+    ys = [gaps[s] for s in steps]
+    half = ys[len(ys) // 2:]
+    slope, intercept = statistics.linear_regression(steps, ys)
+    mean_x = statistics.mean(steps)
+    residual_ss = sum((y - intercept - slope * x) ** 2 for x, y in zip(steps, ys))
+    se_slope = (residual_ss / max(1, len(steps) - 2) / sum((x - mean_x) ** 2 for x in steps)) ** 0.5
     return {"gap_first_sixth": statistics.mean(gaps[s] for s in steps[:sixth]),
             "gap_last_sixth": statistics.mean(gaps[s] for s in steps[-sixth:]),
             "gap_second_half": statistics.mean(half),
