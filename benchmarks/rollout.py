@@ -6,6 +6,8 @@ decoding scheme, and what each scheme does to held-out accuracy.
     python benchmarks/rollout.py speed --model tiny --lengths 1024 --batch 2 --repeats 1 --tag -1024
     python benchmarks/rollout.py speed --model mid --lengths 64 256      # ~15 min
     python benchmarks/rollout.py speed --model mid --lengths 1024 --repeats 1 --short-warmup --tag -1024
+    python benchmarks/rollout.py speed --model mid --vocab 126464 --lengths 256 --repeats 2 \
+        --schemes today counter counter+dual --short-warmup --tag=-vocab126k
     python benchmarks/rollout.py accuracy --n 500                        # ~5 min
     python benchmarks/rollout.py drift --n 200                           # ~2 min
     python benchmarks/rollout.py sort --lengths 64 --repeats 3           # ~6 min
@@ -28,7 +30,8 @@ command that made it. CPU only, one thread (no GPU was available for these measu
    nothing to the time but makes its confidences those of a confused model) and a randomly
    initialised mid-size full-attention model (12 layers, width 768, 12 heads, vocabulary
    32,000: 162 M parameters), whose near-uniform predictions never reach a threshold, so
-   threshold decoding saves no call there. Tokens/s = B·L / seconds, median over repeats;
+   threshold decoding saves no call there; `--vocab 126464` gives it LLaDA's vocabulary, where
+   the noise and the output layer cost the most. Tokens/s = B·L / seconds, median over repeats;
    the share of the time outside the model's forward; model calls. Also tokens per CPU
    second of this (one-thread) process, `time.process_time`: on a machine that other jobs
    share, wall time grows with their load while CPU time barely does, so schemes timed
@@ -51,6 +54,7 @@ command that made it. CPU only, one thread (no GPU was available for these measu
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -171,16 +175,19 @@ MID = Shape(32_000, 768, 12, 12, 4 * 768, rope_theta=10_000.0, max_position_embe
 """The mid-size full-attention model of the speed part: 12 layers, width 768, vocab 32k (162 M)."""
 
 
-def _mid_policy() -> TinyPolicy:
+def _mid_policy(vocab: int | None = None) -> TinyPolicy:
+    """The mid-size model; `vocab` replaces its vocabulary (LLaDA's 126,464: the sampling noise
+    and the output layer at a real dLLM's vocabulary)."""
     torch.manual_seed(0)
-    return TinyPolicy(build_model(MID, "cpu"), build_char_tokenizer())
+    shape = MID if vocab is None else dataclasses.replace(MID, vocab_size=vocab)
+    return TinyPolicy(build_model(shape, "cpu"), build_char_tokenizer())
 
 
 def bench_speed(model: str, lengths: list[int], batch: int, repeats: int, schemes: list[str],
-                short_warmup: bool = False) -> dict:
+                short_warmup: bool = False, vocab: int | None = None) -> dict:
     """`short_warmup`: warm each scheme up with one rollout of 32 tokens instead of a full one
     (for long rollouts, where a full warm-up would double the run's time)."""
-    policy = load_policy(SHIPPED) if model == "tiny" else _mid_policy()
+    policy = load_policy(SHIPPED) if model == "tiny" else _mid_policy(vocab)
     timed = Timed(policy, no_eos=True)
     problems = get_task("countdown").generate(batch, split="test", seed=0)
     ids, mask = encode_policy_prompts(policy, [p.prompt for p in problems])
@@ -217,6 +224,7 @@ def bench_speed(model: str, lengths: list[int], batch: int, repeats: int, scheme
                   f"{per[name]['tokens_per_cpu_second']:.1f} tok per CPU second, "
                   f"{per[name]['forward_passes']} calls", flush=True)
         result[f"L{L}"] = {"settings": common, "batch": batch, "schemes": per}
+    result["vocab_size"] = policy.model.config.vocab_size
     return result
 
 
@@ -358,6 +366,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=None, help="rows (speed); default 8 tiny, 1 mid")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--schemes", nargs="+", default=list(SCHEMES), choices=list(SCHEMES))
+    ap.add_argument("--vocab", type=int, default=None, help="speed, mid model: its vocabulary (default 32,000)")
     ap.add_argument("--n", type=int, default=500)
     ap.add_argument("--mc-samples", type=int, default=16)
     ap.add_argument("--short-warmup", action="store_true",
@@ -373,7 +382,7 @@ def main() -> None:
     elif args.part == "speed":
         batch = args.batch or (8 if args.model == "tiny" else 1)
         key, section = f"speed_{args.model}{args.tag}", bench_speed(args.model, args.lengths, batch, args.repeats, args.schemes,
-                                                                    args.short_warmup)
+                                                                    args.short_warmup, args.vocab)
     elif args.part == "logprob":
         key, section = "logprob", bench_logprob(args.repeats, args.batch or 4)
     elif args.part == "sort":
