@@ -4,6 +4,7 @@ difficulty-controlled training reward, over seeds.
     python benchmarks/rl_learns.py passk --model checkpoints/countdown-tiny-diverse --split test --n 1000
     python benchmarks/rl_learns.py main --seeds 0 1 2            # the README's main command, 3 seeds (~30 min)
     python benchmarks/rl_learns.py controlled --config C --run-dir RUN --tag T   # of a finished run
+    python benchmarks/rl_learns.py decoders --models M1 M2 ... --split test --n 1592 --tag T
 
 `passk`: greedy accuracy, and at temperature 1 pass@1 (the mean over k samples) and
 pass@k (any of k samples right), on `n` problems of a split (seed 0, as `stabledrl eval`).
@@ -15,6 +16,10 @@ prompts controlled for: the step's prompts are drawn again and scored under the 
 model with the same G samples per prompt, so that `reward − reward_initial` per step
 shows learning, not easier prompts (`summarise_gaps`: by sixths, the second half with its
 standard error, the slope). `controlled`: that measurement alone, for a finished run.
+`decoders`: greedy accuracy of each model under each greedy decoder of `DECODERS` (the
+default one block of L slots, one a step; threshold 0.9; blocks of 4; one block with PAD
+allowed as a stop token, where the default never samples PAD): does a gain survive a change
+of decoder, and how much of it does a decoder alone give the initial model?
 Writes benchmarks/results/rl_learns-<tag>.json.
 
 Choose settings with `--split validation`; report `--split test` (the test split has
@@ -34,7 +39,7 @@ import torch
 from stabledrl.checkpoint import finished_summary
 from stabledrl.config import load_config
 from stabledrl.evaluate import evaluate
-from stabledrl.models import load_policy
+from stabledrl.models import ModelConfig, load_policy
 from stabledrl.report import load_metrics
 from stabledrl.sampling import SamplingConfig
 from stabledrl.tasks import get_task
@@ -92,6 +97,30 @@ def summarise_gaps(gaps: dict[int, float]) -> dict[str, float]:
             "slope_per_100_steps": 100 * slope, "slope_per_100_steps_se": 100 * se_slope}
 
 
+DECODERS = {  # name -> (greedy SamplingConfig options, the policy's extra stop tokens)
+    "one block": ({}, []),
+    "threshold 0.9": ({"threshold": 0.9}, []),
+    "blocks of 4": ({"block_length": 4}, []),
+    "one block, PAD allowed": ({}, ["[PAD]"]),
+}
+
+
+def cmd_decoders(args) -> dict:
+    task = get_task(args.task, **json.loads(args.task_options))
+    problems = task.generate(args.n, split=args.split, seed=0)
+    rows, chars = {}, {}
+    for model in args.models:
+        rows[model], chars[model] = {}, {}
+        for name, (options, stops) in DECODERS.items():
+            policy = load_policy(ModelConfig(path=model, stop_tokens=stops))
+            res = evaluate(policy, task, problems, SamplingConfig(**options), progress=False)
+            rows[model][name] = res.accuracy
+            chars[model][name] = statistics.mean(len(s["completion"]) for s in res.samples)
+        print(model, "  ".join(f"{name} {100 * acc:.2f}% ({chars[model][name]:.2f} chars)"
+                               for name, acc in rows[model].items()), flush=True)
+    return {"split": args.split, "n": args.n, "decoders": DECODERS, "accuracy": rows, "mean_completion_chars": chars}
+
+
 def cmd_passk(args) -> dict:
     task = get_task(args.task, **json.loads(args.task_options))
     problems = task.generate(args.n, split=args.split, seed=0)
@@ -144,6 +173,11 @@ def main() -> None:
     p.add_argument("--task", default="countdown")
     p.add_argument("--task-options", default='{"num_numbers": 3}', help="JSON")
     p.set_defaults(func=cmd_passk)
+    p = sub.add_parser("decoders")
+    p.add_argument("--models", nargs="+", required=True, help="policy directories (a run's RUN/final)")
+    p.add_argument("--task", default="countdown")
+    p.add_argument("--task-options", default='{"num_numbers": 3}', help="JSON")
+    p.set_defaults(func=cmd_decoders)
     p = sub.add_parser("main")
     p.add_argument("--config", default=str(ROOT / "configs" / "countdown-stabledrl.yaml"))
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
