@@ -38,6 +38,7 @@ import torch
 
 from stabledrl.checkpoint import finished_summary
 from stabledrl.config import load_config
+from stabledrl.data import encode_policy_prompts
 from stabledrl.evaluate import evaluate
 from stabledrl.models import ModelConfig, load_policy
 from stabledrl.report import load_metrics
@@ -105,20 +106,35 @@ DECODERS = {  # name -> (greedy SamplingConfig options, the policy's extra stop 
 }
 
 
+@torch.no_grad()
+def pad_at_first_step(policy, problems: list, gen_length: int) -> list[float]:
+    """The model's mean probability of PAD at each completion slot, all L slots masked (the
+    decoder's first step): where it is highest, the one-block decoder commits first."""
+    ids, mask = encode_policy_prompts(policy, [p.prompt for p in problems])
+    b = ids.shape[0]
+    x = torch.cat([ids, torch.full((b, gen_length), policy.mask_token_id)], 1)
+    attn = torch.cat([mask, torch.ones(b, gen_length, dtype=mask.dtype)], 1)
+    probs = policy.logits(x, attn)[:, -gen_length:].float().softmax(-1)
+    return probs[..., policy.pad_token_id].mean(0).tolist()
+
+
 def cmd_decoders(args) -> dict:
     task = get_task(args.task, **json.loads(args.task_options))
     problems = task.generate(args.n, split=args.split, seed=0)
-    rows, chars = {}, {}
+    rows, chars, pad = {}, {}, {}
     for model in args.models:
         rows[model], chars[model] = {}, {}
+        pad[model] = pad_at_first_step(load_policy(model), problems, task.completion_length)
         for name, (options, stops) in DECODERS.items():
             policy = load_policy(ModelConfig(path=model, stop_tokens=stops))
             res = evaluate(policy, task, problems, SamplingConfig(**options), progress=False)
             rows[model][name] = res.accuracy
             chars[model][name] = statistics.mean(len(s["completion"]) for s in res.samples)
         print(model, "  ".join(f"{name} {100 * acc:.2f}% ({chars[model][name]:.2f} chars)"
-                               for name, acc in rows[model].items()), flush=True)
-    return {"split": args.split, "n": args.n, "decoders": DECODERS, "accuracy": rows, "mean_completion_chars": chars}
+                               for name, acc in rows[model].items()),
+              "p(PAD) at the first step", [round(v, 2) for v in pad[model]], flush=True)
+    return {"split": args.split, "n": args.n, "decoders": DECODERS, "accuracy": rows, "mean_completion_chars": chars,
+            "pad_at_first_step": pad}
 
 
 def cmd_passk(args) -> dict:

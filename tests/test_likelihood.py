@@ -11,6 +11,7 @@ from stabledrl.data import completion_mask as make_completion_mask
 from stabledrl.data import encode_completions, encode_prompts
 from stabledrl.likelihood import (PLANNERS, backward_views, estimate, gauss_legendre, plan_views, planner_options,
                                   score_views)
+from stabledrl.models import TinyPolicy
 from stabledrl.settings import METHODS
 from tests.conftest import ScriptedPolicy, make_tiny_policy
 
@@ -417,3 +418,23 @@ def test_mean_field_prompt_columns_all_masks_bos_and_padding_as_d1(setup):
         assert (plan.prompt_masked & ~special).any()
     with pytest.raises(ValueError, match="prompt_columns"):
         plan_views("mean_field", c_mask, prompt_ids=p_ids, prompt_columns="bos", generator=torch.Generator())
+
+
+def test_a_pad_that_ends_a_completion_may_be_scored_only_when_pad_is_a_stop_token(setup):
+    """`model.stop_tokens: ["[PAD]"]`: a completion may end at a PAD instead of EOS, and that
+    PAD is scored like EOS would be; a PAD after it, or any PAD of a policy that samples none, is not."""
+    policy, p_ids, p_mask, c_ids, _ = setup
+    pad_stops = TinyPolicy(policy.model, policy.tokenizer, stop_tokens=("[PAD]",))
+    assert pad_stops.stop_token_ids == (policy.eos_token_id, policy.pad_token_id)
+    ids = c_ids.masked_fill(c_ids == policy.eos_token_id, policy.pad_token_id)  # "3*5" then PAD only
+    mask = make_completion_mask(ids, pad_stops.stop_token_ids)
+    assert mask.sum(1).tolist() == [4, 7] and (ids[mask] == policy.pad_token_id).sum() == 2
+    est = estimate(pad_stops, p_ids, ids, mask, prompt_mask=p_mask, method="mc", num_samples=2,
+                   generator=torch.Generator().manual_seed(0))
+    assert torch.isfinite(est.sequence).all()
+    with pytest.raises(ValueError, match="PAD or MASK"):
+        estimate(policy, p_ids, ids, mask, prompt_mask=p_mask, method="mc", generator=torch.Generator())
+    longer = mask.clone()
+    longer[0, 4] = True  # the PAD after the one that ended row 0
+    with pytest.raises(ValueError, match="PAD or MASK"):
+        estimate(pad_stops, p_ids, ids, longer, prompt_mask=p_mask, method="mc", generator=torch.Generator())

@@ -247,7 +247,10 @@ def _check_inputs(
         raise ValueError(f"empty completions (no scored slot) at rows {empty[:10]}: drop them before estimating")
     bad = completion_ids == policy.mask_token_id
     if policy.pad_token_id != getattr(policy, "eos_token_id", None):  # some tokenizers pad with EOS
-        bad = bad | (completion_ids == policy.pad_token_id)
+        pad = completion_ids == policy.pad_token_id
+        if policy.pad_token_id in getattr(policy, "stop_token_ids", ()):  # PAD ends a completion: its last slot may be one
+            pad = pad & (scored.long().cumsum(-1) < scored.sum(-1, keepdim=True))
+        bad = bad | pad
     if (scored & bad).any():
         raise ValueError("completion_mask scores PAD or MASK tokens: it does not match completion_ids "
                          "(use stabledrl.data.completion_mask(ids, eos_token_id))")
