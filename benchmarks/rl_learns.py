@@ -29,6 +29,7 @@ Choose settings with `--split validation`; report `--split test` (the test split
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import time
@@ -62,9 +63,10 @@ def pass_at_k(model: str | Path, task, problems: list, k: int = 8, seed: int = 0
 
 def training_reward_controlled(cfg: TrainConfig, initial: str | Path, run_dir: Path, every: int = 5) -> dict:
     """Each `every`-th step: the run's reward on its step prompts minus the initial model's
-    reward on the same prompts (G samples each, temperature as in the rollouts)."""
+    reward on the same prompts (G samples each, decoded as the rollouts: `cfg.rollout`, and the
+    stop tokens and other settings of `cfg.model` with the initial weights)."""
     task = get_task(cfg.task.name, **cfg.task.options)
-    policy = load_policy(initial)
+    policy = load_policy(dataclasses.replace(cfg.model, path=str(initial)))
     rows = {r["step"]: r for r in load_metrics(run_dir) if "reward_mean" in r}
     gaps = {}
     for step in range(0, cfg.steps, every):
