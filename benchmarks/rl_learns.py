@@ -109,9 +109,12 @@ DECODERS = {  # name -> (greedy SamplingConfig options, the policy's extra stop 
 
 
 @torch.no_grad()
-def pad_at_first_step(policy, problems: list, gen_length: int) -> list[float]:
+def pad_at_first_step(policy, problems: list, gen_length: int) -> list[float] | None:
     """The model's mean probability of PAD at each completion slot, all L slots masked (the
-    decoder's first step): where it is highest, the one-block decoder commits first."""
+    decoder's first step): where it is highest, the one-block decoder commits first. Full-
+    attention models only (None for a block model, which decodes block by block)."""
+    if getattr(policy, "block_size", None):
+        return None
     ids, mask = encode_policy_prompts(policy, [p.prompt for p in problems])
     b = ids.shape[0]
     x = torch.cat([ids, torch.full((b, gen_length), policy.mask_token_id)], 1)
@@ -134,7 +137,7 @@ def cmd_decoders(args) -> dict:
             chars[model][name] = statistics.mean(len(s["completion"]) for s in res.samples)
         print(model, "  ".join(f"{name} {100 * acc:.2f}% ({chars[model][name]:.2f} chars)"
                                for name, acc in rows[model].items()),
-              "p(PAD) at the first step", [round(v, 2) for v in pad[model]], flush=True)
+              "p(PAD) at the first step", pad[model] and [round(v, 2) for v in pad[model]], flush=True)
     return {"split": args.split, "n": args.n, "decoders": DECODERS, "accuracy": rows, "mean_completion_chars": chars,
             "pad_at_first_step": pad}
 

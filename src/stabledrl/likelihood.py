@@ -248,8 +248,8 @@ def _check_inputs(
     bad = completion_ids == policy.mask_token_id
     if policy.pad_token_id != getattr(policy, "eos_token_id", None):  # some tokenizers pad with EOS
         pad = completion_ids == policy.pad_token_id
-        if policy.pad_token_id in getattr(policy, "stop_token_ids", ()):  # PAD ends a completion: its last slot may be one
-            pad = pad & (scored.long().cumsum(-1) < scored.sum(-1, keepdim=True))
+        if policy.pad_token_id in getattr(policy, "stop_token_ids", ()):  # a PAD may end a completion
+            pad = pad & (scored.long().cumsum(-1) < scored.sum(-1, keepdim=True))  # scored only as its last slot
         bad = bad | pad
     if (scored & bad).any():
         raise ValueError("completion_mask scores PAD or MASK tokens: it does not match completion_ids "
