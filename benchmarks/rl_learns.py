@@ -123,9 +123,14 @@ def pad_at_first_step(policy, problems: list, gen_length: int) -> list[float] | 
     return probs[..., policy.pad_token_id].mean(0).tolist()
 
 
-def cmd_decoders(args) -> dict:
+def _task_and_problems(args) -> tuple:
+    """`--task`, `--task-options` and the first `--n` problems of `--split` (seed 0, as `stabledrl eval`)."""
     task = get_task(args.task, **json.loads(args.task_options))
-    problems = task.generate(args.n, split=args.split, seed=0)
+    return task, task.generate(args.n, split=args.split, seed=0)
+
+
+def cmd_decoders(args) -> dict:
+    task, problems = _task_and_problems(args)
     rows, chars, pad = {}, {}, {}
     for model in args.models:
         rows[model], chars[model] = {}, {}
@@ -143,8 +148,7 @@ def cmd_decoders(args) -> dict:
 
 
 def cmd_passk(args) -> dict:
-    task = get_task(args.task, **json.loads(args.task_options))
-    problems = task.generate(args.n, split=args.split, seed=0)
+    task, problems = _task_and_problems(args)
     res = pass_at_k(args.model, task, problems, k=args.k)
     print(json.dumps(res))
     return {"model": args.model, "split": args.split, **res}

@@ -1,6 +1,7 @@
 """The rollout-engine seam: the built-in engine is the sampler; a second engine, chosen by
 configuration, produces the rollouts of a training run."""
 
+import dataclasses
 import json
 
 import pytest
@@ -36,6 +37,18 @@ class FixedEngine:
                                 completion_mask=completion_mask(ids, tok.eos_token_id),
                                 unmask_step=torch.zeros((B, L), dtype=torch.long), forward_passes=0,
                                 entropy=torch.zeros(B))
+
+
+class PadEndedEngine(FixedEngine):
+    """`FixedEngine`'s completions ending at a PAD instead of EOS: what the sampler writes when it
+    draws PAD there, with PAD a stop token (tests/test_train.py trains on them)."""
+
+    def rollout(self, request: RolloutRequest) -> GenerationOutput:
+        out = super().rollout(request)
+        policy = request.policy
+        ids = out.completion_ids.masked_fill(out.completion_ids == policy.eos_token_id, policy.pad_token_id)
+        return dataclasses.replace(out, sequences=torch.cat([request.prompt_ids, ids], dim=1), completion_ids=ids,
+                                   completion_mask=completion_mask(ids, policy.stop_token_ids))
 
 
 class NotAnEngine:

@@ -1,12 +1,20 @@
-"""The training-reward summaries of benchmarks/rl_learns.py, against hand arithmetic."""
+"""benchmarks/rl_learns.py: the training-reward summaries and the first step's p(PAD), against
+hand arithmetic and the sampler."""
 
+import math
 import sys
 from pathlib import Path
 
 import pytest
+import torch
+
+from stabledrl.data import encode_policy_prompts
+from stabledrl.sampling import generate
+from stabledrl.tasks import get_task
+from tests.conftest import ScriptedPolicy
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from rl_learns import summarise_gaps  # noqa: E402
+from rl_learns import pad_at_first_step, summarise_gaps  # noqa: E402
 
 
 def test_summarise_gaps_on_a_line_and_on_hand_arithmetic():
@@ -26,3 +34,22 @@ def test_summarise_gaps_on_a_line_and_on_hand_arithmetic():
     assert hand["slope_per_100_steps_se"] == pytest.approx(100 * 0.02**0.5)
     assert hand["gap_second_half"] == pytest.approx(1.5)
     assert hand["gap_second_half_se"] == pytest.approx(0.5)
+
+
+def test_pad_at_the_first_step_is_the_softmax_of_the_samplers_first_call():
+    """A scripted policy prefers PAD by a logit margin c at slot 2 and another token elsewhere:
+    p(PAD) there is e^c / (e^c + V − 1), 1 / V at the other slots; the input is the one the
+    sampler's first call gets (the whole completion masked)."""
+    problems = get_task("countdown").generate(2, split="test", seed=0)
+    L, c = 4, 3.0
+    probe = ScriptedPolicy([0] * L, [0.0] * L, prompt_len=0)
+    width = encode_policy_prompts(probe, [p.prompt for p in problems])[0].size(1)
+    pad, other = probe.pad_token_id, probe.tokenizer.convert_tokens_to_ids("1")
+    policy = ScriptedPolicy([other, other, pad, other], [0.0, 0.0, c, 0.0], prompt_len=width)
+    V = len(policy.tokenizer)
+    got = pad_at_first_step(policy, problems, L)
+    want = [1 / V, 1 / V, math.exp(c) / (math.exp(c) + V - 1), 1 / V]
+    assert got == pytest.approx(want, rel=1e-5)
+    ids, mask = encode_policy_prompts(policy, [p.prompt for p in problems])
+    generate(policy, ids, mask, gen_length=L)
+    assert torch.equal(policy.calls[0], policy.calls[1])  # calls[1]: the sampler's first

@@ -592,30 +592,10 @@ def test_every_objective_name_the_config_accepts_has_a_builder_in_the_registry()
 
 
 
-class PadEndedEngine:
-    """Rollouts that end at a PAD, not at EOS (what the sampler writes when it draws PAD there,
-    with PAD a stop token): three Sudoku answers in turn, each followed by PAD."""
-
-    def rollout(self, request):
-        from stabledrl.data import completion_mask, encode_completions
-        from stabledrl.sampling import GenerationOutput
-
-        policy = request.policy
-        answers = ("4312214334211234", "1111222233334444", "1234")  # rewards differ within a group
-        texts = [answers[i % 3] for i in range(request.prompt_ids.shape[0])]
-        ids = encode_completions(policy.tokenizer, texts, request.gen_length)
-        ids = ids.masked_fill(ids == policy.eos_token_id, policy.pad_token_id)
-        b, L = ids.shape
-        return GenerationOutput(sequences=torch.cat([request.prompt_ids, ids], 1), completion_ids=ids,
-                                completion_mask=completion_mask(ids, policy.stop_token_ids),
-                                unmask_step=torch.zeros((b, L), dtype=torch.long), forward_passes=0,
-                                entropy=torch.zeros(b))
-
-
 def test_a_run_whose_completions_end_at_pad_trains_when_pad_is_a_stop_token(init_model, tmp_path):
     """`model.stop_tokens: ["[PAD]"]`: a completion may end at a PAD, which the likelihoods score
     as its last slot; without the stop token such rollouts are refused."""
-    engine = {"engine": "tests.test_train:PadEndedEngine"}
+    engine = {"engine": "tests.test_engines:PadEndedEngine"}
     cfg = _cfg(init_model, tmp_path / "run", steps=2, rollout=engine,
                model={"path": str(init_model), "stop_tokens": ["[PAD]"]})
     run_train(cfg, progress=False)
