@@ -35,7 +35,7 @@ FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.S | re.M)
 LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)")
 CODE_SPAN = re.compile(r"`([^`\n]+)`")
 HEADING = re.compile(r"^(#{1,6})\s+(.+?)\s*#*\s*$", re.M)
-FIGURE = re.compile(r"(?<![\w.])(\d+(?:,\d{3})*(?:\.\d+)?)(%?)(?![\w.]*\d)")
+FIGURE = re.compile(r"(?<![\w.])(\d+(?:,\d{3})*(?:\.\d+)?)(%|×|x\b)?(?![\w.]*\d)")
 
 
 def _text(path: Path) -> str:
@@ -100,6 +100,24 @@ def test_relative_links_resolve(doc):
         if anchor and file.suffix == ".md" and anchor not in _anchors(_text(file)):
             bad.append(f"{target}: no heading #{anchor} in {rel}")
     assert not bad, f"broken links in {doc.name}:\n" + "\n".join(bad)
+
+
+def _cells(row: str) -> int:
+    """The number of cells of a Markdown table row (escaped pipes and pipes in code do not split)."""
+    return CODE_SPAN.sub("code", row.replace("\\|", "")).strip().strip("|").count("|") + 1
+
+
+@pytest.mark.parametrize("doc", [README, NOTEBOOK], ids=lambda p: p.name)
+def test_tables_are_rectangular(doc):
+    bad = []
+    for table in re.findall(r"(?:^\|.*\n)+", FENCE.sub("\n", _text(doc)), re.M):
+        rows = table.splitlines()
+        if len(rows) < 2 or not re.fullmatch(r"\|(\s*:?-+:?\s*\|)+", rows[1].strip()):
+            bad.append(f"a table without a header separator: {rows[0][:60]}")
+            continue
+        bad += [f"{len(rows)} rows, {_cells(r)} cells, not {_cells(rows[0])}: {r[:60]}"
+                for r in rows if _cells(r) != _cells(rows[0])]
+    assert not bad, "\n".join(bad)
 
 
 def test_pending_files_are_still_missing():
@@ -208,15 +226,17 @@ def test_methods_table_names_every_objective_and_estimator():
 
 
 def test_every_figure_is_in_docs():
-    """Each number with a decimal point or a % in README prose also appears in some docs/*.md."""
+    """Each number in README prose with a decimal point, a % or a speed-up factor (× or x) also
+    appears, with the same unit, in some docs/*.md: a figure changed or invented in the README alone
+    fails. A token check, not a proof that the docs give the same figure for the same thing."""
     docs = "\n".join(_text(p) for p in sorted((ROOT / "docs").glob("*.md")))
     md = _text(README)
     prose = CODE_SPAN.sub(" ", FENCE.sub(lambda m: m.group(0) if m.group(1) == "" else "\n", md))
     missing = set()
-    for number, pct in FIGURE.findall(prose):
-        if ("." not in number and not pct) or number in NOT_FIGURES:
+    for number, unit in FIGURE.findall(prose):
+        if ("." not in number and not unit) or number in NOT_FIGURES:
             continue
-        token = re.escape(number + pct)
-        if not re.search(rf"(?<![\d.]){token}(?![\d])" if not pct else rf"(?<![\d.]){token}", docs):
-            missing.add(number + pct)
+        unit_pattern = {"": r"(?![\d.]?\d)", "%": "%", "×": "[×x]", "x": "[×x]"}[unit]
+        if not re.search(rf"(?<![\d.]){re.escape(number)}{unit_pattern}", docs):
+            missing.add(number + unit)
     assert not missing, f"figures in README.md found nowhere in docs/: {sorted(missing)}"
