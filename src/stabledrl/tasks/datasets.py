@@ -68,7 +68,8 @@ class DatasetSplits:
     _parts: dict[str, list[dict[str, Any]]] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
-        if isinstance(self.validation_size, bool) or not isinstance(self.validation_size, int) or self.validation_size < 0:
+        size = self.validation_size
+        if isinstance(size, bool) or not isinstance(size, int) or size < 0:
             raise ValueError(f"validation_size must be a whole number >= 0, got {self.validation_size!r}")
 
     def split_name(self, split: Split) -> str:
