@@ -17,8 +17,7 @@ or, without any marker, from the last number in the text. A marker with no numbe
 scores 0.0 (the model committed to an unreadable answer). Numbers are ASCII digits with an
 optional sign, thousands commas ("1,000") and decimals; "$", "%" and LaTeX spacing are
 ignored, and values compare exactly as decimals (72 == 72.0 == 72.00). Never raises.
-
-Data files and the validation split: see `stabledrl.tasks.datasets` (`path`, `validation_size`).
+Data files and the validation split: `stabledrl.tasks.datasets` (`path`, `validation_size`).
 """
 
 from __future__ import annotations
