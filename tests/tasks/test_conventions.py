@@ -197,7 +197,11 @@ def test_validation_is_carved_from_train_by_a_hash_of_the_question(tmp_path):
 
 def test_math_validation_hashes_the_problem(tmp_path):
     write_jsonl(tmp_path / "train.jsonl", [{"problem": f"p{i}", "solution": f"\\boxed{{{i}}}"} for i in range(6)])
-    task = get_task("math", path=str(tmp_path / "train.jsonl"), validation_size=2, cache_dir=str(tmp_path / "hf"))
+    one_file = get_task("math", path=str(tmp_path / "train.jsonl"), validation_size=2, cache_dir=str(tmp_path / "hf"))
+    with pytest.raises(ValueError, match="serves the test split too"):  # validation rows would be test rows
+        one_file.generate(1, split="validation")
+    one_file.close()
+    task = get_task("math", path=str(tmp_path / "{split}.jsonl"), validation_size=2, cache_dir=str(tmp_path / "hf"))
     digest = {f"p{i}": hashlib.sha256(f"stabledrl-validation:p{i}".encode()).digest()[:8] for i in range(6)}
     assert {r["problem"] for r in task.data.rows("validation")} == set(sorted(digest, key=digest.get)[:2])
     task.close()

@@ -89,6 +89,9 @@ class DatasetSplits:
                              f"validation_size (e.g. 500 rows carved from the {name!r} split), or eval_split: test")
         if split == "test" or self.validation_size == 0:
             return self._file_rows(name)
+        if self.is_local() and "{split}" not in self.path:
+            raise ValueError(f"validation_size: {self.path!r} serves the test split too, so validation rows would be "
+                             "test rows; use separate files (a path with {split})")
         if not self._parts:
             self._parts = self._carve(self._file_rows(name))
         return self._parts[split]
