@@ -161,12 +161,20 @@ def test_bad_options_and_files(tmp_path):
     with pytest.raises(ValueError, match="path="):
         get_task("gsm8k")
     task = get_task("gsm8k", path=str(tmp_path / "missing-{split}.jsonl"), cache_dir=str(tmp_path / "hf"))
-    with pytest.raises(FileNotFoundError, match="missing-train.jsonl"):
+    with pytest.raises(FileNotFoundError, match="missing-train.jsonl.*run: python -m stabledrl.tasks.datasets export "
+                       r"gsm8k --out .* and set path: .*/\{split\}.jsonl"):
         task.generate(1)
+    task = get_task("gsm8k", path="data/gsm8k/{split}.jsonl", cache_dir=str(tmp_path / "hf"))
+    with pytest.raises(FileNotFoundError, match=r"data/gsm8k/test.jsonl.*write them with: "
+                       r"python -m stabledrl.tasks.datasets export gsm8k --out data/gsm8k$"):
+        task.generate(1, split="test")
+    write_jsonl(tmp_path / "only-train.jsonl", TRAIN)  # a missing test file is met when evaluation reads it
+    task = get_task("gsm8k", path=str(tmp_path / "only-{split}.jsonl"), cache_dir=str(tmp_path / "hf"))
+    with pytest.raises(FileNotFoundError, match="only-test.jsonl"):
+        task.generate(1, split="test")
     write_jsonl(tmp_path / "noref.jsonl", [{"question": "?", "answer": "no marker"}])
     with pytest.raises(ValueError, match="no number after '####'"):
         get_task("gsm8k", path=str(tmp_path / "noref.jsonl"), cache_dir=str(tmp_path / "hf"))
-    task = get_task("gsm8k", path=str(tmp_path / "gsm8k-{split}.jsonl"), cache_dir=str(tmp_path / "hf"))
     with pytest.raises(ValueError, match="completions"):
         task.reward(["1"], [])
 

@@ -6,7 +6,13 @@ Data files: `path` is a Hub dataset name or a local .json/.jsonl/.parquet/.csv f
 local path, "{split}" is replaced by the split's name (`train_split` / `test_split`), e.g.
 ``path="data/gsm8k/{split}.jsonl"``; a local path without "{split}" serves every split
 (for evaluation-only files; do not train on it too). Nothing is downloaded unless `path`
-is a Hub name.
+is a Hub name. On a machine with network, ``python -m stabledrl.tasks.datasets export
+gsm8k --out data/gsm8k`` writes data/gsm8k/train.jsonl and test.jsonl (`export`).
+
+Validation: `validation_size` rows of the train split, those whose problem (`id_of`) has
+the smallest salted SHA-256, leave train and form split="validation": the same rows
+whatever the file's order or the machine, disjoint from train, and from test as far as the
+files are.
 
 Local files are read, and every row checked (`DatasetTask.check_row`), when the task is
 built: an empty file, a line that is not a JSON object, or rows a problem cannot be made
@@ -16,6 +22,7 @@ training step that first draws a bad row.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -23,11 +30,12 @@ import random
 import re
 import string
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, ClassVar
 
 from stabledrl.tasks.base import Split
 
-__all__ = ["DatasetSplits", "DatasetTask", "format_prompt", "last_boxed", "require_path", "template_columns"]
+__all__ = ["DatasetSplits", "DatasetTask", "EXPORTS", "export", "format_prompt", "last_boxed", "problem_hash",
+           "require_path", "template_columns"]
 
 logger = logging.getLogger(__name__)
 
@@ -36,38 +44,83 @@ _LOCAL_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".c
 
 @dataclass
 class DatasetSplits:
-    """The rows of a dataset's train and test splits, loaded lazily with `datasets`."""
+    """The rows of a dataset's train, validation and test splits, loaded lazily with `datasets`."""
 
     path: str
     """Hub dataset name, or a local file whose "{split}" is replaced by the split name."""
     hub_config: str | None = None
     """Hub configuration (e.g. "main" for openai/gsm8k); unused for local files."""
     train_split: str = "train"
-    """Split name behind split="train"."""
+    """Split name behind split="train" (and the rows validation is carved from)."""
     test_split: str = "test"
     """Split name behind split="test"."""
     cache_dir: str | None = None
     """`datasets` cache directory; None = its default (~/.cache/huggingface/datasets)."""
     check_row: Callable[[dict[str, Any]], str | None] | None = None
     """Why a row cannot become a problem (None if it can); every row is checked as it loads."""
+    validation_size: int = 0
+    """Rows of the train split that form split="validation" instead (module docstring); 0: none."""
+    id_of: Callable[[dict[str, Any]], str] | None = None
+    """A row's problem, hashed to choose the validation rows; None: the whole row."""
+    task: str | None = None
+    """The task's name, for the `export` command a missing file's error gives."""
     _rows: dict[str, list[dict[str, Any]]] = field(default_factory=dict, init=False, repr=False)
+    _parts: dict[str, list[dict[str, Any]]] = field(default_factory=dict, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        size = self.validation_size
+        if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+            raise ValueError(f"validation_size must be a whole number >= 0, got {self.validation_size!r}")
 
     def split_name(self, split: Split) -> str:
-        if split == "validation":
-            raise ValueError("a task read from data has no validation split (only train and test): "
-                             "set eval_split: test, or hold out rows of the train file in a file of their own")
-        if split not in ("train", "test"):
-            raise ValueError(f"split must be 'train' or 'test', got {split!r}")
-        return self.train_split if split == "train" else self.test_split
+        """The file split (the "{split}" of a local path) that `split`'s rows come from."""
+        if split not in ("train", "validation", "test"):
+            raise ValueError(f"split must be 'train', 'validation' or 'test', got {split!r}")
+        return self.test_split if split == "test" else self.train_split
 
     def is_local(self) -> bool:
         return os.path.splitext(self.path)[1].lower() in _LOCAL_BUILDERS or os.path.exists(self.path)
 
     def rows(self, split: Split) -> list[dict[str, Any]]:
+        """The rows of `split`, in file order."""
         name = self.split_name(split)
+        if split == "validation" and self.validation_size == 0:
+            raise ValueError(f"task {self.task or self.path!r} has no validation split: set its option "
+                             f"validation_size (e.g. 500 rows carved from the {name!r} split), or eval_split: test")
+        if split == "test" or self.validation_size == 0:
+            return self._file_rows(name)
+        if self.is_local() and "{split}" not in self.path:
+            raise ValueError(f"validation_size: {self.path!r} serves the test split too, so validation rows would be "
+                             "test rows; use separate files (a path with {split})")
+        if not self._parts:
+            self._parts = self._carve(self._file_rows(name))
+        return self._parts[split]
+
+    def _file_rows(self, name: str) -> list[dict[str, Any]]:
         if name not in self._rows:
             self._rows[name] = self._load(name)
         return self._rows[name]
+
+    def _carve(self, rows: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+        """{"train": ..., "validation": ...}: the `validation_size` rows whose problem hashes lowest."""
+        if self.validation_size >= len(rows):
+            raise ValueError(f"validation_size {self.validation_size} leaves no training rows: the "
+                             f"{self.train_split!r} split of {self.path!r} has {len(rows)}")
+        key = self.id_of or (lambda row: json.dumps(row, sort_keys=True, default=str))
+        order = sorted(range(len(rows)), key=lambda i: (problem_hash(key(rows[i])), i))
+        chosen = set(order[:self.validation_size])
+        return {"train": [r for i, r in enumerate(rows) if i not in chosen],
+                "validation": [r for i, r in enumerate(rows) if i in chosen]}
+
+    def _missing(self, file: str, name: str) -> FileNotFoundError:
+        hint = ""
+        if self.task in EXPORTS:
+            out = os.path.dirname(self.path) or "."
+            command = f"python -m stabledrl.tasks.datasets export {self.task} --out {out}"
+            hint = (f"; on a machine with network, write them with: {command}" if os.path.basename(self.path) ==
+                    "{split}.jsonl" else f"; on a machine with network, run: {command} (it writes train.jsonl "
+                    f"and test.jsonl) and set path: {os.path.join(out, '{split}.jsonl')}")
+        return FileNotFoundError(f"no data file {file!r} for split {name!r} (path={self.path!r}){hint}")
 
     def _load(self, name: str) -> list[dict[str, Any]]:
         import datasets  # slow to import; only the dataset-backed tasks need it
@@ -79,7 +132,7 @@ class DatasetSplits:
             if builder is None:
                 raise ValueError(f"path {file!r}: use a .json, .jsonl, .parquet or .csv file")
             if not os.path.isfile(file):
-                raise FileNotFoundError(f"no data file {file!r} for split {name!r} (path={self.path!r})")
+                raise self._missing(file, name)
             if builder == "json":
                 lines = _json_rows(file)  # what datasets would fail on, named by line
             try:
@@ -98,7 +151,7 @@ class DatasetSplits:
         return rows
 
     def sample(self, n: int, split: Split, seed: int, salt: str) -> list[tuple[int, dict[str, Any]]]:
-        """`n` distinct rows of `split` as (index, row), reproducible from (`salt`, `seed`).
+        """`n` distinct rows of `split` as (index in the split, row), reproducible from (`salt`, `seed`).
 
         Draws without replacement; asking for more rows than the split holds is an error
         (a silent cycle would repeat problems within one batch).
@@ -111,14 +164,20 @@ class DatasetSplits:
         return [(i, rows[i]) for i in rng.sample(range(len(rows)), n)]
 
     def loaded_rows(self) -> list[dict[str, Any]]:
-        """Rows of every split that loads (a missing local split file is skipped)."""
+        """Rows of every file split that loads (a missing local split file is skipped: its
+        error, with the command that makes it, comes when a split is drawn from)."""
         out: list[dict[str, Any]] = []
-        for split in ("train", "test"):
+        for name in dict.fromkeys((self.train_split, self.test_split)):
             try:
-                out += self.rows(split)  # type: ignore[arg-type]
+                out += self._file_rows(name)
             except FileNotFoundError:
                 pass
         return out
+
+
+def problem_hash(key: str) -> int:
+    """A stable 64-bit hash of a problem's text (salted SHA-256; not Python's hash())."""
+    return int.from_bytes(hashlib.sha256(f"stabledrl-validation:{key}".encode()).digest()[:8], "big")
 
 
 def _json_rows(file: str) -> list[int] | None:
@@ -238,8 +297,8 @@ def _last_boxed_span(text: str) -> tuple[int, str] | None:
 @dataclass
 class DatasetTask:
     """Fields and behaviour the dataset-backed tasks share: where their rows come from
-    (`self.data`, built in `__post_init__`) and the longest prompt. A subclass sets `name`
-    and `prompt_template`, and overrides `prompt_of` if a row's prompt needs more."""
+    (`self.data`, built in `__post_init__`) and the longest prompt. A subclass sets `name`,
+    `prompt_template` and `id_column`, and overrides `prompt_of` if a row's prompt needs more."""
 
     path: str | None = None
     """Required: a local file ("data/NAME/{split}.jsonl") or a Hub dataset name."""
@@ -251,10 +310,19 @@ class DatasetTask:
     """Split name for split="test"."""
     cache_dir: str | None = None
     """Where `datasets` caches what it loads; None = its default."""
+    validation_size: int = 0
+    """Rows carved out of the train split as split="validation" (chosen by a hash of the
+    problem's text, `stabledrl.tasks.datasets`); 0: no validation split."""
+
+    id_column: ClassVar[str | None] = None
+    """The column holding a row's problem text (what the validation carve hashes)."""
 
     def __post_init__(self) -> None:
+        column = self.id_column
+        id_of = None if column is None else (lambda row: str(row.get(column)))
         self.data = DatasetSplits(require_path(self.path, self.name), self.hub_config, self.train_split,
-                                  self.test_split, self.cache_dir, check_row=self.check_row)
+                                  self.test_split, self.cache_dir, check_row=self.check_row,
+                                  validation_size=self.validation_size, id_of=id_of, task=self.name)
         if self.data.is_local():
             self.data.loaded_rows()  # read and check every row now, not when a step first draws it
 
@@ -271,3 +339,55 @@ class DatasetTask:
     def prompt_length(self) -> int:
         """Longest prompt of both splits in characters (loads them: a Hub dataset downloads)."""
         return max((len(self.prompt_of(r)) for r in self.data.loaded_rows()), default=0)
+
+
+# --- getting the data onto an offline machine ----------------------------------------
+
+EXPORTS: dict[str, tuple[str, str | None]] = {
+    "gsm8k": ("openai/gsm8k", "main"),
+    "math": ("ankner/math-500", None),  # d1's: MATH's train split less MATH-500, and MATH-500 as test
+}
+"""Task -> (Hub dataset, configuration) that `export` reads by default."""
+
+
+def export(task: str, out: str, *, hub: str | None = None, config: str | None = None,
+           cache_dir: str | None = None) -> list[str]:
+    """Write the train and test splits of `task`'s Hub dataset (or `hub`) to OUT/train.jsonl
+    and OUT/test.jsonl, one JSON object a line, for ``path: OUT/{split}.jsonl``. Needs network."""
+    import datasets
+
+    if hub is None:
+        if task not in EXPORTS:
+            raise ValueError(f"no default dataset for task {task!r}: name one with --hub (known: {sorted(EXPORTS)})")
+        hub, config = EXPORTS[task][0], config or EXPORTS[task][1]
+    os.makedirs(out, exist_ok=True)
+    written = []
+    for split in ("train", "test"):
+        file = os.path.join(out, f"{split}.jsonl")
+        ds = datasets.load_dataset(hub, config, split=split, cache_dir=cache_dir)
+        with open(file, "w", encoding="utf-8") as f:
+            for row in ds:
+                f.write(json.dumps(row, ensure_ascii=False, default=str) + "\n")
+        written.append(file)
+    return written
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m stabledrl.tasks.datasets export TASK --out DIR [--hub NAME] [--config C]``."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m stabledrl.tasks.datasets")
+    sub = parser.add_subparsers(dest="command", required=True)
+    ex = sub.add_parser("export", help="write a task's train/test splits as JSON lines (needs network)")
+    ex.add_argument("task", help=f"one of {sorted(EXPORTS)}, or any name with --hub")
+    ex.add_argument("--out", required=True, help="directory for train.jsonl and test.jsonl")
+    ex.add_argument("--hub", help="Hub dataset to read instead of the task's default")
+    ex.add_argument("--config", help="its configuration")
+    ex.add_argument("--cache-dir", help="the datasets cache directory")
+    args = parser.parse_args(argv)
+    for file in export(args.task, args.out, hub=args.hub, config=args.config, cache_dir=args.cache_dir):
+        print(file)
+
+
+if __name__ == "__main__":
+    main()

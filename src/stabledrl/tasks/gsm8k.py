@@ -3,16 +3,21 @@
 Rows  ``{"question": str, "answer": "...reasoning...\\n#### 72"}`` (the Hub's
 ``openai/gsm8k``, config ``main``, or local files in that schema).
 Prompt  the question in `prompt_template`; Answer  the reference solution text.
+`convention` picks the prompt and reward (docs/recipes.md compares them): simple (default,
+ours, neither published setup): the reward below. d1: d1's reasoning/answer format and its
+five summed rewards (`stabledrl.tasks.d1`), up to 4. stabledrl: the StableDRL authors'
+(dataloaders/math.py, reward_gsm8k): +1.0 when math-verify finds the whole completion
+equivalent to the text after the reference's last "####", else -1.0 (wrong, unparseable,
+timed out); the prompt asks for a \\boxed{} answer.
 
-Reward: 1.0 when the completion's final number equals the reference number after
+simple's reward: 1.0 when the completion's final number equals the reference number after
 "####", else 0.0. The completion's final number is taken from the last explicit answer
 marker ("#### N", "\\boxed{N}", "answer is N" / "answer: N"; the one written last wins),
 or, without any marker, from the last number in the text. A marker with no number after it
 scores 0.0 (the model committed to an unreadable answer). Numbers are ASCII digits with an
 optional sign, thousands commas ("1,000") and decimals; "$", "%" and LaTeX spacing are
 ignored, and values compare exactly as decimals (72 == 72.0 == 72.00). Never raises.
-
-Data files: see `stabledrl.tasks.datasets` (the `path` option).
+Data files and the validation split: `stabledrl.tasks.datasets` (`path`, `validation_size`).
 """
 
 from __future__ import annotations
@@ -20,9 +25,12 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
+from typing import Literal
 
-from stabledrl.tasks.base import Problem, ScoredTask, Split, register_task
+from stabledrl.tasks import d1
+from stabledrl.tasks.base import Problem, Score, ScoredTask, Split, register_task
 from stabledrl.tasks.datasets import DatasetTask, _last_boxed_span, format_prompt
+from stabledrl.tasks.math import MathVerifier
 
 __all__ = ["GSM8K", "extract_number", "parse_number", "reference_number"]
 
@@ -63,21 +71,42 @@ def reference_number(answer: str) -> Decimal | None:
     return parse_number(answer.rsplit("####", 1)[1]) if "####" in answer else None
 
 
+Convention = Literal["simple", "d1", "stabledrl"]
+
+TEMPLATES: dict[str, str] = {
+    "simple": "{question}\nSolve it step by step; end with the final number as: #### <number>",
+    "d1": d1.GSM8K_PROMPT,
+    # the authors append a request for a boxed answer to the question (our words)
+    "stabledrl": "{question}\nGive the final answer in \\boxed{{}}, e.g. $\\boxed{{7}}$.",
+}
+"""Each convention's default `prompt_template`."""
+
+
 @dataclass
 class GSM8K(DatasetTask, ScoredTask):
-    """GSM8K from local files or the Hub; see the module docstring for `path`."""
+    """GSM8K from local files or the Hub; see the module docstring for `path` and `convention`."""
 
     completion_length: int = 256
     """Completion slots the sampler fills (reasoning plus the final answer)."""
-    prompt_template: str = "{question}\nSolve it step by step; end with the final number as: #### <number>"
-    """A `str.format` template over the row's columns."""
+    convention: Convention = "simple"
+    """The prompt and reward: simple (ours), d1 or stabledrl (the module docstring)."""
+    prompt_template: str | None = None
+    """A `str.format` template over the row's columns; None: the convention's (`TEMPLATES`)."""
     name: str = "gsm8k"
     """The registry name."""
 
+    id_column = "question"
+
     def __post_init__(self) -> None:
+        if self.convention not in TEMPLATES:
+            raise ValueError(f"convention must be one of {sorted(TEMPLATES)}, got {self.convention!r}")
+        if self.prompt_template is None:
+            self.prompt_template = TEMPLATES[self.convention]
         super().__post_init__()
         if self.completion_length < 1:
             raise ValueError(f"completion_length must be positive, got {self.completion_length}")
+        # the authors' math-verify call: 5 s for each parse and the comparison
+        self.verifier = MathVerifier(timeout_s=20.0, verify_timeout_s=5) if self.convention == "stabledrl" else None
 
     def check_row(self, row: dict) -> str | None:
         why = super().check_row(row)
@@ -92,16 +121,30 @@ class GSM8K(DatasetTask, ScoredTask):
         """`n` distinct rows of `split` (without replacement), reproducible from `seed`."""
         problems = []
         for i, row in self.data.sample(n, split, seed, self.name):
-            target = reference_number(str(row.get("answer", "")))
+            answer = row["answer"]
+            target = reference_number(str(answer))
             if target is None:
                 raise ValueError(f"row {i} of the {split} split has no number after '####' in its answer")
-            problems.append(Problem(format_prompt(self.prompt_template, row), row["answer"],
-                                    {"target": str(target), "index": i}))
+            meta = {"target": str(target), "index": i,
+                    "first": answer.split("####")[1].strip(), "last": answer.split("####")[-1].strip()}
+            problems.append(Problem(format_prompt(self.prompt_template, row), answer, meta))
         return problems
 
-    def judge(self, completion: str, problem: Problem) -> float:
+    def judge(self, completion: str, problem: Problem) -> float | Score:
+        if self.convention == "d1":
+            terms = d1.gsm8k_terms(completion, problem.meta["first"])
+            return Score(sum(terms.values()), correct=terms["correct"] > 0)
+        if self.convention == "stabledrl":
+            assert self.verifier is not None
+            ok = self.verifier.equivalent(problem.meta["last"], completion, raw=True)
+            return Score(1.0 if ok else -1.0, correct=ok)
         value = extract_number(completion)
         return 1.0 if value is not None and value == Decimal(problem.meta["target"]) else 0.0
+
+    def close(self) -> None:
+        """Stop the verifier's worker process, if any (it also stops when the task is collected)."""
+        if self.verifier is not None:
+            self.verifier.close()
 
 
 @register_task("gsm8k")

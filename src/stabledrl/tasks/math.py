@@ -3,20 +3,20 @@
 Rows  ``{"problem", "solution" (ending in \\boxed{...}), "level", "type"}``; an "answer"
 column (MATH-500's) is the gold answer when present, else the solution's last box is.
 Prompt  the problem in `prompt_template`; Answer  the reference solution.
-Local files and Hub names work as for gsm8k (`path` with "{split}"; see that module).
+Local files, Hub names and `validation_size`: as for gsm8k (`stabledrl.tasks.datasets`).
 
-Reward: 1.0 when the completion's final answer is mathematically equivalent to the gold
-answer according to math-verify (`math_verify.parse` + `math_verify.verify`), else 0.0.
-The final answer is the last top-level \\boxed{...}; without one, the last $...$; without
-that, the last non-empty line. Answers longer than `max_answer_chars` score 0.0 unread.
+`convention` picks the prompt and reward (docs/recipes.md compares them): simple (default,
+ours, neither published setup): the reward below. d1: d1's reasoning/answer format and
+its two summed rewards (`stabledrl.tasks.d1`). stabledrl: the StableDRL authors'
+(dataloaders/math.py, reward_mixed): +1.0 when math-verify finds the whole completion
+equivalent to the whole reference solution, else -1.0; the prompt asks for a \\boxed{}.
 
-Guarding math-verify. Its own timeouts use SIGALRM, which works only in the main thread
-and cannot interrupt one long C-level step (a huge power in sympy holds the GIL). So it
-runs in a worker process, in that process's main thread with math-verify's timeouts on
-(`verify_timeout_s`), under an address-space limit, and we wait at most `timeout_s` per
-answer: past that the worker is killed (and restarted on the next call) and the answer
-scores 0.0. The reward never raises and works from any thread; calls are serialised.
-Deviation: the worker costs ~1 s to start (sympy import), once per task instance.
+simple's reward: 1.0 when the completion's final answer is equivalent to the gold answer
+per math-verify (`parse` + `verify`), else 0.0. The final answer is the last top-level
+\\boxed{...}; without one, the last $...$; without that, the last non-empty line. Answers
+longer than `max_answer_chars` score 0.0 unread.
+
+Guarding math-verify: `MathVerifier`.
 """
 
 from __future__ import annotations
@@ -32,8 +32,10 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass
+from typing import Literal
 
-from stabledrl.tasks.base import Problem, ScoredTask, Split, register_task
+from stabledrl.tasks import d1
+from stabledrl.tasks.base import Problem, Score, ScoredTask, Split, register_task
 from stabledrl.tasks.datasets import DatasetTask, format_prompt, last_boxed
 
 __all__ = ["MathTask", "MathVerifier", "extract_answer"]
@@ -57,7 +59,9 @@ def extract_answer(completion: str) -> str | None:
     return lines[-1] if lines else None
 
 
-# The worker: reads {"gold", "pred"} JSON lines on stdin, answers "1" or "0" per line.
+# The worker: reads {"gold", "pred", "raw"} JSON lines on stdin, answers "1" or "0" per line.
+# raw: parse both texts as they are (math-verify finds the answer in them), as the StableDRL
+# authors call it; else each is the content of a box.
 _WORKER = r'''
 import json, logging, resource, sys
 memory_mb, inner_timeout = float(sys.argv[1]), int(sys.argv[2])
@@ -70,8 +74,9 @@ sys.stdout.flush()
 for line in sys.stdin:
     try:
         req = json.loads(line)
-        gold = parse("\\boxed{" + req["gold"] + "}", parsing_timeout=inner_timeout)
-        pred = parse("\\boxed{" + req["pred"] + "}", parsing_timeout=inner_timeout)
+        wrap = (lambda t: t) if req.get("raw") else (lambda t: "\\boxed{" + t + "}")
+        gold = parse(wrap(req["gold"]), parsing_timeout=inner_timeout)
+        pred = parse(wrap(req["pred"]), parsing_timeout=inner_timeout)
         ok = bool(gold) and bool(pred) and verify(gold, pred, timeout_seconds=inner_timeout)
     except BaseException:  # MemoryError, RecursionError, math-verify's TimeoutException ...
         ok = False
@@ -81,7 +86,15 @@ for line in sys.stdin:
 
 
 class MathVerifier:
-    """math-verify equivalence in a killable worker process (see the module docstring)."""
+    """math-verify equivalence in a killable worker process.
+
+    math-verify's own timeouts use SIGALRM, which works only in the main thread
+    and cannot interrupt one long C-level step (a huge power in sympy holds the GIL). So it
+    runs in a worker process, in that process's main thread with math-verify's timeouts on
+    (`verify_timeout_s`), under an address-space limit, and we wait at most `timeout_s` per
+    answer: past that the worker is killed (and restarted on the next call) and the answer
+    counts as not equivalent. The reward never raises and works from any thread; calls are serialised.
+    Deviation: the worker costs ~1 s to start (sympy import), once per task instance."""
 
     def __init__(self, *, timeout_s: float = 5.0, verify_timeout_s: int = 2, memory_mb: float = 4096,
                  start_timeout_s: float = 60.0) -> None:
@@ -136,14 +149,14 @@ class MathVerifier:
             self._finalizer()  # runs _stop(proc) once
         self._proc = self._finalizer = None
 
-    def equivalent(self, gold: str, pred: str) -> bool:
-        """Whether `pred` is equivalent to `gold` (LaTeX without the box); False when the
-        worker cannot tell within `timeout_s`."""
+    def equivalent(self, gold: str, pred: str, *, raw: bool = False) -> bool:
+        """Whether `pred` is equivalent to `gold` (LaTeX without the box; with `raw`, whole
+        texts math-verify finds the answers in); False when the worker cannot tell within `timeout_s`."""
         with self._lock:
             proc = self._proc if self._proc is not None and self._proc.poll() is None else self._start()
             assert proc.stdin is not None
             try:
-                proc.stdin.write(json.dumps({"gold": gold, "pred": pred}).encode() + b"\n")
+                proc.stdin.write(json.dumps({"gold": gold, "pred": pred, "raw": raw}).encode() + b"\n")
                 proc.stdin.flush()
             except OSError:
                 self._kill()
@@ -172,14 +185,26 @@ def _stop(proc: subprocess.Popen) -> None:
                 pass
 
 
+TEMPLATES: dict[str, str] = {
+    "simple": "{problem}\nReason step by step and put the final answer in \\boxed{{}}.",
+    "d1": d1.MATH_PROMPT,
+    # the authors append a request for a boxed answer to the problem (our words)
+    "stabledrl": "{problem}\nGive the final answer in \\boxed{{}}, e.g. $\\boxed{{7}}$.",
+}
+"""Each convention's default `prompt_template`."""
+
+
 @dataclass
 class MathTask(DatasetTask, ScoredTask):
     """MATH / MATH-500 from local files or the Hub; see the module docstring."""
 
     completion_length: int = 512
     """Completion slots the sampler fills."""
-    prompt_template: str = "{problem}\nReason step by step and put the final answer in \\boxed{{}}."
-    """A `str.format` template over the row's columns (double the braces of LaTeX)."""
+    convention: Literal["simple", "d1", "stabledrl"] = "simple"
+    """The prompt and reward: simple (ours), d1 or stabledrl (the module docstring)."""
+    prompt_template: str | None = None
+    """A `str.format` template over the row's columns (double the braces of LaTeX); None: the
+    convention's (`TEMPLATES`)."""
     max_answer_chars: int = 1000
     """Longer final answers score 0 without being parsed."""
     timeout_s: float = 5.0
@@ -191,7 +216,13 @@ class MathTask(DatasetTask, ScoredTask):
     name: str = "math"
     """The registry name."""
 
+    id_column = "problem"
+
     def __post_init__(self) -> None:
+        if self.convention not in TEMPLATES:
+            raise ValueError(f"convention must be one of {sorted(TEMPLATES)}, got {self.convention!r}")
+        if self.prompt_template is None:
+            self.prompt_template = TEMPLATES[self.convention]
         super().__post_init__()
         if self.timeout_s <= 0 or self.verify_timeout_s < 1:
             raise ValueError("timeout_s must be positive and verify_timeout_s at least 1 (whole seconds)")
@@ -210,7 +241,13 @@ class MathTask(DatasetTask, ScoredTask):
             problems.append(Problem(format_prompt(self.prompt_template, row), str(row.get("solution", gold)), meta))
         return problems
 
-    def judge(self, completion: str, problem: Problem) -> float:
+    def judge(self, completion: str, problem: Problem) -> float | Score:
+        if self.convention == "d1":
+            terms = d1.math_terms(completion, problem.answer)
+            return Score(sum(terms.values()), correct=terms["correct"] > 0)
+        if self.convention == "stabledrl":
+            ok = self.verifier.equivalent(problem.answer, completion, raw=True)
+            return Score(1.0 if ok else -1.0, correct=ok)
         answer = extract_answer(completion)
         if not answer or len(answer) > self.max_answer_chars:
             return 0.0

@@ -1,0 +1,77 @@
+"""The real-model recipes (configs/<family>-...yaml, docs/recipes.md): each parses into
+`TrainConfig`, holds the published settings it claims, names its launch command and data
+command, and its task builds from a local file in the layout the export command writes."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from stabledrl.config import load_config
+from stabledrl.tasks import get_task
+from stabledrl.train import TrainConfig
+
+ROOT = Path(__file__).parents[1]
+RECIPES = ["llada-8b-instruct-gsm8k-stabledrl", "llada-8b-instruct-math-stabledrl", "dream-7b-instruct-gsm8k-stabledrl",
+           "sdar-8b-chat-gsm8k-stabledrl", "llada-8b-instruct-gsm8k-d1-diffu-grpo"]
+MODELS = {"llada": "GSAI-ML/LLaDA-8B-Instruct", "dream": "Dream-org/Dream-v0-Instruct-7B", "sdar": "JetLM/SDAR-8B-Chat"}
+
+
+def load(name):
+    return load_config(TrainConfig, ROOT / "configs" / f"{name}.yaml")
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_recipe_parses_and_names_its_commands(name):
+    cfg = load(name)
+    text = (ROOT / "configs" / f"{name}.yaml").read_text()
+    assert "accelerate launch --config_file configs/accelerate/fsdp.yaml -m stabledrl train" in text
+    assert f"--config configs/{name}.yaml" in text
+    task = cfg.task.name
+    assert f"python -m stabledrl.tasks.datasets export {task} --out data/{task}" in text
+    assert cfg.task.options["path"] == f"data/{task}/{{split}}.jsonl"  # what the export writes
+    assert cfg.model.path == MODELS[name.split("-")[0]]
+    assert name in (ROOT / "docs" / "recipes.md").read_text()
+    # the shared published settings: 256 tokens at temperature 0.9, bf16 compute, clip 0.2, wd 0.1
+    assert (cfg.rollout.gen_length, cfg.rollout.temperature, cfg.mixed_precision) == (256, 0.9, "bf16")
+    assert (cfg.grad_clip, cfg.weight_decay, cfg.rollout.noise) == (0.2, 0.1, "counter")
+
+
+@pytest.mark.parametrize("name", [n for n in RECIPES if n.endswith("-stabledrl")])
+def test_stabledrl_recipes_hold_the_authors_settings(name):
+    cfg = load(name)
+    assert (cfg.group_size, cfg.mu, cfg.prompts_per_step, cfg.lr, cfg.seed) == (16, 2, 32, 2e-6, 113)
+    assert (cfg.objective.name, cfg.objective.clip, cfg.objective.clip_max) == ("stabledrl", "upper", 5.0)
+    assert cfg.task.options["convention"] == "stabledrl" and cfg.model.gradient_checkpointing
+    if name.startswith("sdar"):  # a block model: the staircase estimator, blocks from its config
+        assert cfg.estimator.method == "blockwise" and cfg.model.block_size is None
+        return
+    assert (cfg.objective.likelihood, cfg.objective.spg_beta, cfg.objective.spg_omega) == ("spg", 1.5, 0.5)
+    assert (cfg.estimator.method, cfg.estimator.num_samples) == ("block_random", 2)
+    assert cfg.estimator.options == {"block_length": 32, "p_prompt": 0.15}
+    assert (cfg.rollout.steps, cfg.rollout.block_length, cfg.rollout.micro_batch) == (128, 32, 8)
+
+
+def test_d1_recipe_holds_d1s_settings():
+    cfg = load("llada-8b-instruct-gsm8k-d1-diffu-grpo")
+    assert (cfg.group_size, cfg.mu, cfg.prompts_per_step, cfg.lr) == (6, 12, 16, 3e-6)
+    o = cfg.objective
+    assert (o.name, o.clip_eps, o.ratio_level, o.token_aggregation, o.beta, o.advantage_scale) == (
+        "grpo", 0.5, "token", "batch_token_mean", 0.04, "none")
+    assert (cfg.estimator.method, cfg.estimator.options) == ("mean_field", {"p_prompt": 0.15})
+    assert (cfg.lora.r, cfg.lora.alpha, cfg.lora.dropout) == (128, 64, 0.05)
+    assert cfg.task.options["convention"] == "d1"
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_recipe_task_builds_from_a_local_file(tmp_path, name):
+    cfg = load(name)
+    rows = {"gsm8k": {"question": "2+2?", "answer": "2+2=4\n#### 4"},
+            "math": {"problem": "2+2?", "solution": "It is $\\boxed{4}$."}}[cfg.task.name]
+    for split in ("train", "test"):
+        (tmp_path / f"{split}.jsonl").write_text(json.dumps(rows) + "\n")
+    options = {**cfg.task.options, "path": str(tmp_path / "{split}.jsonl"), "cache_dir": str(tmp_path / "hf")}
+    task = get_task(cfg.task.name, **options)
+    problem = task.generate(1, split="test")[0]
+    assert problem.prompt.startswith("2+2?") or problem.prompt.endswith("2+2?")
+    getattr(task, "close", lambda: None)()
