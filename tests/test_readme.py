@@ -21,12 +21,10 @@ MAX_LINES = 300
 # Files the README links to that another branch adds. A missing one is tolerated only while it
 # is listed here; `test_pending_files_are_still_missing` fails once it exists, so the list empties.
 PENDING = {
-    "docs/recipes.md",
     "docs/extending.md",
     "docs/logging.md",
     "docs/lm-eval.md",
     "docs/gpu-check.md",
-    "configs/llada-8b-instruct-gsm8k-stabledrl.yaml",
 }
 # Numbers in README prose that are not measurements.
 NOT_FIGURES = {"3.10"}  # the Python version
