@@ -28,7 +28,8 @@ def _write_run(run_dir, backends, **kw):
 
 def _needs(name):
     return pytest.mark.skipif(importlib.util.find_spec(name) is None,
-                              reason=f"{name} is not installed (pip install {name})")
+                              reason=f"{name} is not installed (pip install 'stabledrl[{name}]'; "
+                                     "trackio's versions: docs/logging.md)")
 
 
 def test_jsonl_files_and_no_backend_on_other_processes(tmp_path):
@@ -129,6 +130,18 @@ def test_wandb_offline_scalars_samples_and_config(tmp_path, monkeypatch):
     table = json.loads(table_file.read_text())
     assert table["columns"] == list(SAMPLE_COLUMNS)
     assert table["data"] == [[2, *s.values()] for s in SAMPLES]
+
+
+@_needs("wandb")
+def test_wandb_resumed_run_continues_the_same_run(tmp_path, monkeypatch):
+    for k, v in {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_DISABLE_GIT": "true"}.items():
+        monkeypatch.setenv(k, v)
+    _write_run(tmp_path, ["wandb"])
+    Tracker(tmp_path, ["wandb"], start_step=2).close()
+    ids = lambda: sorted(p.stem[len("run-"):] for p in (tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert ids() == [(tmp_path / "wandb-run-id").read_text()] * 2
+    Tracker(tmp_path, ["wandb"]).close()  # a fresh run in the same directory: a new wandb run
+    assert len(set(ids())) == 2
 
 
 @_needs("trackio")

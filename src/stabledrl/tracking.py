@@ -11,7 +11,7 @@ Backends (`report_to`, any subset; TensorBoard needs nothing beyond the base ins
 - ``wandb`` (``pip install 'stabledrl[wandb]'``): ``RUN/wandb``; without network set
   ``WANDB_MODE=offline`` and upload later with ``wandb sync RUN/wandb/offline-run-*``.
   ``WANDB_PROJECT`` names the project (default ``stabledrl``).
-- ``trackio`` (``pip install trackio``, not an extra: see docs/logging.md): local first, a
+- ``trackio`` (``pip install 'stabledrl[trackio]'``, versions: docs/logging.md): local first, a
   SQLite file per project under ``TRACKIO_DIR`` (default: ``RUN/trackio`` when unset
   before trackio is first imported); ``TRACKIO_PROJECT`` names the project.
 
@@ -22,6 +22,7 @@ the same wandb run; a fresh one starts the file afresh.
 
 from __future__ import annotations
 
+import inspect
 import json
 import math
 import os
@@ -35,7 +36,7 @@ __all__ = ["BACKENDS", "SAMPLE_COLUMNS", "Tracker", "samples_markdown"]
 
 BACKENDS = ("tensorboard", "wandb", "trackio")
 SAMPLE_COLUMNS = ("step", "prompt", "completion", "reward", "correct")
-_EXTRA = {"wandb": "pip install 'stabledrl[wandb]'", "trackio": "pip install trackio"}
+_EXTRA = {"wandb": "pip install 'stabledrl[wandb]'", "trackio": "pip install 'stabledrl[trackio]'"}
 
 
 def _version() -> str:
@@ -126,8 +127,10 @@ class Tracker:
         os.environ.setdefault("TRACKIO_DIR", str(self.run_dir / "trackio"))  # read when trackio is imported
         trackio = _import("trackio")
         self._trackio = trackio
+        takes = inspect.signature(trackio.init).parameters
+        quiet = {k: False for k in ("auto_log_cpu", "auto_log_gpu") if k in takes}  # no system metrics (newer trackio)
         trackio.init(project=os.environ.get("TRACKIO_PROJECT", "stabledrl"), name=self.run_dir.name, config=config,
-                     resume="allow" if resume else "never", auto_log_cpu=False, auto_log_gpu=False)
+                     resume="allow" if resume else "never", **quiet)
 
     def log(self, row: dict[str, Any]) -> None:
         """One metrics row (it holds its "step"): a line of metrics.jsonl, its finite numbers to each backend."""
@@ -162,8 +165,10 @@ class Tracker:
 
             self._wandb.log({"eval/samples": wandb.Table(columns=list(SAMPLE_COLUMNS), data=data)}, step=step)
         if self._trackio is not None:
-            self._trackio.log({"eval/samples": self._trackio.Table(columns=list(SAMPLE_COLUMNS), data=data)},
-                              step=step)
+            import pandas  # trackio's own dependency; older trackio reads column names from a DataFrame only
+
+            frame = pandas.DataFrame(data, columns=list(SAMPLE_COLUMNS))
+            self._trackio.log({"eval/samples": self._trackio.Table(dataframe=frame)}, step=step)
 
     def close(self) -> None:
         """Flush and close every backend (the wandb and trackio runs are finished)."""
@@ -174,7 +179,10 @@ class Tracker:
         if self._tb is not None:
             self._tb.close()
         if self._wandb is not None:
+            import wandb
+
             self._wandb.finish()
+            wandb.teardown()  # finish() may return before the run's .wandb log is written; teardown waits for it
         if self._trackio is not None:
             self._trackio.finish()
         self._metrics = None
