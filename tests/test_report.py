@@ -47,7 +47,8 @@ def _troubled_run(path, *, k3=False, eval_every=0):
     path.mkdir()
     rows = [{"step": 0, "eval_accuracy": 0.5, "collapse": False}]
     for s in range(1, 11):
-        row = {"step": s, "reward_mean": (s * 0.37) % 1, "grad_norm": None if s == 4 else 1.0, "skipped_steps": int(s >= 4),
+        row = {"step": s, "reward_mean": (s * 0.37) % 1, "grad_norm": None if s == 4 else 1.0,
+               "skipped_steps": int(s >= 4),
                "log_ratio_std": 0.0, "bypass_fraction": 0.0, "drift_kl": -0.2, "collapse": s >= 7}
         if k3:
             row["drift_k3"] = 0.01

@@ -135,9 +135,9 @@ class StableDRLLM(LM):
             if not cont:
                 out.append((0.0, False))
                 continue
-            comp = torch.tensor([cont])  # (1, n)
-            est = estimate(policy, ids.to(policy.device), comp.to(policy.device), torch.ones_like(comp, dtype=torch.bool,
-                           device=policy.device), method=self.estimator, num_samples=self.num_samples,
+            comp = torch.tensor([cont], device=policy.device)  # (1, n): every slot scored, no EOS
+            est = estimate(policy, ids.to(policy.device), comp, torch.ones_like(comp, dtype=torch.bool),
+                           method=self.estimator, num_samples=self.num_samples,
                            generator=torch.Generator().manual_seed(self.seed * 1_000_003 + i),
                            prompt_mask=mask.to(policy.device))
             out.append((float(est.sequence[0]), False))
