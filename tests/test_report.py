@@ -3,7 +3,7 @@ import json
 import pytest
 
 from stabledrl.cli import main
-from stabledrl.report import load_metrics, plot_runs
+from stabledrl.report import load_metrics, plot_runs, report_figure, run_marks, smooth
 
 
 def _run(path, spike):
@@ -40,3 +40,62 @@ def test_report_reads_a_run_cut_off_mid_line_and_names_a_corrupt_line(tmp_path, 
     assert main(["report", str(run)]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "metrics.jsonl, line 2" in err
+
+
+def _troubled_run(path, *, k3=False, eval_every=0):
+    """Ten steps; step 4 skipped (NaN norm, the counter grows), the collapse flagged from step 7."""
+    path.mkdir()
+    rows = [{"step": 0, "eval_accuracy": 0.5, "collapse": False}]
+    for s in range(1, 11):
+        row = {"step": s, "reward_mean": (s * 0.37) % 1, "grad_norm": None if s == 4 else 1.0,
+               "skipped_steps": int(s >= 4),
+               "log_ratio_std": 0.0, "bypass_fraction": 0.0, "drift_kl": -0.2, "collapse": s >= 7}
+        if k3:
+            row["drift_k3"] = 0.01
+        if eval_every and s % eval_every == 0 and s != 10:  # the final evaluation has its own row
+            row["eval_accuracy"] = 0.4
+        rows.append(row)
+    rows.append({"step": 10, "eval_accuracy": 0.1, "collapse": True})
+    (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def _vlines(ax, gid):
+    return sorted({float(line.get_xdata()[0]) for line in ax.get_lines() if line.get_gid() == gid})
+
+
+def test_report_marks_the_skipped_step_and_the_collapse_on_every_panel(tmp_path):
+    import matplotlib.pyplot as plt
+
+    run = _troubled_run(tmp_path / "a")
+    marks = run_marks(load_metrics(run))
+    assert marks.skipped == [4] and marks.collapse == 7 and marks.evaluations == [0, 10]
+    fig = report_figure([run])
+    for ax in fig.axes:
+        assert _vlines(ax, "skipped") == [4.0] and _vlines(ax, "collapse") == [7.0]
+    titles = [ax.get_title() for ax in fig.axes]
+    assert "drift: mean of ℓ_old − ℓ_init" in titles  # no k3 in the metrics: labelled for what it is
+    texts = " ".join(t.get_text() for ax in fig.axes for t in ax.texts)
+    assert "set eval_every for a curve" in texts and "ρ ≡ 1" in " ".join(texts.split())
+    plt.close(fig)
+
+
+def test_report_draws_k3_drift_every_evaluation_and_a_smoothed_reward(tmp_path):
+    import matplotlib.pyplot as plt
+
+    run = _troubled_run(tmp_path / "a", k3=True, eval_every=2)
+    fig = report_figure([run])
+    by_title = {ax.get_title(): ax for ax in fig.axes}
+    assert "drift from π_init: k3 estimate" in by_title
+    [evals] = [ln for ln in by_title["held-out accuracy"].get_lines() if ln.get_gid() == "eval"]
+    assert list(evals.get_xdata()) == [0, 2, 4, 6, 8, 10]
+    assert "set eval_every" not in " ".join(t.get_text() for t in by_title["held-out accuracy"].texts)
+    raw, smoothed = [ln for ln in by_title["reward (train rollouts)"].get_lines() if ln.get_gid() is None][:2]
+    assert list(smoothed.get_ydata()) == smooth(list(raw.get_ydata()))
+    plt.close(fig)
+
+
+def test_smooth_is_the_running_mean_of_the_last_window_values():
+    # window 2: 1, (1+3)/2, (3+5)/2, (5+7)/2
+    assert smooth([1.0, 3.0, 5.0, 7.0], window=2) == [1.0, 2.0, 4.0, 6.0]
+    assert smooth([2.0, 4.0, 6.0], window=10) == [2.0, 3.0, 4.0]
