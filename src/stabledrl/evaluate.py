@@ -11,7 +11,7 @@ import torch
 
 from stabledrl.data import decode_policy_completions, encode_policy_prompts
 from stabledrl.models.policy import Policy
-from stabledrl.sampling import SamplingConfig, generate_micro_batched, row_generators
+from stabledrl.sampling import RolloutRequest, SamplingConfig, generate_micro_batched, row_generators
 from stabledrl.tasks.base import Problem, Task, score_all
 
 __all__ = ["EVAL_MICRO_BATCH", "EvalResult", "evaluate"]
@@ -66,10 +66,9 @@ def evaluate(
     policy.model.eval()
     t0 = time.perf_counter()
     ids, mask = encode_policy_prompts(policy, [p.prompt for p in problems])  # (n, P): one padding for all
-    out = generate_micro_batched(policy, ids.to(policy.device), mask.to(policy.device), micro_batch=micro_batch,
-                                 generator=generators, synced=synced, num_calls=num_calls, progress=progress,
-                                 sort_by_length=sampling.sort_by_length, gen_length=gen_length,
-                                 **sampling.generate_kwargs())
+    out = generate_micro_batched(RolloutRequest(policy, ids.to(policy.device), mask.to(policy.device), gen_length,
+                                                generators, sampling, micro_batch=micro_batch, synced=synced,
+                                                num_calls=num_calls, progress=progress))
     texts = decode_policy_completions(policy, out.completion_ids.cpu())
     seconds = time.perf_counter() - t0
     policy.model.train(was_training)
