@@ -15,7 +15,7 @@ from stabledrl.config import ConfigError, load_config
 from stabledrl.data import (decode_completions, decode_policy_completions, encode_policy_prompts, encode_prompts)
 from stabledrl.evaluate import evaluate
 from stabledrl.models import ModelConfig, TinyPolicy, load_policy
-from stabledrl.sampling import generate
+from stabledrl.sampling import SamplingConfig, generate
 from stabledrl.tasks import get_task
 from stabledrl.tokenizer import CHARS, SPECIAL_TOKENS, build_char_tokenizer
 from stabledrl.train import TrainConfig, _roll_groups
@@ -188,7 +188,8 @@ def test_the_sampler_ends_a_completion_at_an_added_stop_token():
     tiny = make_tiny_policy(seed=3)
     policy = _Boost(TinyPolicy(tiny.model, tok, stop_tokens=("+",)), plus, 3.0)
     ids, mask = encode_policy_prompts(policy, ["3,5,7=22", "12,4,6=9", "1=1"])
-    out = generate(policy, ids, mask, gen_length=9, temperature=1.0, generator=torch.Generator().manual_seed(0))
+    out = generate(policy, ids, mask, SamplingConfig(gen_length=9, temperature=1.0),
+                   generator=torch.Generator().manual_seed(0))
     ended = 0
     for row, m in zip(out.completion_ids.tolist(), out.completion_mask.tolist()):
         if plus in row:  # '+' now ends the completion: PAD after it, and it is the last scored slot
@@ -197,7 +198,7 @@ def test_the_sampler_ends_a_completion_at_an_added_stop_token():
             assert m == [True] * (first + 1) + [False] * (len(row) - first - 1)
             ended += 1
     assert ended >= 2  # the boost makes '+' likely: the rule was exercised
-    plain = generate(_Boost(tiny, plus, 3.0), ids, mask, gen_length=9, temperature=1.0,
+    plain = generate(_Boost(tiny, plus, 3.0), ids, mask, SamplingConfig(gen_length=9, temperature=1.0),
                      generator=torch.Generator().manual_seed(0))
     assert any(r.count(plus) > 1 for r in plain.completion_ids.tolist())  # without the setting '+' goes on
 
