@@ -9,15 +9,14 @@ on every process: the optimizer state, which under FSDP or DeepSpeed ZeRO-3 is s
 only whole when every process writes its part (accelerate also puts the sharded model's
 weights there; with one process or DDP the trainer leaves them out, the policy holds them).
 It is written under a temporary name in the same directory, then renamed into place by the
-main process once every process has finished, so a reader only ever sees complete ones.
-It also records the size of ``metrics.jsonl`` at that moment (``checkpoint.json``), so a
+main process once every process has finished: a reader only ever sees complete ones. It records the size of ``metrics.jsonl`` at that moment (``checkpoint.json``), so a
 resumed run rewinds the metrics to exactly the rows written before it.
 
 A run killed at any moment can be run again with the same command: `open_run_dir`
 removes the temporary folders of an interrupted save (and puts back a checkpoint caught
 mid-swap), and a run directory without a checkpoint starts afresh, its stale metrics
 removed, with or without ``--resume``. Files and folders get the usual permissions
-(0666 / 0777 less the umask), not the private ones of `tempfile`.
+(0666 / 0777 less the umask).
 """
 
 from __future__ import annotations

@@ -1,33 +1,20 @@
-"""Supervised training of a tiny masked-diffusion LM from scratch (the `sft` verb).
+"""Supervised training of a tiny masked-diffusion LM from scratch (the `sft` verb;
+docs/methods.md, "SFT of the tiny models").
 
 Loss (LLaDA, Nie et al. 2025, Eq. 5 for SFT): with t ~ U(0, 1], mask each completion slot
 independently with probability t (the prompt is never masked) and take
 
     L = -(1 / (B L)) Σ_b (1 / t_b) Σ_{i masked} log p_θ(y_i | x_t, q),
 
-an upper bound on the completion's negative log-likelihood. Every one of the L slots is
-a target, including EOS and the PAD after it, because the sampler must learn where the
-answer ends. Deviations, both variance reductions that keep t's marginal U(t_min, 1]:
-t is stratified across the batch (t_b = 1 - (1 - t_min) frac(u + b / B)), and t_min = 1e-3
-keeps 1/t finite.
+an upper bound on the completion's negative log-likelihood. Every slot is a target,
+EOS and the PAD after it included, so the sampler learns where the answer ends.
+Deviations, variance reductions that keep t's marginal U(t_min, 1]: t is stratified across
+the batch (t_b = 1 - (1 - t_min) frac(u + b / B)), and t_min = 1e-3 keeps 1/t finite.
+Block models train with BD3-LM's one-pass block-diffusion loss (Arriola et al. 2025, Eq. 8):
+[q ; y ; ỹ] under the staircase mask, each block of ỹ noised at its own level.
 
-Block models (``model.attention_kind: block``) train with the one-pass block-diffusion
-loss of BD3-LM (Arriola et al. 2025, Eq. 8 with the vectorised [x_t ; x] input): the
-input is [q ; y ; ỹ] under the staircase mask (`stabledrl.models.attention`), each block
-of ỹ noised at its own level t, and every block's term is read from ỹ in the same pass.
-The blocks are the policy's (``prompt_attention``): under ``sequence_blocks`` (SDAR) a
-row's first block holds its prompt's tail, never noised, as SDAR's own SFT loss has it,
-and NB counts the blocks of the row with the most. With stratification the B·NB levels
-take one stratum each, in row-major order, so the blocks of one sequence get neighbouring
-strata (each level is still U(t_min, 1], and a noisy block never sees another noisy
-block, so the loss stays unbiased):
-
-    L = -(1 / (B L)) Σ_b Σ_blocks j (1 / t_bj) Σ_{i in block j, masked} log p_θ(y_i | ỹ_j, y_<j, q).
-
-The loop: fresh training problems each step (the task's train split, seeded by step),
-AdamW with warmup and cosine decay, gradient clipping, JSONL metrics, a progress bar,
-atomic checkpoints with exact resume, held-out evaluation, and the final model saved to
-``{output_dir}/final``.
+The loop: fresh problems each step, AdamW with warmup and cosine decay, clipping, JSONL
+metrics, atomic checkpoints with exact resume, evaluation, the model saved to ``final/``.
 
 Shapes: B batch, P prompt columns, L completion length, V vocabulary.
 """
