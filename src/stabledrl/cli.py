@@ -49,7 +49,7 @@ _NOT_FLAGS = ("micro_batch", "engine", "engine_options")
 def _add_sampling_args(p: argparse.ArgumentParser, leave_out: Sequence[str] = ()) -> None:
     """A flag for each field of `SamplingConfig` (``gen_length`` -> ``--gen-length``), its help
     the field's docstring; a bool field gets ``--x`` and ``--no-x``."""
-    g = p.add_argument_group("sampling", "the fields of a config's sampling section (stabledrl.settings.SamplingConfig)")
+    g = p.add_argument_group("sampling", "the fields of a config's sampling section (SamplingConfig)")
     docs, hints = field_docs(SamplingConfig), typing.get_type_hints(SamplingConfig)
     for f in dataclasses.fields(SamplingConfig):
         if f.name in _NOT_FLAGS or f.name in leave_out:
@@ -74,7 +74,8 @@ def _flag_kind(t) -> dict:
 
 def _sampling(args: argparse.Namespace) -> SamplingConfig:
     """The sampling settings the flags give; a field without its flag keeps its default."""
-    given = {k.removeprefix("sampling_"): v for k, v in vars(args).items() if k.startswith("sampling_") and v is not None}
+    given = {k.removeprefix("sampling_"): v for k, v in vars(args).items()
+             if k.startswith("sampling_") and v is not None}
     return load_config(SamplingConfig, given)
 
 

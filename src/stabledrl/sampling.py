@@ -382,7 +382,7 @@ def generate(
     sampler's own log-probability of each token, which the `path` estimator should
     reproduce); else it is None. Same tokens either way."""
     if sampling.gen_length is None:
-        raise ValueError("generate needs sampling.gen_length (the task's completion_length when a config leaves it null)")
+        raise ValueError("generate needs sampling.gen_length (a config's null means the task's completion_length)")
     B, L = prompt_ids.size(0), sampling.gen_length
     steps = L if sampling.steps is None else sampling.steps
     block_length, num_blocks = _blocks(policy, L, steps, sampling.block_length)

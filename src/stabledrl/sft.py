@@ -155,6 +155,37 @@ def _optimizer(model: torch.nn.Module, cfg: SFTConfig):
                                                             min_lr_rate=cfg.min_lr_ratio)
 
 
+def _resume(ckpt: Path, out: Path, model, opt, sched, gen: torch.Generator) -> int:
+    """Load the weights, optimiser, schedule and noise state of checkpoint `ckpt` and rewind
+    the metrics to it; returns its step."""
+    loaded = TinyDiffusionLM.from_pretrained(ckpt)
+    model.load_state_dict(loaded.state_dict())
+    state = load_trainer_state(ckpt)
+    opt.load_state_dict(state["optimizer"])
+    sched.load_state_dict(state["scheduler"])
+    gen.set_state(state["generator"])
+    rewind_metrics(out / "metrics.jsonl", ckpt)
+    return state["step"]
+
+
+def _train_step(cfg: SFTConfig, policy, task, step: int, opt, gen: torch.Generator) -> tuple[float, float, dict, int]:
+    """One optimiser step on a fresh batch of training problems -> the loss, the gradient
+    norm before clipping, the loss's metrics and the tokens the batch holds."""
+    problems = task.generate(cfg.batch_size, split="train", seed=cfg.seed * 1_000_003 + step)
+    p_ids, p_mask = encode_policy_prompts(policy, [p.prompt for p in problems])
+    c_ids = encode_completions(policy.tokenizer, [p.answer for p in problems], task.completion_length)
+    loss, m = diffusion_loss(policy, p_ids, p_mask, c_ids, generator=gen, t_min=cfg.t_min,
+                             stratified_t=cfg.stratified_t)
+    loss_value = loss.item()
+    if not math.isfinite(loss_value):
+        raise FloatingPointError(f"non-finite SFT loss at step {step}; lower lr (now {cfg.lr})")
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(policy.model.parameters(), cfg.grad_clip))
+    opt.step()
+    return loss_value, grad_norm, m, p_ids.numel() + c_ids.numel()
+
+
 def run_sft(cfg: SFTConfig, *, resume: bool = False, progress: bool = True) -> dict[str, Any]:
     """Train, evaluate and save; returns the final evaluation summary."""
     if cfg.threads:
@@ -170,16 +201,7 @@ def run_sft(cfg: SFTConfig, *, resume: bool = False, progress: bool = True) -> d
     model.train()
     opt, sched = _optimizer(model, cfg)
     gen = torch.Generator().manual_seed(cfg.seed)
-    start = 0
-    if ckpt is not None:
-        loaded = TinyDiffusionLM.from_pretrained(ckpt)
-        model.load_state_dict(loaded.state_dict())
-        state = load_trainer_state(ckpt)
-        opt.load_state_dict(state["optimizer"])
-        sched.load_state_dict(state["scheduler"])
-        gen.set_state(state["generator"])
-        start = state["step"]
-        rewind_metrics(out / "metrics.jsonl", ckpt)
+    start = 0 if ckpt is None else _resume(ckpt, out, model, opt, sched, gen)
 
     eval_problems = task.generate(cfg.eval_n, split=cfg.eval_split, seed=0)
     metrics_file = open(out / "metrics.jsonl", "a")
@@ -187,21 +209,9 @@ def run_sft(cfg: SFTConfig, *, resume: bool = False, progress: bool = True) -> d
     t0 = time.perf_counter()
     bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, desc="sft", disable=not progress)
     for step in bar:
-        problems = task.generate(cfg.batch_size, split="train", seed=cfg.seed * 1_000_003 + step)
-        p_ids, p_mask = encode_policy_prompts(policy, [p.prompt for p in problems])
-        c_ids = encode_completions(policy.tokenizer, [p.answer for p in problems], task.completion_length)
-        loss, m = diffusion_loss(
-            policy, p_ids, p_mask, c_ids, generator=gen, t_min=cfg.t_min, stratified_t=cfg.stratified_t
-        )
-        loss_value = loss.item()
-        if not math.isfinite(loss_value):
-            raise FloatingPointError(f"non-finite SFT loss at step {step}; lower lr (now {cfg.lr})")
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip))
-        opt.step()
+        loss_value, grad_norm, m, n_tokens = _train_step(cfg, policy, task, step, opt, gen)
         sched.step()
-        tokens += p_ids.numel() + c_ids.numel()
+        tokens += n_tokens
         done = step + 1
         if done % cfg.log_every == 0 or done == cfg.steps:
             elapsed = time.perf_counter() - t0
