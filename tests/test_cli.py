@@ -57,13 +57,13 @@ def test_eval_sorts_batches_by_prompt_length_when_asked(saved_model, tmp_path, m
     seen, real = [], evaluate_mod.evaluate
 
     def spy(policy, task, problems, sampling, **kw):
-        seen.append(sampling.sort_by_length)
+        seen.append((sampling.sort_by_length, sampling.micro_batch))
         return real(policy, task, problems, sampling, **kw)
 
     monkeypatch.setattr(evaluate_mod, "evaluate", spy)
     common = ["eval", "--model", str(saved_model), "--n", "4", "--batch-size", "2", "--out", str(tmp_path / "e.json")]
     assert main(common + ["--sort-by-length"]) == 0 and main(common) == 0
-    assert seen == [True, False]
+    assert seen == [(True, 2), (False, 2)]  # --batch-size is the evaluation's micro-batch
 
 
 def test_sample_prints_one_line_per_completion(saved_model, capsys):

@@ -22,7 +22,6 @@ def test_completions_do_not_depend_on_the_micro_batch_or_the_split(temperature):
     for mb in (1, 3):
         assert texts(evaluate(policy, task, problems, SamplingConfig(temperature=temperature, micro_batch=mb),
                               progress=False)) == whole
-        assert texts(evaluate(policy, task, problems, sampling, batch_size=mb, progress=False)) == whole
     assert texts(evaluate(policy, task, problems[4:], sampling, first_index=4, progress=False)) == whole[4:]
     if temperature > 0:
         assert texts(evaluate(policy, task, problems, sampling, seed=1, progress=False)) != whole
@@ -41,11 +40,11 @@ def _sampler_calls(monkeypatch) -> list:
     return seen
 
 
-def test_the_micro_batch_comes_from_the_argument_then_the_sampling_settings_then_256(monkeypatch):
+def test_the_micro_batch_comes_from_the_sampling_settings_then_256(monkeypatch):
     seen = _sampler_calls(monkeypatch)
     policy, task = make_tiny_policy(seed=5), get_task("countdown")
     problems = task.generate(3, split="test", seed=0)
-    evaluate(policy, task, problems, SamplingConfig(micro_batch=2), batch_size=1, progress=False)
+    evaluate(policy, task, problems, SamplingConfig(micro_batch=1), progress=False)
     evaluate(policy, task, problems, SamplingConfig(micro_batch=2), progress=False)
     evaluate(policy, task, problems, SamplingConfig(), progress=False)
     assert [request.micro_batch for request in seen] == [1, 2, 256]

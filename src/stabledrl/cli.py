@@ -166,7 +166,8 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     task = get_task(args.task, **options)
     policy = load_policy(_model_config(args))
     problems = task.generate(args.n, split=args.split, seed=args.seed)
-    res = evaluate(policy, task, problems, sampling, batch_size=args.batch_size, seed=args.seed)
+    sampling = dataclasses.replace(sampling, micro_batch=args.batch_size)
+    res = evaluate(policy, task, problems, sampling, seed=args.seed)
     report = {"model": str(args.model), "task": args.task, "split": args.split, "seed": args.seed, **res.summary()}
     print(f"{args.task} {args.split} n={res.n}: accuracy {res.accuracy:.4f}, mean reward {res.mean_reward:.4f} "
           f"({res.tokens_per_second:.0f} tokens/s)")

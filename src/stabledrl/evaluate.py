@@ -41,7 +41,6 @@ def evaluate(
     problems: Sequence[Problem],
     sampling: SamplingConfig | None = None,
     *,
-    batch_size: int | None = None,
     seed: int = 0,
     progress: bool = True,
     synced: bool = False,
@@ -50,8 +49,8 @@ def evaluate(
 ) -> EvalResult:
     """Accuracy (share of fully correct completions) and mean reward on `problems`.
 
-    The problems are decoded `batch_size` at a time (None: `sampling.micro_batch`, else
-    `EVAL_MICRO_BATCH`); problem i draws its noise from its own generator, seeded by
+    The problems are decoded `sampling.micro_batch` at a time (None: `EVAL_MICRO_BATCH`);
+    problem i draws its noise from its own generator, seeded by
     (`seed`, `first_index` + i), so the completions do not depend on the batch size, nor
     on how processes split the problems (each passes the index of its first).
     `synced`, `num_calls`: see `stabledrl.sampling.generate_micro_batched` (processes with
@@ -60,7 +59,7 @@ def evaluate(
         raise ValueError("no problems to evaluate")
     sampling = sampling or SamplingConfig()
     gen_length = sampling.gen_length or task.completion_length
-    micro_batch = batch_size or sampling.micro_batch or EVAL_MICRO_BATCH
+    micro_batch = sampling.micro_batch or EVAL_MICRO_BATCH
     generators = row_generators(f"eval/{seed}", first_index, first_index + len(problems))
     was_training = policy.model.training
     policy.model.eval()
