@@ -1,4 +1,4 @@
-"""Fast decoding (issue 15): counter noise, threshold parallel decoding, the approximate
+"""Fast decoding: counter noise, threshold parallel decoding, the approximate
 caches of full-attention models, and the sampler's own log-probabilities."""
 
 import math
@@ -204,7 +204,7 @@ def test_threshold_commits_every_slot_above_it_and_at_least_the_schedule():
     ("full", dict(temperature=1.0, noise="counter")), ("block", dict(temperature=1.0)),
     ("block", dict(temperature=1.0, noise="counter")),
 ])
-def test_threshold_one_gives_todays_tokens_bit_for_bit(kind, kw):
+def test_threshold_one_gives_the_exact_samplers_tokens_bit_for_bit(kind, kw):
     policy = Sharpened(make_tiny_policy(seed=12, **(BLOCK if kind == "block" else {})))
     outs = [_run(policy, gen_length=10, steps=7, generator=row_generators("th", 0, 5), threshold=tau,
                  record_logprob=True, **kw) for tau in (None, 1.0)]

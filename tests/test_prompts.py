@@ -161,7 +161,7 @@ def test_decoding_cuts_at_the_first_of_any_stop_token():
     plus = tok.convert_tokens_to_ids("+")
     row = tok.encode("12*3+4", add_special_tokens=False) + [tok.eos_token_id, tok.pad_token_id]
     ids = torch.tensor([row, tok.encode("5-6", add_special_tokens=False) + [plus] + [tok.pad_token_id] * 4])
-    assert decode_completions(tok, ids) == ["12*3+4", "5-6+"]  # EOS alone, as before
+    assert decode_completions(tok, ids) == ["12*3+4", "5-6+"]  # EOS alone by default
     assert decode_completions(tok, ids, [tok.eos_token_id, plus]) == ["12*3", "5-6"]
     policy = TinyPolicy(make_tiny_policy().model, tok, stop_tokens=("+",))
     assert decode_policy_completions(policy, ids) == ["12*3", "5-6"]
