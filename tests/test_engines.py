@@ -65,8 +65,8 @@ def test_the_builtin_engine_is_the_sampler_with_every_option(fast):
     policy = make_tiny_policy(seed=2)
     req = _request(policy, temperature=1.0, steps=9, **fast)
     got = roll_out(req)
-    want = generate(policy, req.prompt_ids, req.prompt_mask, SamplingConfig(gen_length=17, temperature=1.0, steps=9, **fast),
-                    generator=row_generators("e", 0, 2))
+    one_call = SamplingConfig(gen_length=17, temperature=1.0, steps=9, **fast)
+    want = generate(policy, req.prompt_ids, req.prompt_mask, one_call, generator=row_generators("e", 0, 2))
     assert torch.equal(got.completion_ids, want.completion_ids) and torch.equal(got.unmask_step, want.unmask_step)
     assert isinstance(load_engine("builtin"), BuiltinEngine)
 

@@ -153,7 +153,8 @@ def test_counter_noise_a_row_samples_the_same_alone_in_a_batch_and_in_micro_batc
     mixed = _run(policy, prompts=[PROMPTS[1], "99,1=100", PROMPTS[3]], generator=gens, **common)
     assert torch.equal(mixed.completion_ids[[0, 2]], batched.completion_ids[[1, 3]])
     sampling = SamplingConfig(**common)
-    micro = generate_micro_batched(RolloutRequest(policy, ids, mask, 9, row_generators("r", 0, 5), sampling, micro_batch=2))
+    request = RolloutRequest(policy, ids, mask, 9, row_generators("r", 0, 5), sampling, micro_batch=2)
+    micro = generate_micro_batched(request)
     assert torch.equal(micro.completion_ids, batched.completion_ids)
     again = _run(policy, generator=row_generators("s", 0, 5), **common)
     assert not torch.equal(again.completion_ids, batched.completion_ids)  # the noise does matter
