@@ -163,7 +163,6 @@ def categorical(probs: torch.Tensor, u: torch.Tensor, chunk: int = 512) -> torch
     return (j * chunk + torch.minimum(i, last)).squeeze(1)
 
 
-
 @dataclass
 class _At:
     """Where a denoising step draws: its rows, its step number and its columns."""
@@ -358,7 +357,6 @@ def _blocks(policy: Policy, L: int, steps: int, block_length: int | None) -> tup
     return block_length, num_blocks
 
 
-
 @torch.no_grad()
 def generate(
     policy: Policy,
@@ -435,7 +433,6 @@ class _ApproxCache:
         return out[:, : hi - lo]
 
 
-
 def _decode_full(dec: _Decoding, prompt_ids, prompt_mask, block_length: int, per_block: list[int]) -> None:
     """Full attention: every step runs the whole [q ; completion] of the rows with work left
     (with `approx_cache`, what `_ApproxCache` feeds)."""
@@ -480,7 +477,6 @@ def _block_schedule(num_blocks: torch.Tensor, steps: int, width: int) -> torch.T
     j = torch.arange(width, device=num_blocks.device)
     per = (steps // num_blocks)[:, None] + (j[None] < (steps % num_blocks)[:, None]).long()  # (R, width)
     return per.masked_fill(j[None] >= num_blocks[:, None], 0)
-
 
 
 class _BlockSampler:
@@ -595,7 +591,6 @@ def row_generators(tag: str, lo: int, hi: int) -> list[torch.Generator]:
 def micro_batch_calls(rows: int, micro_batch: int | None) -> int:
     """`generate` calls that `generate_micro_batched` makes for `rows` rows."""
     return 1 if micro_batch is None else max(1, math.ceil(rows / micro_batch))
-
 
 
 @dataclass
