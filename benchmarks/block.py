@@ -34,7 +34,7 @@ import torch
 
 from stabledrl.likelihood import block_logprobs_by_separate_passes, plan_views, score_views
 from stabledrl.models import TinyDiffusionConfig, TinyDiffusionLM, TinyPolicy
-from stabledrl.sampling import generate
+from stabledrl.sampling import SamplingConfig, generate
 from stabledrl.tokenizer import build_char_tokenizer
 
 OUT = Path(__file__).parent / "results" / "block.json"
@@ -137,7 +137,7 @@ def sampler_rows(B: int, P: int, lengths: list[int], repeats: int, threads: int)
         for _ in range(repeats):
             for cache in (True, False):
                 t0 = time.perf_counter()
-                outs[cache] = generate(policy, p_ids, p_mask, gen_length=L, kv_cache=cache)
+                outs[cache] = generate(policy, p_ids, p_mask, SamplingConfig(gen_length=L, kv_cache=cache))
                 t[cache].append(time.perf_counter() - t0)
         same = torch.equal(outs[True].completion_ids, outs[False].completion_ids)
         row = {"L": L, "B": B, "P": P, "identical_tokens": same,
@@ -181,7 +181,8 @@ def child(part: str, mode: str, B: int, P: int, n: int, threads: int) -> None:
     else:
         p_ids, p_mask, _, _ = make_data(policy, B, P, 1)
         wrapped = NoEOS(policy)
-        run = lambda: generate(wrapped, p_ids, p_mask, gen_length=n, kv_cache=mode == "cached")  # noqa: E731
+        sampling = SamplingConfig(gen_length=n, kv_cache=mode == "cached")
+        run = lambda: generate(wrapped, p_ids, p_mask, sampling)  # noqa: E731
     before, peak, done = rss(), [0], threading.Event()
 
     def sample():

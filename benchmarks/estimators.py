@@ -35,7 +35,7 @@ import torch
 from stabledrl.data import encode_prompts
 from stabledrl.likelihood import plan_views, score_views
 from stabledrl.models import load_policy
-from stabledrl.sampling import generate
+from stabledrl.sampling import SamplingConfig, generate
 from stabledrl.tasks import get_task
 
 # name -> (method, options, num_samples as a function of the budget F or None if F unsupported)
@@ -58,7 +58,7 @@ def rollouts(policy, n: int, seed: int):
     task = get_task("countdown")
     problems = task.generate(n, split="test", seed=seed)
     p_ids, p_mask = encode_prompts(policy.tokenizer, [p.prompt for p in problems])
-    out = generate(policy, p_ids, p_mask, gen_length=task.completion_length, temperature=1.0,
+    out = generate(policy, p_ids, p_mask, SamplingConfig(gen_length=task.completion_length, temperature=1.0),
                    generator=torch.Generator().manual_seed(seed))
     return p_ids, p_mask, out.completion_ids, out.completion_mask
 

@@ -34,7 +34,7 @@ import torch
 from stabledrl.data import decode_completions, encode_prompts
 from stabledrl.likelihood import estimate
 from stabledrl.models import load_policy
-from stabledrl.sampling import generate
+from stabledrl.sampling import SamplingConfig, generate
 from stabledrl.tasks import get_task
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -51,7 +51,8 @@ def policy_gradient(policy, task, problems, method: str, seed: int) -> tuple[tor
         ids, mask = encode_prompts(policy.tokenizer, [p.prompt for p in chunk])
         gens = [torch.Generator().manual_seed(seed * 10**8 + c * G + j) for j in range(len(chunk))]
         with torch.no_grad():
-            out = generate(policy, ids, mask, gen_length=task.completion_length, temperature=1.0, generator=gens)
+            out = generate(policy, ids, mask, SamplingConfig(gen_length=task.completion_length, temperature=1.0),
+                           generator=gens)
         r = torch.tensor(task.reward(decode_completions(policy.tokenizer, out.completion_ids), chunk))
         adv = (r.view(-1, G) - r.view(-1, G).mean(1, keepdim=True)).flatten()  # (chunk·G,)
         keep = adv != 0
@@ -95,7 +96,9 @@ def _rewards(policy, task, problems, temperature: float, reps: int, seed: int) -
         gens = None if temperature == 0 else [torch.Generator().manual_seed(seed * 10**6 + c * reps + j)
                                               for j in range(len(chunk))]
         with torch.no_grad():
-            out = generate(policy, ids, mask, gen_length=task.completion_length, temperature=temperature, generator=gens)
+            out = generate(policy, ids, mask,
+                           SamplingConfig(gen_length=task.completion_length, temperature=temperature),
+                           generator=gens)
         out_r += task.reward(decode_completions(policy.tokenizer, out.completion_ids), chunk)
     return out_r
 

@@ -40,7 +40,7 @@ import torch
 from stabledrl.data import decode_completions, encode_prompts
 from stabledrl.likelihood import estimate
 from stabledrl.models import load_policy
-from stabledrl.sampling import generate
+from stabledrl.sampling import SamplingConfig, generate
 from stabledrl.tasks import get_task
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -75,7 +75,7 @@ def measure(name: str, *, groups: int, G: int, seed: int) -> dict:
         problem = task.generate(1, split="train", seed=seed * 10_000 + tried)[0]
         ids, mask = encode_prompts(policy.tokenizer, [problem.prompt] * G)
         with torch.no_grad():
-            out = generate(policy, ids, mask, gen_length=task.completion_length, temperature=1.0,
+            out = generate(policy, ids, mask, SamplingConfig(gen_length=task.completion_length, temperature=1.0),
                            generator=[torch.Generator().manual_seed(seed * 10_000 + tried * 64 + g) for g in range(G)])
         r = torch.tensor(task.reward(decode_completions(policy.tokenizer, out.completion_ids), [problem] * G))
         if (r == r[0]).all():

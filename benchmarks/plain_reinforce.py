@@ -37,7 +37,7 @@ from stabledrl.data import decode_completions, encode_prompts
 from stabledrl.evaluate import evaluate
 from stabledrl.likelihood import estimate
 from stabledrl.models import load_policy
-from stabledrl.sampling import generate
+from stabledrl.sampling import SamplingConfig, generate
 from stabledrl.sft import diffusion_loss
 from stabledrl.tasks import get_task
 
@@ -63,7 +63,8 @@ def run(model: str, method: str, *, iterations: int, prompts: int, group: int, l
         gen = torch.Generator().manual_seed(seed * 100_000 + it)
         policy.model.eval()
         with torch.no_grad():
-            out = generate(policy, ids, mask, gen_length=task.completion_length, temperature=1.0, generator=gen)
+            out = generate(policy, ids, mask, SamplingConfig(gen_length=task.completion_length, temperature=1.0),
+                           generator=gen)
         texts = decode_completions(policy.tokenizer, out.completion_ids)
         r = torch.tensor(task.reward(texts, [p for p in problems for _ in range(group)]))  # (prompts·G,)
         adv = (r.view(-1, group) - r.view(-1, group).mean(1, keepdim=True)).flatten()

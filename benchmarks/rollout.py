@@ -62,13 +62,23 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
 from stabledrl.data import encode_policy_prompts
 from stabledrl.evaluate import evaluate
 from stabledrl.models import TinyPolicy, load_policy
-from stabledrl.sampling import SamplingConfig, _pick, generate, generate_micro_batched, row_generators, row_keys
+from stabledrl.sampling import (
+    RolloutRequest,
+    SamplingConfig,
+    _At,
+    _pick,
+    generate,
+    generate_micro_batched,
+    row_generators,
+    row_keys,
+)
 from stabledrl.tasks import get_task
 from stabledrl.tokenizer import build_char_tokenizer
 
@@ -109,6 +119,12 @@ def _warm_median_time(fn, repeats: int) -> float:
     return _median_time(fn, repeats)
 
 
+def _draw_state(sampling: SamplingConfig, gens, keys, logprob: bool = False) -> SimpleNamespace:
+    """What `_pick` and `_step` read of a `generate` call: its settings, noise and banned tokens."""
+    return SimpleNamespace(sampling=sampling, generator=gens, keys=keys, banned=[0, 1, 2],
+                           logprob=torch.zeros(0) if logprob else None)
+
+
 def bench_noise(repeats: int) -> dict:
     """Seconds per row per step of the draw at L = 256, V = 126,464."""
     from stabledrl.sampling import _rand, counter_uniform
@@ -132,8 +148,8 @@ def bench_noise(repeats: int) -> dict:
             return counter_uniform(keys, 0, cols, 0)[eligible]
 
         def step(noise):
-            return lambda: _pick(logits.clone(), eligible, 8, 1.0, "low_confidence", gens, [0, 1, 2], rows,
-                                 noise=noise, keys=keys, step=0, cols=cols)
+            dec = _draw_state(SamplingConfig(temperature=1.0, noise=noise), gens, keys)
+            return lambda: _pick(dec, logits.clone(), eligible, 8, _At(rows, 0, cols))
 
         out[f"eligible_{width}"] = {
             "generator_noise_seconds": _warm_median_time(old_noise, repeats),
@@ -153,15 +169,16 @@ def bench_logprob(repeats: int, rows: int) -> dict:
     L, V = 256, 126_464
     logits = torch.randn(rows, L, V, generator=torch.Generator().manual_seed(0)) * 3  # (A, L, V)
     gens = row_generators("logprob", 0, rows)
-    kw = dict(temperature=1.0, remasking="low_confidence", generator=gens, banned=[0, 1, 2], rows=torch.arange(rows),
-              noise="counter", keys=row_keys(gens, rows, "cpu"), step=0, cols=torch.arange(L))
+    sampling, keys = SamplingConfig(temperature=1.0, noise="counter"), row_keys(gens, rows, "cpu")
+    plain, recording = _draw_state(sampling, gens, keys), _draw_state(sampling, gens, keys, logprob=True)
+    at = _At(torch.arange(rows), 0, torch.arange(L))
     out = {"gen_length": L, "vocab": V, "rows": rows}
     for width in (L, 32):
         eligible = torch.zeros(rows, L, dtype=torch.bool)
         eligible[:, :width] = True
         t = {"clone": _warm_median_time(lambda: logits.clone(), repeats),
-             "pick": _warm_median_time(lambda: _pick(logits.clone(), eligible, 8, **kw), repeats),
-             "step": _warm_median_time(lambda: _step(logits.clone(), eligible, 8, logprob=True, **kw), repeats)}
+             "pick": _warm_median_time(lambda: _pick(plain, logits.clone(), eligible, 8, at), repeats),
+             "step": _warm_median_time(lambda: _step(recording, logits.clone(), eligible, 8, at), repeats)}
         draw = t["step"] - t["clone"]  # the sampler's work on one call's logits, token_logprob included
         out[f"eligible_{width}"] = {**{f"{k}_seconds": v for k, v in t.items()},
                                     "logprob_seconds": t["step"] - t["pick"],
@@ -198,13 +215,13 @@ def bench_speed(model: str, lengths: list[int], batch: int, repeats: int, scheme
         for name in schemes:
             runs = []
             if short_warmup:
-                generate(timed, ids, mask, generator=row_generators("speed/warm", 0, batch),
-                         **dict(common, gen_length=32, steps=8), **SCHEMES[name])
+                generate(timed, ids, mask, SamplingConfig(**dict(common, gen_length=32, steps=8), **SCHEMES[name]),
+                         generator=row_generators("speed/warm", 0, batch))
             for r in range(int(short_warmup), repeats + 1):  # run 0 warms up and is dropped
                 timed.seconds = 0.0
                 t0, c0 = time.perf_counter(), time.process_time()
-                out = generate(timed, ids, mask, generator=row_generators(f"speed/{r}", 0, batch),
-                               **common, **SCHEMES[name])
+                out = generate(timed, ids, mask, SamplingConfig(**common, **SCHEMES[name]),
+                               generator=row_generators(f"speed/{r}", 0, batch))
                 total, cpu = time.perf_counter() - t0, time.process_time() - c0
                 if r:
                     runs.append({"seconds": total, "cpu_seconds": cpu, "forward_seconds": timed.seconds,
@@ -280,8 +297,8 @@ def bench_drift(n: int, mc_samples: int) -> dict:
     ids, mask = encode_policy_prompts(policy, [p.prompt for p in problems])
     result = {}
     for name, options in DRIFT_SCHEMES.items():
-        out = generate(policy, ids, mask, gen_length=task.completion_length, temperature=1.0,
-                       generator=row_generators("drift", 0, n), record_logprob=True, **options)
+        out = generate(policy, ids, mask, SamplingConfig(gen_length=task.completion_length, temperature=1.0, **options),
+                       generator=row_generators("drift", 0, n), record_logprob=True)
         with torch.no_grad():
             path = estimate(policy, ids, out.completion_ids, out.completion_mask, prompt_mask=mask, method="path",
                             unmask_step=out.unmask_step).sequence
@@ -300,7 +317,7 @@ def bench_drift(n: int, mc_samples: int) -> dict:
 def bench_sort(lengths: list[int], batch: int, micro_batch: int, repeats: int, lo: int, hi: int) -> dict:
     """Micro-batched rollouts of prompts whose lengths vary as GSM8K's do (uniform in [lo, hi]
     tokens, random tokens, left-padded to hi), in the given order against sorted by length
-    (`generate_micro_batched(sort_by_length=True)`), interleaved; the shipped tiny model with
+    (`SamplingConfig(sort_by_length=True)`), interleaved; the shipped tiny model with
     EOS suppressed, temperature 1, blocks of 32, steps L/4."""
     policy = Timed(load_policy(SHIPPED), no_eos=True)
     rng = torch.Generator().manual_seed(0)
@@ -313,21 +330,23 @@ def bench_sort(lengths: list[int], batch: int, micro_batch: int, repeats: int, l
                                                                                        policy.pad_token_id)
     result = {"prompt_lengths": n.tolist(), "batch": batch, "micro_batch": micro_batch}
     for L in lengths:
-        common = dict(gen_length=L, steps=L // 4, block_length=32, temperature=1.0, micro_batch=micro_batch)
+        common = dict(gen_length=L, steps=L // 4, block_length=32, temperature=1.0)
         runs = {False: [], True: []}
         outs = {}
         for r in range(repeats + 1):  # the first round warms up and is dropped
             for sort in (False, True):
                 policy.seconds = 0.0
                 t0 = time.perf_counter()
-                outs[sort] = generate_micro_batched(policy, ids, mask, generator=row_generators(f"sort/{r}", 0, batch),
-                                                    sort_by_length=sort, **common)
+                gens = row_generators(f"sort/{r}", 0, batch)
+                sampling = SamplingConfig(**common, sort_by_length=sort)
+                outs[sort] = generate_micro_batched(RolloutRequest(policy, ids, mask, L, gens, sampling,
+                                                                   micro_batch=micro_batch))
                 if r:
                     runs[sort].append({"seconds": time.perf_counter() - t0, "forward_seconds": policy.seconds,
                                        "forward_passes": outs[sort].forward_passes})
         med = {k: statistics.median(x["seconds"] for x in v) for k, v in runs.items()}
         same = (outs[False].completion_ids == outs[True].completion_ids).all(1)  # (B,) the last round's rows
-        result[f"L{L}"] = {"settings": common, "unsorted_seconds_median": med[False],
+        result[f"L{L}"] = {"settings": {**common, "micro_batch": micro_batch}, "unsorted_seconds_median": med[False],
                            "sorted_seconds_median": med[True], "speedup": med[False] / med[True],
                            "rows_with_identical_tokens": int(same.sum()), "runs": {str(k): v for k, v in runs.items()}}
         print(f"L={L}: unsorted {med[False]:.2f} s, sorted {med[True]:.2f} s, {med[False] / med[True]:.2f}x; "

@@ -20,7 +20,7 @@ import torch
 
 from stabledrl.data import encode_prompts
 from stabledrl.models import load_policy
-from stabledrl.sampling import generate
+from stabledrl.sampling import SamplingConfig, generate
 from stabledrl.tasks import get_task
 
 
@@ -62,7 +62,7 @@ def main() -> None:
         policy.seconds = 0.0
         gen = torch.Generator().manual_seed(r)
         t0 = time.perf_counter()
-        out = generate(policy, ids, mask, gen_length=L, temperature=args.temperature, generator=gen)
+        out = generate(policy, ids, mask, SamplingConfig(gen_length=L, temperature=args.temperature), generator=gen)
         total = time.perf_counter() - t0
         if r:
             rows.append({"seconds": total, "forward_seconds": policy.seconds, "forward_passes": out.forward_passes})

@@ -24,7 +24,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from stabledrl.sandbox import run_python
+from stabledrl.sandbox import SandboxLimits, run_python
 
 PROGRAM = "def add(a, b):\n    return a + b\n\nassert add(2, 3) == 5\nassert add(-1, 1) == 0\nprint('ok')\n"
 
@@ -35,7 +35,7 @@ def plain(flags: list[str]) -> None:
 
 
 def sandboxed(audit_hook: bool) -> None:
-    r = run_python(PROGRAM, timeout_s=10, audit_hook=audit_hook)
+    r = run_python(PROGRAM, SandboxLimits(timeout_s=10), audit_hook=audit_hook)
     assert r.ok and r.stdout == "ok\n", r
 
 
@@ -64,7 +64,7 @@ def main() -> None:
 
     with ThreadPoolExecutor(args.workers) as pool:
         t0 = time.perf_counter()
-        results = list(pool.map(lambda _: run_python(PROGRAM, timeout_s=10), range(args.batch)))
+        results = list(pool.map(lambda _: run_python(PROGRAM, SandboxLimits(timeout_s=10)), range(args.batch)))
         batch_seconds = time.perf_counter() - t0
     assert all(r.ok for r in results)
 

@@ -73,7 +73,7 @@ from stabledrl.config import load_config
 from stabledrl.likelihood import backward_views, planner_options
 from stabledrl.models import TinyDiffusionConfig, TinyDiffusionLM, TinyPolicy, add_lora, base_policy
 from stabledrl.objectives import group_advantages
-from stabledrl.sampling import generate_micro_batched, row_generators
+from stabledrl.sampling import RolloutRequest, generate_micro_batched, row_generators
 from stabledrl.settings import LoraSettings, TrainConfig
 from stabledrl.train import Rollouts, _needs_reference, _optimizer, _plan, _score, build_objective
 from stabledrl.tokenizer import build_char_tokenizer
@@ -445,10 +445,9 @@ def rl_step(run: _Run, step: int, clock: _Clock) -> dict[str, int]:
     B, G, L = run.prompt_ids.size(0), cfg.group_size, cfg.rollout.gen_length
     e = cfg.estimator
     with clock("rollout"):
-        roll = generate_micro_batched(policy, run.prompt_ids, run.prompt_mask, gen_length=L,
-                                      micro_batch=cfg.rollout.micro_batch,
-                                      generator=row_generators(f"{cfg.seed}/{step}/0", 0, B),
-                                      **cfg.rollout.generate_kwargs())
+        gens = row_generators(f"{cfg.seed}/{step}/0", 0, B)
+        roll = generate_micro_batched(RolloutRequest(policy, run.prompt_ids, run.prompt_mask, L, gens, cfg.rollout,
+                                                     micro_batch=cfg.rollout.micro_batch))
     comp, cmask = roll.completion_ids, roll.completion_mask  # (B, L)
     batch = Rollouts(run.prompt_ids, run.prompt_mask, comp, cmask, roll.unmask_step)
     objective = build_objective(cfg)

@@ -114,10 +114,13 @@ def test_resume_rewinds_the_metrics_to_the_checkpoint(tmp_path):
     assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [0, 1, 2]
 
 
-def test_a_checkpoint_without_a_recorded_size_rewinds_by_step(tmp_path):
+def test_a_metrics_file_edited_since_the_checkpoint_rewinds_by_step(tmp_path):
+    # 94 bytes recorded at the checkpoint; the file rewritten since holds 64: the recorded size
+    # no longer marks a row's end, so the rows up to the checkpoint's step are kept.
+    _metrics(tmp_path, {"step": 0, "loss": 0.123456789, "grad_norm": 1.0}, {"step": 1, "loss": 0.5, "grad_norm": 2.0})
     ckpt = save_checkpoint(tmp_path, 1, FakePolicy(), {"step": 1})
-    (ckpt / "checkpoint.json").unlink()  # written by an older version
     (tmp_path / "metrics.jsonl").write_text('{"step": 0}\n{"step": 1, "loss": NaN}\n{"step": 2}\n{"step": 3, "lo')
+    assert json.loads((ckpt / "checkpoint.json").read_text())["metrics_bytes"] > 64
     rewind_metrics(tmp_path / "metrics.jsonl", ckpt)
     assert read_metrics(tmp_path / "metrics.jsonl") == [{"step": 0}, {"step": 1, "loss": None}]
 

@@ -1,8 +1,11 @@
+import dataclasses
 import json
 
 import pytest
 
-from stabledrl.cli import main
+from stabledrl.cli import _sampling, build_parser, main
+from stabledrl.config import field_docs
+from stabledrl.settings import SamplingConfig
 from stabledrl.tasks import get_task
 from tests.conftest import make_tiny_policy
 
@@ -27,19 +30,40 @@ def test_eval_prints_and_writes_json(saved_model, tmp_path, capsys):
     assert report["mean_reward"] == pytest.approx(sum(s["reward"] for s in report["samples"]) / 12)
 
 
+def _sampling_of(*argv: str) -> SamplingConfig:
+    return _sampling(build_parser().parse_args(["eval", "--model", "M", *argv]))
+
+
+def test_the_sampling_flags_are_the_fields_of_sampling_config_under_the_documented_names():
+    # The names README.md and docs/ use, each setting its field; left out, every field keeps its default.
+    assert _sampling_of() == SamplingConfig()
+    got = _sampling_of("--gen-length", "12", "--steps", "6", "--block-length", "4", "--temperature", "0.5",
+                       "--no-kv-cache", "--sort-by-length", "--noise", "counter", "--threshold", "0.8",
+                       "--approx-cache", "dual")
+    assert got == SamplingConfig(gen_length=12, steps=6, block_length=4, temperature=0.5, kv_cache=False,
+                                 sort_by_length=True, noise="counter", threshold=0.8, approx_cache="dual")
+    assert _sampling_of("--remasking", "random").remasking == "random"
+    flags = {a.dest.removeprefix("sampling_"): a for a in build_parser()._subparsers._group_actions[0]
+             .choices["eval"]._actions if a.dest.startswith("sampling_")}
+    named = {f.name for f in dataclasses.fields(SamplingConfig)} - {"micro_batch", "engine", "engine_options"}
+    assert set(flags) == named  # one flag per field: a new field gets its flag
+    assert flags["threshold"].help.startswith(field_docs(SamplingConfig)["threshold"])
+    assert flags["noise"].choices == ("generator", "counter")
+
+
 def test_eval_sorts_batches_by_prompt_length_when_asked(saved_model, tmp_path, monkeypatch):
     import stabledrl.evaluate as evaluate_mod
 
     seen, real = [], evaluate_mod.evaluate
 
     def spy(policy, task, problems, sampling, **kw):
-        seen.append(sampling.sort_by_length)
+        seen.append((sampling.sort_by_length, sampling.micro_batch))
         return real(policy, task, problems, sampling, **kw)
 
     monkeypatch.setattr(evaluate_mod, "evaluate", spy)
     common = ["eval", "--model", str(saved_model), "--n", "4", "--batch-size", "2", "--out", str(tmp_path / "e.json")]
     assert main(common + ["--sort-by-length"]) == 0 and main(common) == 0
-    assert seen == [True, False]
+    assert seen == [(True, 2), (False, 2)]  # --batch-size is the evaluation's micro-batch
 
 
 def test_sample_prints_one_line_per_completion(saved_model, capsys):

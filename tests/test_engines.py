@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 from stabledrl.config import ConfigError, load_config
 from stabledrl.data import completion_mask, encode_completions, encode_prompts
 from stabledrl.engines import BuiltinEngine, RolloutRequest, check_output, load_engine, roll_out
-from stabledrl.sampling import GenerationOutput, SamplingConfig, generate_micro_batched, row_generators
+from stabledrl.sampling import GenerationOutput, SamplingConfig, generate, row_generators
 from stabledrl.train import TrainConfig, run_train
 from tests.conftest import make_tiny_policy
 
@@ -65,8 +65,8 @@ def test_the_builtin_engine_is_the_sampler_with_every_option(fast):
     policy = make_tiny_policy(seed=2)
     req = _request(policy, temperature=1.0, steps=9, **fast)
     got = roll_out(req)
-    want = generate_micro_batched(policy, req.prompt_ids, req.prompt_mask, micro_batch=None,
-                                  generator=row_generators("e", 0, 2), gen_length=17, temperature=1.0, steps=9, **fast)
+    one_call = SamplingConfig(gen_length=17, temperature=1.0, steps=9, **fast)
+    want = generate(policy, req.prompt_ids, req.prompt_mask, one_call, generator=row_generators("e", 0, 2))
     assert torch.equal(got.completion_ids, want.completion_ids) and torch.equal(got.unmask_step, want.unmask_step)
     assert isinstance(load_engine("builtin"), BuiltinEngine)
 

@@ -22,33 +22,32 @@ def test_completions_do_not_depend_on_the_micro_batch_or_the_split(temperature):
     for mb in (1, 3):
         assert texts(evaluate(policy, task, problems, SamplingConfig(temperature=temperature, micro_batch=mb),
                               progress=False)) == whole
-        assert texts(evaluate(policy, task, problems, sampling, batch_size=mb, progress=False)) == whole
     assert texts(evaluate(policy, task, problems[4:], sampling, first_index=4, progress=False)) == whole[4:]
     if temperature > 0:
         assert texts(evaluate(policy, task, problems, sampling, seed=1, progress=False)) != whole
 
 
-def _sampler_calls(monkeypatch) -> list[dict]:
-    """The keyword arguments of every `generate_micro_batched` call `evaluate` makes."""
+def _sampler_calls(monkeypatch) -> list:
+    """The request of every `generate_micro_batched` call `evaluate` makes."""
     seen = []
     real = evaluate_mod.generate_micro_batched
 
-    def spy(*args, **kw):
-        seen.append(kw)
-        return real(*args, **kw)
+    def spy(request, **kw):
+        seen.append(request)
+        return real(request, **kw)
 
     monkeypatch.setattr(evaluate_mod, "generate_micro_batched", spy)
     return seen
 
 
-def test_the_micro_batch_comes_from_the_argument_then_the_sampling_settings_then_256(monkeypatch):
+def test_the_micro_batch_comes_from_the_sampling_settings_then_256(monkeypatch):
     seen = _sampler_calls(monkeypatch)
     policy, task = make_tiny_policy(seed=5), get_task("countdown")
     problems = task.generate(3, split="test", seed=0)
-    evaluate(policy, task, problems, SamplingConfig(micro_batch=2), batch_size=1, progress=False)
+    evaluate(policy, task, problems, SamplingConfig(micro_batch=1), progress=False)
     evaluate(policy, task, problems, SamplingConfig(micro_batch=2), progress=False)
     evaluate(policy, task, problems, SamplingConfig(), progress=False)
-    assert [kw["micro_batch"] for kw in seen] == [1, 2, 256]
+    assert [request.micro_batch for request in seen] == [1, 2, 256]
 
 
 def test_sort_by_length_reaches_the_sampler(monkeypatch):
@@ -57,7 +56,7 @@ def test_sort_by_length_reaches_the_sampler(monkeypatch):
     problems = task.generate(3, split="test", seed=0)
     for sort in (True, False):
         evaluate(policy, task, problems, SamplingConfig(micro_batch=2, sort_by_length=sort), progress=False)
-    assert [kw["sort_by_length"] for kw in seen] == [True, False]
+    assert [request.sampling.sort_by_length for request in seen] == [True, False]
 
 
 def test_each_completion_is_scored_once_and_the_figures_are_the_tasks():

@@ -1,4 +1,4 @@
-"""Fast decoding (issue 15): counter noise, threshold parallel decoding, the approximate
+"""Fast decoding: counter noise, threshold parallel decoding, the approximate
 caches of full-attention models, and the sampler's own log-probabilities."""
 
 import math
@@ -10,6 +10,8 @@ import torch
 from stabledrl.data import encode_prompts
 from stabledrl.likelihood import estimate
 from stabledrl.sampling import (
+    RolloutRequest,
+    SamplingConfig,
     _ApproxCache,
     _mix32,
     categorical,
@@ -40,9 +42,10 @@ class Sharpened:
         return self.policy.logits(input_ids, attention_mask, position_ids, **kw) * self.scale
 
 
-def _run(policy, prompts=PROMPTS, **kw):
+def _run(policy, prompts=PROMPTS, *, generator=None, record_logprob=False, **options):
+    """`generate` on the prompts, sampled as `options` say (`SamplingConfig`)."""
     ids, mask = encode_prompts(policy.tokenizer, prompts)
-    return generate(policy, ids, mask, **kw)
+    return generate(policy, ids, mask, SamplingConfig(**options), generator=generator, record_logprob=record_logprob)
 
 
 # ---------------------------------------------------------------- counter noise
@@ -125,7 +128,7 @@ def test_counter_noise_samples_the_same_distribution():
     logits[banned] = -math.inf
     p = (logits.double() / T).softmax(-1)
     for noise in ("generator", "counter"):
-        out = generate(policy, ids, mask, gen_length=1, temperature=T, noise=noise,
+        out = generate(policy, ids, mask, SamplingConfig(gen_length=1, temperature=T, noise=noise),
                        generator=row_generators(f"dist/{noise}", 0, n))
         counts = torch.bincount(out.completion_ids[:, 0], minlength=p.numel()).double()
         keep = p * n >= 5
@@ -140,7 +143,7 @@ def test_counter_noise_a_row_samples_the_same_alone_in_a_batch_and_in_micro_batc
     policy = make_tiny_policy(seed=21, **(BLOCK if kind == "block" else {}))
     common = dict(gen_length=9, temperature=1.0, noise="counter", **kw)
     ids, mask = encode_prompts(policy.tokenizer, PROMPTS)
-    batched = generate(policy, ids, mask, generator=row_generators("r", 0, 5), **common)
+    batched = _run(policy, generator=row_generators("r", 0, 5), **common)
     for i, p in enumerate(PROMPTS):  # a batch of 1 (its own padding) against the batch of 5
         alone = _run(policy, prompts=[p], generator=row_generators("r", i, i + 1), **common)
         assert torch.equal(alone.completion_ids[0], batched.completion_ids[i])
@@ -149,9 +152,11 @@ def test_counter_noise_a_row_samples_the_same_alone_in_a_batch_and_in_micro_batc
     gens = row_generators("r", 1, 2) + row_generators("other", 0, 1) + row_generators("r", 3, 4)
     mixed = _run(policy, prompts=[PROMPTS[1], "99,1=100", PROMPTS[3]], generator=gens, **common)
     assert torch.equal(mixed.completion_ids[[0, 2]], batched.completion_ids[[1, 3]])
-    micro = generate_micro_batched(policy, ids, mask, micro_batch=2, generator=row_generators("r", 0, 5), **common)
+    sampling = SamplingConfig(**common)
+    request = RolloutRequest(policy, ids, mask, 9, row_generators("r", 0, 5), sampling, micro_batch=2)
+    micro = generate_micro_batched(request)
     assert torch.equal(micro.completion_ids, batched.completion_ids)
-    again = generate(policy, ids, mask, generator=row_generators("s", 0, 5), **common)
+    again = _run(policy, generator=row_generators("s", 0, 5), **common)
     assert not torch.equal(again.completion_ids, batched.completion_ids)  # the noise does matter
 
 
@@ -190,7 +195,7 @@ def test_threshold_commits_every_slot_above_it_and_at_least_the_schedule():
     ]
     for (tau, steps), want, calls in cases:
         policy = ScriptedPolicy([tok] * 6, conf, prompt_len=ids.size(1))
-        out = generate(policy, ids, mask, gen_length=6, steps=steps, threshold=tau)
+        out = generate(policy, ids, mask, SamplingConfig(gen_length=6, steps=steps, threshold=tau))
         assert out.unmask_step[0].tolist() == want, tau
         assert out.forward_passes == calls == len(policy.calls)
 
@@ -200,7 +205,7 @@ def test_threshold_commits_every_slot_above_it_and_at_least_the_schedule():
     ("full", dict(temperature=1.0, noise="counter")), ("block", dict(temperature=1.0)),
     ("block", dict(temperature=1.0, noise="counter")),
 ])
-def test_threshold_one_gives_todays_tokens_bit_for_bit(kind, kw):
+def test_threshold_one_gives_the_exact_samplers_tokens_bit_for_bit(kind, kw):
     policy = Sharpened(make_tiny_policy(seed=12, **(BLOCK if kind == "block" else {})))
     outs = [_run(policy, gen_length=10, steps=7, generator=row_generators("th", 0, 5), threshold=tau,
                  record_logprob=True, **kw) for tau in (None, 1.0)]
@@ -353,6 +358,7 @@ def test_cached_sampler_a_row_samples_the_same_alone_and_in_a_batch(approx_cache
 def test_approx_cache_is_refused_where_there_is_no_cache_or_an_exact_one():
     ids, mask = encode_prompts(ScriptedPolicy([], [], 0).tokenizer, ["12"])
     with pytest.raises(ValueError, match="new_cache"):
-        generate(ScriptedPolicy([5] * 4, [1.0] * 4, ids.size(1)), ids, mask, gen_length=4, approx_cache="prefix")
+        generate(ScriptedPolicy([5] * 4, [1.0] * 4, ids.size(1)), ids, mask,
+                 SamplingConfig(gen_length=4, approx_cache="prefix"))
     with pytest.raises(ValueError, match="full-attention"):
         _run(make_tiny_policy(**BLOCK), gen_length=6, approx_cache="dual")

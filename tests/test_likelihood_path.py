@@ -5,7 +5,7 @@ import torch
 
 from stabledrl.data import encode_prompts
 from stabledrl.likelihood import backward_views, estimate, plan_views, score_views
-from stabledrl.sampling import generate
+from stabledrl.sampling import SamplingConfig, generate
 from tests.conftest import make_tiny_policy
 
 PROMPTS = ("3,5,7=22", "12,4,6=9", "1=1", "20,2=10")
@@ -44,15 +44,15 @@ class RecordingPolicy:
         return out
 
 
-def sampler_path_logprob(policy, prompt, L, seed, **gen_kw):
+def sampler_path_logprob(policy, prompt, L, seed, record_logprob=False, **gen_kw):
     """One rollout of one prompt; Σ over its scored slots of log p(y_i) in the model call
     where the sampler committed slot i (the last call whose input still had it masked).
     Also whether an EOS turned an already committed slot into PAD (the approximation)."""
     rec = RecordingPolicy(policy)
     ids, mask = encode_prompts(policy.tokenizer, [prompt])
     P = ids.size(1)
-    out = generate(rec, ids, mask, gen_length=L, temperature=1.0, generator=torch.Generator().manual_seed(seed),
-                   kv_cache=False, **gen_kw)
+    out = generate(rec, ids, mask, SamplingConfig(gen_length=L, temperature=1.0, kv_cache=False, **gen_kw),
+                   generator=torch.Generator().manual_seed(seed), record_logprob=record_logprob)
     comp, scored, step = out.completion_ids[0], out.completion_mask[0], out.unmask_step[0]
     total = 0.0
     for i in scored.nonzero().flatten().tolist():
@@ -86,7 +86,7 @@ def test_path_equals_the_samplers_own_log_probabilities(kind, gen_kw):
 def test_path_of_a_batch_equals_its_rows_and_counts_one_view_per_step():
     policy = make_tiny_policy(seed=6, attention_kind="block", block_size=3)
     ids, mask = encode_prompts(policy.tokenizer, list(PROMPTS))  # left-padded
-    out = generate(policy, ids, mask, gen_length=8, temperature=1.0,
+    out = generate(policy, ids, mask, SamplingConfig(gen_length=8, temperature=1.0),
                    generator=[torch.Generator().manual_seed(s) for s in range(len(PROMPTS))])
     with torch.no_grad():
         whole = estimate(policy, ids, out.completion_ids, out.completion_mask, prompt_mask=mask, method="path",
@@ -107,7 +107,7 @@ def test_path_of_a_batch_equals_its_rows_and_counts_one_view_per_step():
 def test_path_gradient_matches_backward_views():
     policy = make_tiny_policy(seed=7)
     ids, mask = encode_prompts(policy.tokenizer, list(PROMPTS))
-    out = generate(policy, ids, mask, gen_length=6, temperature=1.0,
+    out = generate(policy, ids, mask, SamplingConfig(gen_length=6, temperature=1.0),
                    generator=[torch.Generator().manual_seed(s) for s in range(len(PROMPTS))])
     plan = plan_views("path", out.completion_mask, unmask_step=out.unmask_step)
     g = torch.tensor([1.0, -2.0, 0.5, 3.0])

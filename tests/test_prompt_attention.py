@@ -25,7 +25,7 @@ import torch
 from stabledrl.data import completion_mask, encode_completions, encode_prompts
 from stabledrl.likelihood import estimate, plan_views, score_views
 from stabledrl.models import HFPolicy
-from stabledrl.sampling import generate, row_generators
+from stabledrl.sampling import SamplingConfig, generate, row_generators
 from stabledrl.sft import diffusion_loss, sample_mask_levels
 from tests.conftest import make_tiny_policy
 from tests.models.test_adapters import fake_dllm, sdar_tokenizer
@@ -175,7 +175,7 @@ def test_sdar_path_likelihood_replays_each_rows_own_decoding_under_sdars_blocks(
     policy = sdar_policy()
     L = 7
     p_ids, p_mask, _, _ = _batch(policy, L)
-    out = generate(policy, p_ids, p_mask, gen_length=L, steps=L, temperature=1.0,
+    out = generate(policy, p_ids, p_mask, SamplingConfig(gen_length=L, steps=L, temperature=1.0),
                    generator=row_generators("path", 0, len(PROMPTS)))
     c_ids, c_mask, step = out.completion_ids, out.completion_mask, out.unmask_step
     with torch.no_grad():
@@ -223,7 +223,8 @@ def check_sampler_logits(policy, L: int, steps: int, **kw):
     Returns the output and the number of rows checked whose block held the prompt's tail."""
     p_ids, p_mask = encode_prompts(policy.tokenizer, PROMPTS)
     rec = Recorder(policy)
-    out = generate(rec, p_ids, p_mask, gen_length=L, steps=steps, **kw)
+    generator = kw.pop("generator", None)
+    out = generate(rec, p_ids, p_mask, SamplingConfig(gen_length=L, steps=steps, **kw), generator=generator)
     checked = with_tail = 0
     for ids, pos, logits in rec.calls:
         for b, prompt, n, y in _rows(p_ids, p_mask, out.completion_ids):
@@ -267,14 +268,14 @@ def test_sequence_blocks_sampler_tokens_do_not_depend_on_the_cache_the_batch_or_
     p_ids, p_mask = encode_prompts(policy.tokenizer, PROMPTS)
     L, steps = 9, 4  # 9 slots span 3 blocks, after a tail or not: 4 steps, split 2 1 1
     gens = lambda lo, hi: row_generators("t", lo, hi)  # noqa: E731
-    runs = [generate(policy, p_ids, p_mask, gen_length=L, steps=steps, temperature=1.0, generator=gens(0, 5),
-                     kv_cache=cache, synced=synced) for cache in (True, False) for synced in (False, True)]
+    runs = [generate(policy, p_ids, p_mask, SamplingConfig(gen_length=L, steps=steps, temperature=1.0, kv_cache=cache),
+                     generator=gens(0, 5), synced=synced) for cache in (True, False) for synced in (False, True)]
     for o in runs[1:]:
         assert torch.equal(o.completion_ids, runs[0].completion_ids)
         assert torch.equal(o.unmask_step, runs[0].unmask_step)
     for b, prompt in enumerate(PROMPTS):  # each row alone, unpadded: its own blocks and steps
         one_ids, one_mask = encode_prompts(policy.tokenizer, [prompt])
-        alone = generate(policy, one_ids, one_mask, gen_length=L, steps=steps, temperature=1.0,
+        alone = generate(policy, one_ids, one_mask, SamplingConfig(gen_length=L, steps=steps, temperature=1.0),
                          generator=gens(b, b + 1))
         assert torch.equal(alone.completion_ids[0], runs[0].completion_ids[b])
         assert torch.equal(alone.unmask_step[0], runs[0].unmask_step[b])
@@ -292,7 +293,7 @@ def test_sequence_blocks_need_a_step_for_the_extra_block():
     policy = tiny_sdar_style()
     p_ids, p_mask = encode_prompts(policy.tokenizer, PROMPTS)
     with pytest.raises(ValueError, match="can span 3 blocks of 4"):  # 8 slots after a tail: ceil((3 + 8) / 4)
-        generate(policy, p_ids, p_mask, gen_length=8, steps=2)
+        generate(policy, p_ids, p_mask, SamplingConfig(gen_length=8, steps=2))
 
 
 # --- SFT ------------------------------------------------------------------------------------

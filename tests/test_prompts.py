@@ -15,7 +15,7 @@ from stabledrl.config import ConfigError, load_config
 from stabledrl.data import (decode_completions, decode_policy_completions, encode_policy_prompts, encode_prompts)
 from stabledrl.evaluate import evaluate
 from stabledrl.models import ModelConfig, TinyPolicy, load_policy
-from stabledrl.sampling import generate
+from stabledrl.sampling import SamplingConfig, generate
 from stabledrl.tasks import get_task
 from stabledrl.tokenizer import CHARS, SPECIAL_TOKENS, build_char_tokenizer
 from stabledrl.train import TrainConfig, _roll_groups
@@ -161,7 +161,7 @@ def test_decoding_cuts_at_the_first_of_any_stop_token():
     plus = tok.convert_tokens_to_ids("+")
     row = tok.encode("12*3+4", add_special_tokens=False) + [tok.eos_token_id, tok.pad_token_id]
     ids = torch.tensor([row, tok.encode("5-6", add_special_tokens=False) + [plus] + [tok.pad_token_id] * 4])
-    assert decode_completions(tok, ids) == ["12*3+4", "5-6+"]  # EOS alone, as before
+    assert decode_completions(tok, ids) == ["12*3+4", "5-6+"]  # EOS alone by default
     assert decode_completions(tok, ids, [tok.eos_token_id, plus]) == ["12*3", "5-6"]
     policy = TinyPolicy(make_tiny_policy().model, tok, stop_tokens=("+",))
     assert decode_policy_completions(policy, ids) == ["12*3", "5-6"]
@@ -188,7 +188,8 @@ def test_the_sampler_ends_a_completion_at_an_added_stop_token():
     tiny = make_tiny_policy(seed=3)
     policy = _Boost(TinyPolicy(tiny.model, tok, stop_tokens=("+",)), plus, 3.0)
     ids, mask = encode_policy_prompts(policy, ["3,5,7=22", "12,4,6=9", "1=1"])
-    out = generate(policy, ids, mask, gen_length=9, temperature=1.0, generator=torch.Generator().manual_seed(0))
+    out = generate(policy, ids, mask, SamplingConfig(gen_length=9, temperature=1.0),
+                   generator=torch.Generator().manual_seed(0))
     ended = 0
     for row, m in zip(out.completion_ids.tolist(), out.completion_mask.tolist()):
         if plus in row:  # '+' now ends the completion: PAD after it, and it is the last scored slot
@@ -197,7 +198,7 @@ def test_the_sampler_ends_a_completion_at_an_added_stop_token():
             assert m == [True] * (first + 1) + [False] * (len(row) - first - 1)
             ended += 1
     assert ended >= 2  # the boost makes '+' likely: the rule was exercised
-    plain = generate(_Boost(tiny, plus, 3.0), ids, mask, gen_length=9, temperature=1.0,
+    plain = generate(_Boost(tiny, plus, 3.0), ids, mask, SamplingConfig(gen_length=9, temperature=1.0),
                      generator=torch.Generator().manual_seed(0))
     assert any(r.count(plus) > 1 for r in plain.completion_ids.tolist())  # without the setting '+' goes on
 

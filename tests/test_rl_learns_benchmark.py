@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from stabledrl.data import encode_policy_prompts
-from stabledrl.sampling import generate
+from stabledrl.sampling import SamplingConfig, generate
 from stabledrl.tasks import get_task
 from tests.conftest import ScriptedPolicy
 
@@ -51,5 +51,5 @@ def test_pad_at_the_first_step_is_the_softmax_of_the_samplers_first_call():
     want = [1 / V, 1 / V, math.exp(c) / (math.exp(c) + V - 1), 1 / V]
     assert got == pytest.approx(want, rel=1e-5)
     ids, mask = encode_policy_prompts(policy, [p.prompt for p in problems])
-    generate(policy, ids, mask, gen_length=L)
+    generate(policy, ids, mask, SamplingConfig(gen_length=L))
     assert torch.equal(policy.calls[0], policy.calls[1])  # calls[1]: the sampler's first

@@ -4,15 +4,30 @@ import pytest
 import torch
 
 from stabledrl.data import decode_completions, encode_prompts
-from stabledrl.sampling import generate, generate_micro_batched, micro_batch_calls, row_generators
+from stabledrl.sampling import (
+    RolloutRequest,
+    SamplingConfig,
+    generate,
+    generate_micro_batched,
+    micro_batch_calls,
+    row_generators,
+)
 from tests.conftest import ScriptedPolicy, make_tiny_policy
 
 PROMPTS = ["3,5,7=22", "12,13,5,6=99", "1=1"]
 
 
-def _run(policy, prompts=PROMPTS, **kw):
+def _run(policy, prompts=PROMPTS, *, generator=None, synced=False, **options):
+    """The prompts, and `generate` on them sampled as `options` say (`SamplingConfig`)."""
     ids, mask = encode_prompts(policy.tokenizer, prompts)
-    return ids, generate(policy, ids, mask, **kw)
+    return ids, generate(policy, ids, mask, SamplingConfig(**options), generator=generator, synced=synced)
+
+
+def _micro(policy, ids, mask, generator, *, micro_batch=None, record_logprob=False, **options):
+    """`generate_micro_batched` on these rows in micro-batches of `micro_batch`, sampled as `options` say."""
+    sampling = SamplingConfig(**options)
+    request = RolloutRequest(policy, ids, mask, sampling.gen_length, generator, sampling, micro_batch=micro_batch)
+    return generate_micro_batched(request, record_logprob=record_logprob)
 
 
 @pytest.mark.parametrize("kw", [
@@ -80,7 +95,7 @@ def test_low_confidence_commits_the_most_confident_slot_first_and_eos_pads_the_r
     conf = [1.0, 2.0, 9.0, 8.0, 3.0, 0.5]  # EOS at slot 2 is the most confident
     ids, mask = encode_prompts(ScriptedPolicy([], [], 0).tokenizer, ["12"])
     policy = ScriptedPolicy(script, conf, prompt_len=ids.size(1))
-    out = generate(policy, ids, mask, gen_length=6)
+    out = generate(policy, ids, mask, SamplingConfig(gen_length=6))
     # step 0 commits EOS at slot 2, which turns slots 3-5 into PAD at once; the two
     # remaining slots take one step each in order of confidence (slot 1, then slot 0).
     assert out.completion_ids[0].tolist() == [tok_a, tok_a, eos, 0, 0, 0]
@@ -245,21 +260,20 @@ def test_micro_batches_write_the_same_tokens_as_one_call(block, temperature):
         policy = _EosEager(policy, boost=2.0)
     ids, mask = encode_prompts(policy.tokenizer, PROMPTS_7)
     common = dict(gen_length=9, temperature=temperature)
-    whole = generate_micro_batched(policy, ids, mask, micro_batch=None,
-                                   generator=row_generators("t", 0, 7), **common)
+    whole = _micro(policy, ids, mask, micro_batch=None, generator=row_generators("t", 0, 7), **common)
     if temperature > 0:
         assert len(set(whole.completion_mask.sum(1).tolist())) > 1
     for mb in (1, 2, 3):
-        part = generate_micro_batched(policy, ids, mask, micro_batch=mb, generator=row_generators("t", 0, 7), **common)
+        part = _micro(policy, ids, mask, micro_batch=mb, generator=row_generators("t", 0, 7), **common)
         for f in ("sequences", "completion_ids", "completion_mask", "unmask_step"):
             assert torch.equal(getattr(part, f), getattr(whole, f)), (mb, f)
         torch.testing.assert_close(part.entropy, whole.entropy, rtol=0, atol=1e-5)
         assert part.forward_passes > whole.forward_passes  # it did make several calls
     if temperature > 0:
-        other = generate_micro_batched(policy, ids, mask, micro_batch=2, generator=row_generators("u", 0, 7), **common)
+        other = _micro(policy, ids, mask, micro_batch=2, generator=row_generators("u", 0, 7), **common)
         assert not torch.equal(other.completion_ids, whole.completion_ids)  # the noise does matter
         with pytest.raises(ValueError, match="one generator per row"):
-            generate_micro_batched(policy, ids, mask, micro_batch=2, generator=torch.Generator().manual_seed(0),
+            _micro(policy, ids, mask, micro_batch=2, generator=torch.Generator().manual_seed(0),
                                    **common)
 
 
@@ -286,8 +300,8 @@ def test_sorted_micro_batches_drop_padding_and_write_the_tokens_of_one_call(kind
     policy.model.double()
     ids, mask = encode_prompts(policy.tokenizer, UNEVEN)  # (9, 61): BOS and up to 60 characters
     common = dict(gen_length=9, temperature=1.0, record_logprob=True, **kw)
-    whole = generate_micro_batched(policy, ids, mask, micro_batch=None, generator=row_generators("s", 0, 9), **common)
-    part = generate_micro_batched(policy, ids, mask, micro_batch=3, generator=row_generators("s", 0, 9),
+    whole = _micro(policy, ids, mask, micro_batch=None, generator=row_generators("s", 0, 9), **common)
+    part = _micro(policy, ids, mask, micro_batch=3, generator=row_generators("s", 0, 9),
                                   sort_by_length=True, **common)
     assert prompt_widths == [61, 1 + 9, 1 + 30, 1 + 60]  # one call over all columns; then each micro-batch's
     for f in ("sequences", "completion_ids", "completion_mask", "unmask_step"):
@@ -296,7 +310,7 @@ def test_sorted_micro_batches_drop_padding_and_write_the_tokens_of_one_call(kind
     torch.testing.assert_close(part.entropy, whole.entropy, rtol=0, atol=1e-6)
     torch.testing.assert_close(part.token_logprob, whole.token_logprob, rtol=0, atol=1e-6)
     assert part.forward_passes > whole.forward_passes  # summed over the 3 calls
-    other = generate_micro_batched(policy, ids, mask, micro_batch=3, generator=row_generators("t", 0, 9),
+    other = _micro(policy, ids, mask, micro_batch=3, generator=row_generators("t", 0, 9),
                                    sort_by_length=True, **common)
     assert not torch.equal(other.completion_ids, whole.completion_ids)  # the noise does matter
 
@@ -309,8 +323,8 @@ def test_sorting_prompts_of_one_length_changes_nothing(prompt_widths):
     ids, mask = encode_prompts(policy.tokenizer, prompts)
     assert mask.all()
     common = dict(gen_length=8, temperature=1.0, micro_batch=2, record_logprob=True)
-    plain = generate_micro_batched(policy, ids, mask, generator=row_generators("e", 0, 5), **common)
-    ordered = generate_micro_batched(policy, ids, mask, generator=row_generators("e", 0, 5), sort_by_length=True,
+    plain = _micro(policy, ids, mask, generator=row_generators("e", 0, 5), **common)
+    ordered = _micro(policy, ids, mask, generator=row_generators("e", 0, 5), sort_by_length=True,
                                      **common)
     assert prompt_widths == [9] * 6
     for f in ("sequences", "completion_ids", "completion_mask", "unmask_step", "entropy", "token_logprob"):
@@ -338,11 +352,12 @@ def test_synced_micro_batches_make_the_calls_of_the_largest_share():
     # (synced: one per step), and the spare call changes no token.
     policy = _Counting(_EosEager(make_tiny_policy(seed=22)))
     ids, mask = encode_prompts(policy.tokenizer, PROMPTS)
-    alone = generate_micro_batched(policy, ids, mask, micro_batch=2, gen_length=9, synced=True)
+    sampling = SamplingConfig(gen_length=9)
+    alone = generate_micro_batched(RolloutRequest(policy, ids, mask, 9, None, sampling, micro_batch=2, synced=True))
     assert policy.calls == 2 * 9
     policy.calls = 0
     assert micro_batch_calls(5, 2) == 3 and micro_batch_calls(5, None) == 1
-    padded = generate_micro_batched(policy, ids, mask, micro_batch=2, gen_length=9, synced=True,
-                                    num_calls=micro_batch_calls(5, 2))
+    padded = generate_micro_batched(RolloutRequest(policy, ids, mask, 9, None, sampling, micro_batch=2, synced=True,
+                                                   num_calls=micro_batch_calls(5, 2)))
     assert policy.calls == 3 * 9
     assert torch.equal(padded.completion_ids, alone.completion_ids)

@@ -4,6 +4,7 @@ The namespace, read-only and uid layers need root (or unprivileged user namespac
 tests that check a specific OS layer are skipped where it is not in force.
 """
 
+import dataclasses
 import os
 import shutil
 import socket
@@ -21,11 +22,11 @@ import psutil
 import pytest
 
 import stabledrl.sandbox as sandbox
-from stabledrl.sandbox import UID_RANGE, run_python
+from stabledrl.sandbox import UID_RANGE, SandboxLimits, run_python
 
-FAST = dict(timeout_s=1.5, memory_mb=256, max_processes=16)
+FAST = SandboxLimits(timeout_s=1.5, memory_mb=256, max_processes=16)
 SLOW = pytest.mark.slow  # hostile programs (bombs, runaway loops): .ci/run's second step, `pytest -m slow`
-LAYERS = run_python("pass", timeout_s=10).layers
+LAYERS = run_python("pass", SandboxLimits(timeout_s=10)).layers
 needs = lambda *layers: pytest.mark.skipif(not set(layers) <= set(LAYERS), reason=f"needs {layers}")
 
 
@@ -62,7 +63,7 @@ def no_leftovers(monkeypatch):
 
 
 def test_correct_program_passes():
-    r = run_python("import fractions\nprint(fractions.Fraction(6, 4) * 28)", **FAST)
+    r = run_python("import fractions\nprint(fractions.Fraction(6, 4) * 28)", FAST)
     assert (r.ok, r.returncode, r.reason, r.stdout, r.stderr) == (True, 0, "ok", "42\n", "")
     assert r.seconds < 1.5
 
@@ -80,7 +81,7 @@ def test_every_layer_is_in_force_as_root():
 
 @SLOW
 def test_infinite_loop_is_killed_at_the_wall_time_limit(no_leftovers):
-    r = run_python("while True:\n    pass", **FAST)
+    r = run_python("while True:\n    pass", FAST)
     assert (r.ok, r.reason, r.returncode) == (False, "timeout", -9)
     assert 1.5 <= r.seconds < 4.0
 
@@ -88,7 +89,7 @@ def test_infinite_loop_is_killed_at_the_wall_time_limit(no_leftovers):
 @SLOW
 def test_sleeping_program_is_killed_too(no_leftovers):
     # Not CPU-bound, so only the wall-time limit (not RLIMIT_CPU) can stop it.
-    r = run_python("import time\ntime.sleep(60)", **FAST)
+    r = run_python("import time\ntime.sleep(60)", FAST)
     assert r.reason == "timeout" and r.seconds < 4.0
 
 
@@ -98,7 +99,7 @@ def test_sleeping_program_is_killed_too(no_leftovers):
 ])
 @SLOW
 def test_memory_bomb_hits_the_address_space_limit(code, no_leftovers):
-    r = run_python(code, **FAST)
+    r = run_python(code, FAST)
     assert (r.ok, r.reason) == (False, "memory")
     assert "MemoryError" in r.stderr
 
@@ -106,7 +107,7 @@ def test_memory_bomb_hits_the_address_space_limit(code, no_leftovers):
 @SLOW
 @needs("uid", "pid-ns")
 def test_fork_bomb_hits_the_process_limit_and_leaves_no_process(no_leftovers):
-    r = run_python("import os\nwhile True:\n    os.fork()", **FAST)
+    r = run_python("import os\nwhile True:\n    os.fork()", FAST)
     assert (r.ok, r.reason) == (False, "process limit")
 
 
@@ -114,7 +115,7 @@ def test_fork_bomb_hits_the_process_limit_and_leaves_no_process(no_leftovers):
 @needs("uid", "pid-ns")
 def test_fork_bomb_that_ignores_errors_is_killed_with_every_child(no_leftovers):
     code = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass"
-    r = run_python(code, **FAST)
+    r = run_python(code, FAST)
     assert (r.ok, r.reason) == (False, "timeout")
 
 
@@ -132,14 +133,14 @@ def test_a_daemon_that_escapes_the_process_group_dies_with_the_program(no_leftov
             os._exit(0)
         print("parent done")
     """)
-    r = run_python(code, **FAST)
+    r = run_python(code, FAST)
     assert (r.ok, r.stdout) == (True, "parent done\n")
 
 
 def test_the_run_ends_when_the_main_process_exits():
     # The documented semantics: a child still running when its parent (the program) exits is
     # killed then. It sleeps first, so it is still asleep when the parent has gone.
-    r = run_python("import os, time\nif os.fork() == 0:\n    time.sleep(3)\n    print('late')", **FAST)
+    r = run_python("import os, time\nif os.fork() == 0:\n    time.sleep(3)\n    print('late')", FAST)
     assert (r.ok, r.stdout) == (True, "")  # waiting for the child would have run into the time limit
 
 
@@ -162,7 +163,7 @@ when idle, the slack keeps the verdict load-independent. Without the bound the p
 def _layers_without_cgroups() -> tuple[str, ...]:
     before, sandbox._USE_CGROUPS = sandbox._USE_CGROUPS, False
     try:
-        return run_python("pass", timeout_s=10).layers
+        return run_python("pass", SandboxLimits(timeout_s=10)).layers
     finally:
         sandbox._USE_CGROUPS = before
 
@@ -176,7 +177,7 @@ MECHANISMS = [pytest.param("cgroup", marks=needs("memory-cgroup")),
 def mechanism(request, monkeypatch):
     """Run the test under the memory cgroup, or under the monitor that replaces it where no cgroup can be made."""
     monkeypatch.setattr(sandbox, "_USE_CGROUPS", request.param == "cgroup")
-    layers = run_python("pass", **FAST).layers
+    layers = run_python("pass", FAST).layers
     assert f"memory-{request.param}" in layers, layers
     return request.param
 
@@ -248,7 +249,7 @@ def test_forked_children_share_one_memory_bound(mechanism, piece_mb, no_leftover
             os.waitpid(pid, 0)
     """)
     with peak_program_memory() as peak:
-        r = run_python(code, memory_mb=BOUND_MB, timeout_s=6)
+        r = run_python(code, SandboxLimits(memory_mb=BOUND_MB, timeout_s=6))
     assert_bounded(r, peak[0], mechanism)
     assert r.seconds < 6  # stopped at the bound, not at the children's 10 s sleep or the time limit
 
@@ -269,7 +270,7 @@ def test_threads_share_one_memory_bound(mechanism, no_leftovers):
             t.join()
     """)
     with peak_program_memory() as peak:
-        r = run_python(code, memory_mb=BOUND_MB, timeout_s=6)
+        r = run_python(code, SandboxLimits(memory_mb=BOUND_MB, timeout_s=6))
     assert_bounded(r, peak[0], mechanism)
 
 
@@ -297,7 +298,7 @@ def test_threads_share_one_memory_bound(mechanism, no_leftovers):
 @SLOW
 def test_mapped_memory_counts_against_the_bound(mechanism, code, no_leftovers):
     with peak_program_memory() as peak:
-        r = run_python(code, memory_mb=BOUND_MB, timeout_s=6)
+        r = run_python(code, SandboxLimits(memory_mb=BOUND_MB, timeout_s=6))
     assert_bounded(r, peak[0], mechanism)
     assert r.seconds < 6
 
@@ -313,7 +314,7 @@ def test_the_cgroup_also_counts_memory_that_no_process_maps(no_leftovers):
         for fd in files:
             os.write(fd, bytes(15 << 20))
     """)
-    r = run_python(code, memory_mb=BOUND_MB, timeout_s=6)
+    r = run_python(code, SandboxLimits(memory_mb=BOUND_MB, timeout_s=6))
     assert (r.ok, r.reason) == (False, "memory"), r.stderr[-500:]
 
 
@@ -331,7 +332,7 @@ def test_a_program_under_the_bound_in_all_is_left_alone(mechanism, no_leftovers)
             children.append(pid)
         print(sum(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid in children))
     """)
-    r = run_python(code, memory_mb=BOUND_MB, timeout_s=6)
+    r = run_python(code, SandboxLimits(memory_mb=BOUND_MB, timeout_s=6))
     assert (r.ok, r.reason, r.stdout) == (True, "ok", "0\n"), r.stderr
 
 
@@ -340,7 +341,7 @@ def test_write_outside_its_directory_is_refused(audit_hook):
     target = f"/tmp/stabledrl-escape-{uuid.uuid4().hex}"
     if not audit_hook and "readonly-fs" not in LAYERS:
         pytest.skip("needs the read-only mount layer")
-    r = run_python(f"open({target!r}, 'w').write('x')", audit_hook=audit_hook, **FAST)
+    r = run_python(f"open({target!r}, 'w').write('x')", FAST, audit_hook=audit_hook)
     assert (r.ok, r.reason) == (False, "write refused")
     # The hook refuses before the OS is asked; without it the read-only mount does (EROFS).
     assert ("stabledrl sandbox: write refused" in r.stderr) == audit_hook
@@ -353,7 +354,7 @@ def test_a_shell_cannot_write_outside_either():
     # A child process has no audit hook: the mount layer alone stops it.
     target = f"/dev/shm/stabledrl-escape-{uuid.uuid4().hex}"
     code = f"import subprocess\nr = subprocess.run(['sh', '-c', 'echo x > {target}'])\nassert r.returncode != 0"
-    r = run_python(code, **FAST)
+    r = run_python(code, FAST)
     assert r.ok, r.stderr
     assert not os.path.exists(target)
 
@@ -378,7 +379,7 @@ def test_network_is_unreachable(local_server, audit_hook):
         pytest.skip("needs the network namespace")
     port = local_server.getsockname()[1]
     code = f"import socket\ns = socket.socket()\ns.settimeout(1)\ns.connect(('127.0.0.1', {port}))\nprint('connected')"
-    r = run_python(code, audit_hook=audit_hook, **FAST)
+    r = run_python(code, FAST, audit_hook=audit_hook)
     assert (r.ok, r.reason, r.stdout) == (False, "network refused", "")
     assert ("stabledrl sandbox: network refused" in r.stderr) == audit_hook
     assert ("Network is unreachable" in r.stderr) == (not audit_hook)
@@ -400,7 +401,7 @@ def test_private_directory_is_cwd_and_home_writable_and_removed_afterwards():
         assert open(os.path.join(os.environ["HOME"], "notes.txt")).read() == "hello"
         print(os.getcwd())
     """)
-    r = run_python(code, **FAST)
+    r = run_python(code, FAST)
     assert r.ok, r.stderr
     home = r.stdout.strip()
     assert home.startswith(("/tmp/", os.environ.get("TMPDIR", "/tmp")))
@@ -408,14 +409,14 @@ def test_private_directory_is_cwd_and_home_writable_and_removed_afterwards():
 
 
 def test_directory_is_removed_after_a_timeout_too():
-    r = run_python("import os, time\nprint(os.getcwd(), flush=True)\ntime.sleep(60)", **FAST)
+    r = run_python("import os, time\nprint(os.getcwd(), flush=True)\ntime.sleep(60)", FAST)
     assert r.reason == "timeout"
     assert r.stdout.strip() and not os.path.exists(r.stdout.strip())
 
 
 def test_environment_is_minimal_and_the_program_is_not_root():
     code = "import os, sys\nprint(sorted(os.environ))\nprint(os.getuid(), sys.flags.isolated, sys.flags.no_site)"
-    r = run_python(code, **FAST)
+    r = run_python(code, FAST)
     env, ids = r.stdout.splitlines()
     assert set(eval(env)) <= {"PATH", "HOME", "TMPDIR", "LANG", "LC_CTYPE"}  # our own output, not a model's
     uid, isolated, no_site = map(int, ids.split())
@@ -425,14 +426,14 @@ def test_environment_is_minimal_and_the_program_is_not_root():
 
 
 def test_output_is_capped():
-    r = run_python("while True:\n    print('x' * 1000)", max_output_bytes=10_000, **FAST)
+    r = run_python("while True:\n    print('x' * 1000)", dataclasses.replace(FAST, max_output_bytes=10_000))
     assert (r.ok, r.reason) == (False, "output cap")
     assert len(r.stdout) + len(r.stderr) <= 10_000
     assert r.seconds < 1.5  # killed as soon as the cap was passed, not at the deadline
 
 
 def test_large_files_are_refused():
-    r = run_python("open('big', 'wb').write(b'x' * 3 * 2**20)", max_file_mb=1, **FAST)
+    r = run_python("open('big', 'wb').write(b'x' * 3 * 2**20)", dataclasses.replace(FAST, max_file_mb=1))
     assert (r.ok, r.reason) == (False, "file size")
 
 
@@ -448,13 +449,13 @@ def test_large_files_are_refused():
     ("x = '\ud800'", "ok"),  # a lone surrogate in the source is replaced, not a crash of ours
 ])
 def test_reasons(code, reason):
-    r = run_python(code, **FAST)
+    r = run_python(code, FAST)
     assert r.reason == reason, r.stderr
     assert r.ok == (reason == "ok")
 
 
 def test_unicode_output_round_trips():
-    r = run_python("print('\\u00e9\\u4e2d\\U0001f600')", **FAST)
+    r = run_python("print('\\u00e9\\u4e2d\\U0001f600')", FAST)
     assert r.stdout == "\u00e9\u4e2d\U0001f600\n"
 
 
@@ -466,7 +467,7 @@ def test_concurrent_runs_do_not_interfere(no_leftovers):
     codes = ["import os\nwhile True:\n    os.fork()"] + [
         f"import os\nif os.fork() == 0:\n    print({i})\nelse:\n    os.wait()" for i in range(5)]
     with ThreadPoolExecutor(3) as pool:
-        results = list(pool.map(lambda c: run_python(c, **FAST), codes))
+        results = list(pool.map(lambda c: run_python(c, FAST), codes))
     assert results[0].reason == "process limit" or "uid" not in LAYERS
     assert [r.stdout for r in results[1:]] == [f"{i}\n" for i in range(5)]
     assert all(r.ok for r in results[1:])
@@ -476,7 +477,7 @@ def test_bad_arguments_raise():
     with pytest.raises(TypeError):
         run_python(None)
     with pytest.raises(ValueError):
-        run_python("pass", timeout_s=0)
+        SandboxLimits(timeout_s=0)
 
 
 # --- the bootstrap module (stabledrl/_sandbox_boot.py) --------------------------------

@@ -239,22 +239,24 @@ def children() -> list[int]:
     return out
 
 
+_WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
+# audit event -> ((index of a path argument, index of its dir_fd argument or None), ...)
+_PATH_EVENTS = {
+    "os.remove": ((0, 1),), "os.rmdir": ((0, 1),), "os.mkdir": ((0, 2),), "os.rename": ((0, 2), (1, 3)),
+    "os.link": ((0, 2), (1, 3)), "os.symlink": ((1, 2),), "os.truncate": ((0, None),),
+    "os.chmod": ((0, 2),), "os.chown": ((0, 3),), "os.utime": ((0, 3),), "os.mkfifo": ((0, 2),),
+    "os.mknod": ((0, 3),), "os.setxattr": ((0, None),), "os.removexattr": ((0, None),),
+    "shutil.rmtree": ((0, 1),),
+}
+_NET_EVENTS = {"socket.getaddrinfo", "socket.gethostbyname", "socket.gethostbyname_ex",
+               "socket.gethostbyaddr", "socket.getnameinfo", "socket.sethostname"}
+_SOCK_EVENTS = {"socket.connect", "socket.bind", "socket.sendto", "socket.sendmsg"}
+
+
 def audit_hook(home: str) -> None:
     """Refuse network use and writes outside `home`: raise before the operation happens."""
     import _thread
     home = os.path.realpath(home)
-    write_flags = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
-    # event -> ((index of a path argument, index of its dir_fd argument or None), ...)
-    path_events = {
-        "os.remove": ((0, 1),), "os.rmdir": ((0, 1),), "os.mkdir": ((0, 2),), "os.rename": ((0, 2), (1, 3)),
-        "os.link": ((0, 2), (1, 3)), "os.symlink": ((1, 2),), "os.truncate": ((0, None),),
-        "os.chmod": ((0, 2),), "os.chown": ((0, 3),), "os.utime": ((0, 3),), "os.mkfifo": ((0, 2),),
-        "os.mknod": ((0, 3),), "os.setxattr": ((0, None),), "os.removexattr": ((0, None),),
-        "shutil.rmtree": ((0, 1),),
-    }
-    net_events = {"socket.getaddrinfo", "socket.gethostbyname", "socket.gethostbyname_ex",
-                  "socket.gethostbyaddr", "socket.getnameinfo", "socket.sethostname"}
-    sock_events = {"socket.connect", "socket.bind", "socket.sendto", "socket.sendmsg"}
     busy = set()
 
     def inside(path, dir_fd=None):
@@ -279,20 +281,20 @@ def audit_hook(home: str) -> None:
             if event == "open":
                 path, mode, flags = args
                 writing = (isinstance(mode, str) and any(c in mode for c in "wax+")) or (
-                    isinstance(flags, int) and flags & write_flags)
+                    isinstance(flags, int) and flags & _WRITE_FLAGS)
                 if writing and not inside(path):
                     refuse("write", repr(path))
-            elif event in path_events:
-                for i, j in path_events[event]:
+            elif event in _PATH_EVENTS:
+                for i, j in _PATH_EVENTS[event]:
                     if not inside(args[i], None if j is None or j >= len(args) else args[j]):
                         refuse("write", f"{event} {args[i]!r}")
             elif event == "socket.__new__":
                 if args[1] != 1:  # AF_UNIX
                     refuse("network", f"socket family {args[1]}")
-            elif event in sock_events:
+            elif event in _SOCK_EVENTS:
                 if getattr(args[0], "family", None) != 1:
                     refuse("network", event)
-            elif event in net_events:
+            elif event in _NET_EVENTS:
                 refuse("network", event)
         except PermissionError:
             raise

@@ -9,15 +9,15 @@ on every process: the optimizer state, which under FSDP or DeepSpeed ZeRO-3 is s
 only whole when every process writes its part (accelerate also puts the sharded model's
 weights there; with one process or DDP the trainer leaves them out, the policy holds them).
 It is written under a temporary name in the same directory, then renamed into place by the
-main process once every process has finished, so a reader only ever sees complete ones.
-It also records the size of ``metrics.jsonl`` at that moment (``checkpoint.json``), so a
-resumed run rewinds the metrics to exactly the rows written before it.
+main process once every process has finished: a reader only ever sees complete ones. It
+records the size of ``metrics.jsonl`` at that moment (``checkpoint.json``), so a resumed
+run rewinds the metrics to exactly the rows written before it.
 
 A run killed at any moment can be run again with the same command: `open_run_dir`
 removes the temporary folders of an interrupted save (and puts back a checkpoint caught
 mid-swap), and a run directory without a checkpoint starts afresh, its stale metrics
 removed, with or without ``--resume``. Files and folders get the usual permissions
-(0666 / 0777 less the umask), not the private ones of `tempfile`.
+(0666 / 0777 less the umask).
 """
 
 from __future__ import annotations
@@ -185,16 +185,14 @@ def rewind_metrics(path: str | Path, checkpoint: str | Path) -> None:
     path = Path(path)
     if not path.is_file():
         return
-    record = Path(checkpoint) / "checkpoint.json"
-    size = json.loads(record.read_text())["metrics_bytes"] if record.is_file() else None
+    size = json.loads((Path(checkpoint) / "checkpoint.json").read_text())["metrics_bytes"]
     data = path.read_bytes()
-    if size is not None and size <= len(data) and data[size - 1: size] in (b"\n", b""):
+    if size <= len(data) and data[size - 1: size] in (b"\n", b""):
         if size < len(data):
             with open(path, "r+b") as f:
                 f.truncate(size)
         return
-    # A checkpoint saved before sizes were recorded (or a file edited since): keep the rows
-    # up to its step.
+    # The file was edited since (it no longer holds the recorded rows): keep the rows up to its step.
     step = int(_NAME.match(Path(checkpoint).name).group(1))
     rows = [r for r in read_metrics(path) if r.get("step", 0) <= step]
     write_atomic(path, "".join(metrics_line(r) for r in rows))

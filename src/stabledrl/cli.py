@@ -14,15 +14,17 @@ comes at once.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
+import typing
 from pathlib import Path
-from typing import Sequence, get_args
+from typing import Sequence
 
 import yaml
 
-from stabledrl.config import ConfigError, check, load_config
-from stabledrl.settings import ApproxCache, Noise  # no torch
+from stabledrl.config import ConfigError, check, field_docs, load_config
+from stabledrl.settings import SamplingConfig  # no torch
 
 __all__ = ["main"]
 
@@ -40,37 +42,41 @@ def _parse_options(items: Sequence[str]) -> dict:
     return out
 
 
-def _add_sampling_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("sampling")
-    g.add_argument("--gen-length", type=int, help="completion slots L (default: the task's)")
-    g.add_argument("--steps", type=int, help="denoising steps T (default: L)")
-    g.add_argument("--block-length", type=int, help="semi-autoregressive block size (default: L)")
-    g.add_argument("--temperature", type=float, default=0.0, help="Gumbel temperature, 0 = greedy")
-    g.add_argument("--remasking", choices=["low_confidence", "random"], default="low_confidence")
-    g.add_argument("--no-kv-cache", action="store_true", help="block models: recompute the prefix every step")
-    g.add_argument("--top-k", type=int, help="draw from the k most likely tokens only (temperature > 0)")
-    g.add_argument("--top-p", type=float,
-                   help="nucleus sampling: the smallest set of tokens of mass p (temperature > 0)")
-    g.add_argument("--eos-confidence-scale", type=float, default=1.0,
-                   help="EOS damping: scale of the remasking score of a slot that drew a stop token, in (0, 1]")
-    g.add_argument("--noise", choices=get_args(Noise), default="generator",
-                   help="counter: device-side counter noise for the decoded slots only (same distribution, "
-                        "other tokens than the default generator noise)")
-    g.add_argument("--threshold", type=float,
-                   help="parallel decoding: also commit every slot whose confidence exceeds it, in (0, 1]")
-    g.add_argument("--approx-cache", choices=get_args(ApproxCache), default="none",
-                   help="full attention: Fast-dLLM's approximate prefix / dual KV cache, refreshed per block")
+_NOT_FLAGS = ("micro_batch", "engine", "engine_options")
+"""Sampling fields without a flag: eval's --batch-size sets its micro-batches; engines are the trainer's."""
 
 
-def _sampling(args: argparse.Namespace):
-    from stabledrl.settings import SamplingConfig
+def _add_sampling_args(p: argparse.ArgumentParser, leave_out: Sequence[str] = ()) -> None:
+    """A flag for each field of `SamplingConfig` (``gen_length`` -> ``--gen-length``), its help
+    the field's docstring; a bool field gets ``--x`` and ``--no-x``."""
+    g = p.add_argument_group("sampling", "the fields of a config's sampling section (SamplingConfig)")
+    docs, hints = field_docs(SamplingConfig), typing.get_type_hints(SamplingConfig)
+    for f in dataclasses.fields(SamplingConfig):
+        if f.name in _NOT_FLAGS or f.name in leave_out:
+            continue
+        kind = _flag_kind(hints[f.name])
+        if "type" in kind:
+            kind["metavar"] = f.name.upper()
+        default = "null" if f.default is None else f.default
+        g.add_argument("--" + f.name.replace("_", "-"), dest=f"sampling_{f.name}", default=None,
+                       help=f"{docs[f.name]} (default: {default})".replace("%", "%%"), **kind)
 
-    return load_config(SamplingConfig, {
-        "gen_length": args.gen_length, "steps": args.steps, "block_length": args.block_length,
-        "temperature": args.temperature, "remasking": args.remasking, "kv_cache": not args.no_kv_cache,
-        "top_k": args.top_k, "top_p": args.top_p, "eos_confidence_scale": args.eos_confidence_scale,
-        "noise": args.noise, "threshold": args.threshold, "approx_cache": args.approx_cache,
-    })
+
+def _flag_kind(t) -> dict:
+    """The argparse keywords that read a value of type `t` (bool, a Literal, or a number, maybe None)."""
+    if t is bool:
+        return {"action": argparse.BooleanOptionalAction}
+    if typing.get_origin(t) is typing.Literal:
+        return {"choices": typing.get_args(t)}
+    kinds = [a for a in typing.get_args(t) if a is not type(None)] or [t]
+    return {"type": kinds[0]}
+
+
+def _sampling(args: argparse.Namespace) -> SamplingConfig:
+    """The sampling settings the flags give; a field without its flag keeps its default."""
+    given = {k.removeprefix("sampling_"): v for k, v in vars(args).items()
+             if k.startswith("sampling_") and v is not None}
+    return load_config(SamplingConfig, given)
 
 
 def _cmd_sft(args: argparse.Namespace) -> int:
@@ -152,7 +158,6 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     check(args.n >= 1, f"--n must be >= 1, got {args.n}")
     check(args.batch_size >= 1, f"--batch-size must be >= 1, got {args.batch_size}")
     sampling, options = _sampling(args), _parse_options(args.task_option)
-    sampling.sort_by_length = args.sort_by_length
     _quiet_transformers()
     from stabledrl.evaluate import evaluate
     from stabledrl.models import load_policy
@@ -161,7 +166,8 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     task = get_task(args.task, **options)
     policy = load_policy(_model_config(args))
     problems = task.generate(args.n, split=args.split, seed=args.seed)
-    res = evaluate(policy, task, problems, sampling, batch_size=args.batch_size, seed=args.seed)
+    sampling = dataclasses.replace(sampling, micro_batch=args.batch_size)
+    res = evaluate(policy, task, problems, sampling, seed=args.seed)
     report = {"model": str(args.model), "task": args.task, "split": args.split, "seed": args.seed, **res.summary()}
     print(f"{args.task} {args.split} n={res.n}: accuracy {res.accuracy:.4f}, mean reward {res.mean_reward:.4f} "
           f"({res.tokens_per_second:.0f} tokens/s)")
@@ -194,10 +200,8 @@ def _cmd_sample(args: argparse.Namespace) -> int:
     prompts = [p for p in args.prompt for _ in range(args.num_samples)]
     ids, mask = encode_policy_prompts(policy, prompts, strict=True)  # typed by hand: no silent UNK
     problems = {p: _problem_of(task, p) for p in args.prompt}  # None: no reward to show
-    out = generate(
-        policy, ids, mask, gen_length=gen_length, generator=torch.Generator().manual_seed(args.seed),
-        **sampling.generate_kwargs(),
-    )
+    out = generate(policy, ids, mask, dataclasses.replace(sampling, gen_length=gen_length),
+                   generator=torch.Generator().manual_seed(args.seed))
     for prompt, text in zip(prompts, decode_policy_completions(policy, out.completion_ids)):
         problem = problems[prompt]
         if problem is None:
@@ -287,9 +291,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--n", type=int, default=500, help="number of problems")
     p.add_argument("--seed", type=int, default=0, help="selects the problems and the sampling noise")
     p.add_argument("--batch-size", type=int, default=256)
-    p.add_argument("--sort-by-length", action="store_true",
-                   help="batches of problems sorted by prompt length, each without the padding all its prompts have "
-                        "(faster where prompt lengths vary, e.g. gsm8k; tokens the same but for rounding)")
     p.add_argument("--out", help="JSON report path (default: MODEL/eval-TASK-SPLIT.json)")
     _add_sampling_args(p)
     p.set_defaults(func=_cmd_eval)
@@ -302,7 +303,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--task-option", action="append", default=[], metavar="KEY=VALUE", help="e.g. num_numbers=4")
     p.add_argument("--num-samples", type=int, default=1, help="completions per prompt")
     p.add_argument("--seed", type=int, default=0)
-    _add_sampling_args(p)
+    _add_sampling_args(p, leave_out=("sort_by_length",))  # one call: nothing to sort
     p.set_defaults(func=_cmd_sample)
     return parser
 

@@ -14,7 +14,10 @@ before the slow imports of training (the dataclasses are in `stabledrl.settings`
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import inspect
+import textwrap
 import types
 import typing
 from pathlib import Path
@@ -23,7 +26,7 @@ from typing import Any, Mapping, Sequence, TypeVar
 import dacite
 import yaml
 
-__all__ = ["ConfigError", "load_config", "to_dict", "check"]
+__all__ = ["ConfigError", "load_config", "to_dict", "check", "field_docs"]
 
 C = TypeVar("C")
 
@@ -209,3 +212,15 @@ def _type_name(t: Any) -> str:
 def to_dict(cfg: Any) -> dict:
     """A plain dict of a config dataclass (for writing the resolved config)."""
     return dataclasses.asdict(cfg)
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """The docstring under each field of dataclass `cls` (the string that follows it in the
+    class body), whitespace collapsed; fields without one are left out."""
+    body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
+    docs = {}
+    for node, after in zip(body, body[1:]):
+        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(after, ast.Expr)
+                and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str)):
+            docs[node.target.id] = " ".join(after.value.value.split())
+    return docs

@@ -1,73 +1,36 @@
-"""Rollout engines: what turns prompts into completions for the trainer and the evaluation
-(docs/methods.md, "Rollout engines").
+"""Rollout engines: what turns prompts into completions for the trainer (docs/methods.md,
+"Rollout engines").
 
-The trainer asks an engine for the completions of a batch of prompts and gets back what RL
-needs of them; it never calls the sampler itself. The built-in engine is this library's
-sampler (`stabledrl.sampling.generate_micro_batched`, every option of `SamplingConfig`). An
-external engine (e.g. a serving system with dLLM decoding) is named in the config,
-``sampling.engine: "package.module:ClassName"``, imported by name and built with
-``sampling.engine_options`` as keyword arguments.
+The trainer asks an engine for the completions of a `RolloutRequest` and never calls the
+sampler itself. The built-in engine is this library's sampler (`generate_micro_batched`);
+an external one is named in the config, ``sampling.engine: "package.module:ClassName"``,
+imported by name and built with ``sampling.engine_options`` as keyword arguments.
 
 The contract (`RolloutEngine`): ``rollout(request) -> GenerationOutput`` where, for the B
-prompts of the request and L = ``request.gen_length``,
-- ``completion_ids`` (B, L) long: the completion tokens, PAD after the first stop token;
-- ``completion_mask`` (B, L) bool: True up to and including the first stop token (the slots
-  the likelihood scores);
-- ``unmask_step`` (B, L) long: the step at which each slot was committed (slots committed
-  together share a step; ≥ 0 on every scored slot), what the ``path`` estimator replays;
-- ``entropy`` (B,) float: the mean entropy of the committed slots' distributions (a
-  diagnostic; zeros if the engine does not know it);
-- ``sequences``, ``forward_passes`` and ``token_logprob`` as `GenerationOutput` describes them
-  (an engine may set ``forward_passes`` 0 and ``token_logprob`` None: the trainer does not read
-  ``token_logprob``, and the built-in engine leaves it None).
-Row b must be a sample of the policy ``request.policy`` *as it is now* (the trainer scores it
-with those weights), seeded by ``request.generators[b]``: a row's completion may depend on its
-generator and prompt only, not on its batch. The engine may ignore ``micro_batch``,
-``synced``, ``num_calls``, ``progress`` and ``sampling.sort_by_length`` (the built-in sampler's
-options). `check_output` enforces the shapes and types, with an error naming the engine.
+prompts and L = ``request.gen_length``, ``completion_ids`` (B, L) long has PAD after the first
+stop token; ``completion_mask`` (B, L) bool is True up to and including it; ``unmask_step``
+(B, L) long is each slot's commit step (≥ 0 on every scored slot, what the ``path``
+estimator replays); ``entropy`` (B,) float is a diagnostic (zeros if unknown); ``sequences``,
+``forward_passes`` (0 allowed) and ``token_logprob`` (None allowed) as `GenerationOutput` says. Row b must be
+a sample of ``request.policy`` as it is now, seeded by ``request.generators[b]`` only.
+An engine may ignore ``micro_batch``, ``synced``, ``num_calls``, ``progress`` and
+``sampling.sort_by_length``. `check_output` enforces the shapes and types.
 """
 
 from __future__ import annotations
 
 import importlib
 import json
-from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, Protocol, runtime_checkable
 
 import torch
 
 from stabledrl.models.policy import Policy
-from stabledrl.sampling import GenerationOutput, SamplingConfig, check_fast_decoding, generate_micro_batched
+from stabledrl.sampling import GenerationOutput, RolloutRequest, SamplingConfig, check_sampler, generate_micro_batched
 
 __all__ = ["RolloutRequest", "RolloutEngine", "BuiltinEngine", "load_engine", "check_engine", "check_output",
            "roll_out"]
-
-
-@dataclass
-class RolloutRequest:
-    """What an engine is asked for: B prompts and how to sample them."""
-
-    policy: Policy
-    """The current policy: its weights are those the trainer scores the rollouts with."""
-    prompt_ids: torch.Tensor
-    """(B, P) left-padded prompt ids, on the policy's device."""
-    prompt_mask: torch.Tensor
-    """(B, P) 1 for prompt tokens, 0 for padding."""
-    gen_length: int
-    """Completion slots L."""
-    generators: list[torch.Generator]
-    """One per row (`stabledrl.sampling.row_generators`): row b's randomness comes from its own."""
-    sampling: SamplingConfig
-    """The sampling settings (temperature, steps, block length, ...)."""
-    micro_batch: int | None = None
-    """Rows per call of the built-in sampler (None: all)."""
-    synced: bool = False
-    """Processes with sharded parameters must make the same model calls (built-in sampler)."""
-    num_calls: int | None = None
-    """With `synced`: the sampler calls of the largest share of the processes."""
-    progress: bool = False
-    """A progress bar over the micro-batches."""
 
 
 @runtime_checkable
@@ -82,11 +45,7 @@ class BuiltinEngine:
     """This library's sampler: `generate_micro_batched` with the request's settings."""
 
     def rollout(self, request: RolloutRequest) -> GenerationOutput:
-        r = request
-        return generate_micro_batched(r.policy, r.prompt_ids, r.prompt_mask, micro_batch=r.micro_batch,
-                                      generator=r.generators, synced=r.synced, num_calls=r.num_calls,
-                                      progress=r.progress, sort_by_length=r.sampling.sort_by_length,
-                                      gen_length=r.gen_length, **r.sampling.generate_kwargs())
+        return generate_micro_batched(request)
 
 
 def load_engine(spec: str = "builtin", options: dict[str, Any] | None = None) -> RolloutEngine:
@@ -122,7 +81,7 @@ def check_engine(sampling: SamplingConfig, policy: Policy) -> None:
     one) its fast-decoding options fit `policy`; else an error saying what to change."""
     load_engine(sampling.engine, sampling.engine_options)
     if sampling.engine == "builtin":
-        check_fast_decoding(policy, sampling.remasking, sampling.noise, sampling.threshold, sampling.approx_cache)
+        check_sampler(policy, sampling)
 
 
 def check_output(out: Any, request: RolloutRequest, name: str = "the engine") -> GenerationOutput:

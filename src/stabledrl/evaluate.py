@@ -11,7 +11,7 @@ import torch
 
 from stabledrl.data import decode_policy_completions, encode_policy_prompts
 from stabledrl.models.policy import Policy
-from stabledrl.sampling import SamplingConfig, generate_micro_batched, row_generators
+from stabledrl.sampling import RolloutRequest, SamplingConfig, generate_micro_batched, row_generators
 from stabledrl.tasks.base import Problem, Task, score_all
 
 __all__ = ["EVAL_MICRO_BATCH", "EvalResult", "evaluate"]
@@ -41,7 +41,6 @@ def evaluate(
     problems: Sequence[Problem],
     sampling: SamplingConfig | None = None,
     *,
-    batch_size: int | None = None,
     seed: int = 0,
     progress: bool = True,
     synced: bool = False,
@@ -50,8 +49,8 @@ def evaluate(
 ) -> EvalResult:
     """Accuracy (share of fully correct completions) and mean reward on `problems`.
 
-    The problems are decoded `batch_size` at a time (None: `sampling.micro_batch`, else
-    `EVAL_MICRO_BATCH`); problem i draws its noise from its own generator, seeded by
+    The problems are decoded `sampling.micro_batch` at a time (None: `EVAL_MICRO_BATCH`);
+    problem i draws its noise from its own generator, seeded by
     (`seed`, `first_index` + i), so the completions do not depend on the batch size, nor
     on how processes split the problems (each passes the index of its first).
     `synced`, `num_calls`: see `stabledrl.sampling.generate_micro_batched` (processes with
@@ -60,16 +59,15 @@ def evaluate(
         raise ValueError("no problems to evaluate")
     sampling = sampling or SamplingConfig()
     gen_length = sampling.gen_length or task.completion_length
-    micro_batch = batch_size or sampling.micro_batch or EVAL_MICRO_BATCH
+    micro_batch = sampling.micro_batch or EVAL_MICRO_BATCH
     generators = row_generators(f"eval/{seed}", first_index, first_index + len(problems))
     was_training = policy.model.training
     policy.model.eval()
     t0 = time.perf_counter()
     ids, mask = encode_policy_prompts(policy, [p.prompt for p in problems])  # (n, P): one padding for all
-    out = generate_micro_batched(policy, ids.to(policy.device), mask.to(policy.device), micro_batch=micro_batch,
-                                 generator=generators, synced=synced, num_calls=num_calls, progress=progress,
-                                 sort_by_length=sampling.sort_by_length, gen_length=gen_length,
-                                 **sampling.generate_kwargs())
+    out = generate_micro_batched(RolloutRequest(policy, ids.to(policy.device), mask.to(policy.device), gen_length,
+                                                generators, sampling, micro_batch=micro_batch, synced=synced,
+                                                num_calls=num_calls, progress=progress))
     texts = decode_policy_completions(policy, out.completion_ids.cpu())
     seconds = time.perf_counter() - t0
     policy.model.train(was_training)

@@ -1,83 +1,30 @@
-"""Masked-diffusion generation (docs/methods.md, "Sampling"), for full-attention and block-diffusion models.
+"""Masked-diffusion generation for full-attention and block-diffusion models
+(docs/methods.md, "Sampling" and "Sampling: how a step decodes").
 
 Start from L mask tokens after the prompt; over T steps, predict every masked slot and
-commit the ones chosen by the remasking rule: ``low_confidence`` keeps the slots whose
-predicted token has the highest probability (LLaDA, Nie et al. 2025, Alg. 5), ``random``
-picks slots uniformly. With ``block_length`` < L the completion is decoded in
-semi-autoregressive blocks, left to right, the steps split evenly among blocks.
+commit the ones the remasking rule picks: ``low_confidence`` the most probable (LLaDA, Nie
+et al. 2025, Alg. 5), ``random`` uniformly; with ``block_length`` < L in semi-autoregressive
+blocks, left to right. Each step commits ceil(masked left in the block / steps left) slots,
+and once a slot decodes to a stop token every later slot becomes PAD. The prompt columns are
+never written. Temperature is Gumbel-max with noise from explicit generators, one per row,
+so a row's completion does not depend on its batch. Block models decode in their own blocks
+(``prompt_attention``, `stabledrl.models.attention`).
 
-Deliberate choices:
-- The number of slots committed per step is ceil(masked left in the block / steps left),
-  so the schedule adapts when slots are filled early (see EOS below) and every mask is
-  filled by the last step.
-- EOS: as soon as a slot decodes to EOS, every slot after it becomes PAD (decoded or not).
-  The completion's text ends at its first EOS, and the model, trained on PAD after EOS,
-  sees the same layout in RL likelihoods. A policy with several stop tokens
-  (``stop_token_ids``: EOS and, for chat checkpoints, an end-of-turn such as SDAR's
-  ``<|im_end|>``) ends a completion at the first of any of them. Special tokens other than
-  those (MASK, PAD, BOS, UNK) are never sampled.
-- Temperature uses the Gumbel-max trick with noise from the explicit `generator`;
-  temperature 0 is greedy and needs no generator. With one generator per row, each
-  row's noise comes from its own generator, so a row's completion does not depend on
-  which other rows share its batch (or its process, in a multi-process run).
-- The prompt columns are never written.
-- Block models decode in their own blocks (``prompt_attention``, `stabledrl.models.attention`):
-  under ``sequence_blocks`` (SDAR, TraDo) a row's first block holds the prompt's tail and
-  S − r slots, as SDAR's sampler decodes it, so L slots can span ceil((L + S − 1) / S) blocks;
-  each row splits its steps over its own blocks. Deviation: the last block is cut at L, where
-  SDAR's sampler denoises it whole and drops what runs past its length.
+Fast decoding, off by default (`SamplingConfig`): ``noise="counter"`` (device-side counter
+noise: other tokens, the same distribution), ``threshold`` (Fast-dLLM's parallel decoding),
+``approx_cache`` (Fast-dLLM's approximate KV caches of a full-attention model).
 
-Options that depart from the exact sampler (all off by default; off, the tokens are those
-of the sampler without them, bit for bit):
-- ``top_k`` / ``top_p``: the Gumbel-max draw is restricted to the k most likely tokens and
-  then to the nucleus, the smallest set of most likely tokens whose mass under the tempered
-  distribution reaches p (Holtzman et al. 2020). The confidence that orders the commits and
-  the entropy stay those of the model's own distribution. Rollouts drawn this way are not
-  samples of the policy that RL scores.
-- ``eos_confidence_scale`` < 1 (EOS damping): a slot whose drawn token is a stop token has
-  its remasking score multiplied by the scale, so it is committed after slots of similar
-  confidence that drew other tokens. LLaDA-style samplers otherwise commit a confident EOS
-  early and end the answer before it is written. The number of slots committed per step is
-  unchanged, so a completion can still end with a stop token (at the latest on the last step).
-
-Fast decoding (issue 15; all off by default):
-- ``noise="counter"``: instead of each row's CPU generator drawing float64 Gumbel noise over
-  every completion column and the whole vocabulary, each decoded slot gets one uniform, an
-  integer hash of (the row's key, the step, the column) computed on the model's device
-  (`counter_uniform`; the key is drawn from the row's generator, `row_keys`), and its token
-  is an inverse-CDF draw from the tempered distribution (`categorical`). Only the eligible
-  slots (the masked slots of the current block) are drawn, scored and normalised. A row's
-  tokens still depend on its own generator only (not its batch, micro-batch or process);
-  the distribution is the same, the tokens are not: switching changes every sampled
-  completion (and so any figure made with the default), greedy decoding is unchanged.
-- ``threshold=τ``: confidence-threshold parallel decoding (Fast-dLLM, Wu et al. 2025): a
-  step commits every eligible slot whose remasking score exceeds τ, and at least the
-  schedule's ceil(masked left / steps left), so ``steps`` stays an upper bound. Strictly
-  above τ, so τ = 1 (like None) commits nothing more and gives today's tokens bit for bit.
-  Slots committed together share their step in ``unmask_step``, and the ``path`` estimator
-  replays them as one view: it scores the sampled trajectory exactly (tests/test_fast_sampling.py,
-  against ``token_logprob``). Departs from the exact sampler's trajectory distribution
-  (several slots drawn independently given the same context), not from its per-slot draws.
-- ``approx_cache="prefix" | "dual"`` (full-attention policies with ``new_cache``): Fast-dLLM's
-  approximate KV caches (`_ApproxCache`). Each block's first step runs the whole sequence, as
-  the exact sampler does, and keeps the keys/values of the prefix (and, ``dual``, of the
-  suffix); the block's later steps feed the block and the suffix (``prefix``) or the block
-  alone (``dual``). An approximation: under full attention the kept keys depend on tokens
-  that change while the block is decoded. Exact: a block's first step; the cache's
-  mechanics (fed the tokens it was built from, a cached call gives the uncached logits); one
-  step per block. A rollout drawn this way is not a sample of the policy that RL scores.
-  Policies without ``new_cache`` (the HF adapters) are refused with an error, not silently
-  run uncached; block models have their exact ``kv_cache`` instead.
-
-Shapes: B batch, P prompt columns, L completion length, V vocabulary.
+Shapes: B batch, P prompt columns, L completion length, V vocabulary; a step runs on A rows
+and W columns.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 from dataclasses import dataclass, fields
-from typing import Literal, Sequence, get_args
+from typing import Sequence
 
 import torch
 from tqdm.auto import tqdm
@@ -92,10 +39,11 @@ from stabledrl.models.attention import (
     tail_width,
 )
 from stabledrl.models.policy import Policy
-from stabledrl.settings import ApproxCache, Noise, SamplingConfig  # defined without torch, for the command line
+from stabledrl.settings import SamplingConfig  # defined without torch, for the command line
 
-__all__ = ["SamplingConfig", "GenerationOutput", "generate", "generate_micro_batched", "micro_batch_calls",
-           "restrict_logits", "row_generators", "row_keys", "check_fast_decoding", "counter_uniform", "categorical", "concat_outputs"]
+__all__ = ["SamplingConfig", "GenerationOutput", "RolloutRequest", "generate", "generate_micro_batched",
+           "micro_batch_calls", "row_generators", "row_keys", "check_sampler", "counter_uniform", "categorical",
+           "concat_outputs"]
 
 
 @dataclass
@@ -152,24 +100,6 @@ def _rand(shape: torch.Size, generator: Generators, rows: torch.Tensor, device, 
         if cols.numel():
             out[a, cols] = torch.rand((cols.numel(), *shape[2:]), generator=generator[b], dtype=dtype)
     return out.to(device)
-
-
-def restrict_logits(logits: torch.Tensor, top_k: int | None = None, top_p: float | None = None) -> torch.Tensor:
-    """(..., V) logits -> a copy with −inf outside the `top_k` largest and then outside the
-    nucleus: the smallest set of most likely tokens whose probability (softmax of the
-    top-k logits) reaches `top_p`. None (or top_p 1) leaves that step out."""
-    V = logits.size(-1)
-    if top_k is not None and top_k < V:
-        top = logits.topk(top_k, dim=-1).indices  # (..., k)
-        keep = torch.zeros_like(logits, dtype=torch.bool).scatter_(-1, top, True)
-        logits = logits.masked_fill(~keep, -math.inf)
-    if top_p is not None and top_p < 1:
-        probs, order = logits.softmax(-1).sort(dim=-1, descending=True)  # (..., V)
-        mass_before = torch.nn.functional.pad(probs.cumsum(-1)[..., :-1], (1, 0))  # of the more likely tokens
-        # a token is kept while the more likely ones have not reached p: the most likely always is
-        keep = torch.zeros_like(logits, dtype=torch.bool).scatter_(-1, order, mass_before < top_p)
-        logits = logits.masked_fill(~keep, -math.inf)
-    return logits
 
 
 _M32 = 0xFFFFFFFF
@@ -233,27 +163,38 @@ def categorical(probs: torch.Tensor, u: torch.Tensor, chunk: int = 512) -> torch
     return (j * chunk + torch.minimum(i, last)).squeeze(1)
 
 
-def _draw_counter(logits: torch.Tensor, eligible: torch.Tensor, temperature: float, remasking: str,
-                  keys: torch.Tensor | None, step: int | torch.Tensor, cols: torch.Tensor,
-                  top_k: int | None, top_p: float | None) -> tuple[torch.Tensor, ...]:
+@dataclass
+class _At:
+    """Where a denoising step draws: its rows, its step number and its columns."""
+
+    rows: torch.Tensor
+    """(A,) the batch rows the step runs on."""
+    step: int | torch.Tensor
+    """The step number (global over blocks), or (A,) each row's own."""
+    cols: torch.Tensor
+    """(W,) the completion columns of the step's W."""
+    own: torch.Tensor | None = None
+    """(A, W) the columns each row draws generator noise for (`_rand`); None: all."""
+
+
+def _draw_counter(dec: _Decoding, logits: torch.Tensor, eligible: torch.Tensor, at: _At) -> tuple[torch.Tensor, ...]:
     """Counter noise: the draw, score and entropy (each (A, W), 0 off the eligible slots)
-    computed on the eligible slots only. The token is an inverse-CDF draw
-    from the tempered (and restricted) distribution with one counter uniform per slot."""
+    computed on the eligible slots only. The token is an inverse-CDF draw from the tempered
+    distribution with one counter uniform per slot."""
+    temperature = dec.sampling.temperature
+    keys = None if dec.keys is None else dec.keys[at.rows]  # (A, 2)
     a, w = eligible.nonzero(as_tuple=True)  # (N,) each
     lg = logits[a, w]  # (N, V)
     q, logq = lg.softmax(-1), lg.log_softmax(-1)  # (N, V) each
     if temperature > 0:
-        tempered = lg / temperature if temperature != 1 else lg
-        if top_k is not None or top_p is not None:
-            tempered = restrict_logits(tempered, top_k, top_p)
-        probs = q if tempered is lg else tempered.softmax(-1)  # (N, V)
-        x0 = categorical(probs, counter_uniform(keys, step, cols, 0)[a, w])
+        probs = q if temperature == 1 else (lg / temperature).softmax(-1)  # (N, V)
+        x0 = categorical(probs, counter_uniform(keys, at.step, at.cols, 0)[a, w])
     else:
         x0 = lg.argmax(-1)  # (N,)
-    if remasking == "low_confidence":
+    if dec.sampling.remasking == "low_confidence":
         score = q.gather(-1, x0[:, None]).squeeze(-1)  # p(x0), as the generator path computes it
     else:
-        score = counter_uniform(keys, step, cols, 1)[a, w].float()
+        score = counter_uniform(keys, at.step, at.cols, 1)[a, w].float()
     ent = -(q * logq.nan_to_num(neginf=0.0)).sum(-1)  # (N,)
     out = []
     for v, fill in ((x0, 0), (score, 0.0), (ent, 0.0)):
@@ -263,78 +204,66 @@ def _draw_counter(logits: torch.Tensor, eligible: torch.Tensor, temperature: flo
     return tuple(out)
 
 
-def _draw_generator(logits: torch.Tensor, temperature: float, remasking: str, generator: Generators,
-                    rows: torch.Tensor, own: torch.Tensor | None, top_k: int | None,
-                    top_p: float | None) -> tuple[torch.Tensor, ...]:
+def _draw_generator(dec: _Decoding, logits: torch.Tensor, at: _At) -> tuple[torch.Tensor, ...]:
     """Generator noise (the default, the stream every figure was made with): float64 Gumbel
     noise over every column and the whole vocabulary -> x0, score and entropy, (A, W)."""
-    if temperature > 0:
-        u = _rand(logits.shape, generator, rows, logits.device, torch.float64, own)
+    if dec.sampling.temperature > 0:
+        u = _rand(logits.shape, dec.generator, at.rows, logits.device, torch.float64, at.own)
         gumbel = -torch.log(-torch.log(u.clamp_min(1e-300)))
-        tempered = logits.double() / temperature  # (A, W, V)
-        if top_k is not None or top_p is not None:
-            tempered = restrict_logits(tempered, top_k, top_p)
-        x0 = (tempered + gumbel).argmax(-1)  # (A, W)
+        x0 = (logits.double() / dec.sampling.temperature + gumbel).argmax(-1)  # (A, W)
     else:
         x0 = logits.argmax(-1)  # (A, W)
-    if remasking == "low_confidence":
+    if dec.sampling.remasking == "low_confidence":
         score = logits.softmax(-1).gather(-1, x0[..., None]).squeeze(-1)  # (A, W) p(x0)
     else:
-        score = _rand(x0.shape, generator, rows, logits.device, own=own)
+        score = _rand(x0.shape, dec.generator, at.rows, logits.device, own=at.own)
     logq = logits.log_softmax(-1)  # (A, W, V)
     ent = -(logq.exp() * logq.nan_to_num(neginf=0.0)).sum(-1)  # (A, W)
     return x0, score, ent
 
 
-def _pick(
-    logits: torch.Tensor, eligible: torch.Tensor, steps_left: int | torch.Tensor, temperature: float, remasking: str,
-    generator: Generators, banned: list[int], rows: torch.Tensor, top_k: int | None = None,
-    top_p: float | None = None, eos_confidence_scale: float = 1.0, stop_ids: Sequence[int] = (),
-    own: torch.Tensor | None = None, noise: str = "generator", keys: torch.Tensor | None = None,
-    step: int | torch.Tensor = 0, cols: torch.Tensor | None = None, threshold: float | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One denoising step over W columns: (A, W, V) logits and (A, W) eligible slots of
-    batch rows `rows` (A,), with `steps_left` (an int, or (A,) one per row) -> the slots to
-    commit (A, W) bool, their tokens x0 (A, W) and the entropy (A, W).
-    `own` (A, W): the columns a row draws generator noise for (`_rand`); None: all.
-    Counter noise: `keys` (A, 2) the rows' keys, `step` the step (int or (A,)), `cols` (W,)
-    the completion columns of the W. `threshold`: also commit every slot whose score exceeds it."""
-    logits[..., banned] = -math.inf
-    if noise == "counter":
-        x0, score, ent = _draw_counter(logits, eligible, temperature, remasking, keys, step, cols, top_k, top_p)
+def _pick(dec: _Decoding, logits: torch.Tensor, eligible: torch.Tensor, steps_left: int | torch.Tensor,
+          at: _At) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One denoising step over W columns: (A, W, V) logits and (A, W) eligible slots, with
+    `steps_left` (an int, or (A,) one per row) -> the slots to commit (A, W) bool, their
+    tokens x0 (A, W) and the entropy (A, W). With a threshold, also every slot whose score
+    exceeds it."""
+    logits[..., dec.banned] = -math.inf
+    if dec.sampling.noise == "counter":
+        x0, score, ent = _draw_counter(dec, logits, eligible, at)
     else:
-        x0, score, ent = _draw_generator(logits, temperature, remasking, generator, rows, own, top_k, top_p)
-    if eos_confidence_scale != 1:  # EOS damping: a slot that drew a stop token waits
-        drew_stop = torch.isin(x0, torch.as_tensor(stop_ids, dtype=torch.long, device=x0.device))  # (A, W)
-        score = torch.where(drew_stop, score * eos_confidence_scale, score)
+        x0, score, ent = _draw_generator(dec, logits, at)
     score = score.masked_fill(~eligible, -math.inf)
     k = (eligible.sum(-1) + steps_left - 1) // steps_left  # ceil(masked / steps left), (A,)
-    if threshold is not None:  # parallel decoding: every slot above the threshold, at least the schedule's k
-        k = torch.maximum(k, (score > threshold).sum(-1))
+    if dec.sampling.threshold is not None:  # parallel decoding: every slot above it, at least the schedule's k
+        k = torch.maximum(k, (score > dec.sampling.threshold).sum(-1))
     chosen = _rows_topk(score, k) & eligible  # (A, W)
     return chosen, x0, ent
 
 
-def _step(logits: torch.Tensor, eligible: torch.Tensor, steps_left: int | torch.Tensor, *, logprob: bool,
-          **kw) -> tuple[torch.Tensor, ...]:
-    """`_pick`, and with `logprob` the model's log-probability of each draw (A, W), else None:
-    over the whole vocabulary, special tokens included, as the likelihood scores it (the draw
-    excludes them); computed on the eligible slots (−inf or 0 elsewhere, never committed)."""
-    if not logprob:
-        return *_pick(logits, eligible, steps_left, **kw), None
+def _step(dec: _Decoding, logits: torch.Tensor, eligible: torch.Tensor, steps_left: int | torch.Tensor,
+          at: _At) -> tuple[torch.Tensor, ...]:
+    """`_pick`, and when `dec` records them the model's log-probability of each draw (A, W),
+    else None: over the whole vocabulary, special tokens included, as the likelihood scores it
+    (the draw excludes them); computed on the eligible slots (−inf or 0 elsewhere, never committed)."""
+    if dec.logprob is None:
+        return *_pick(dec, logits, eligible, steps_left, at), None
     lse = torch.zeros(eligible.shape, device=logits.device)  # (A, W) the model's normaliser
     lse[eligible] = logits[eligible].logsumexp(-1)
-    chosen, x0, ent = _pick(logits, eligible, steps_left, **kw)
+    chosen, x0, ent = _pick(dec, logits, eligible, steps_left, at)
     return chosen, x0, ent, logits.gather(-1, x0[..., None]).squeeze(-1) - lse  # x0 is never banned
 
 
 class _Decoding:
-    """The completion being written and its bookkeeping, shared by both samplers."""
+    """One `generate` call: its settings, its noise, and the completion being written."""
 
-    def __init__(self, policy: Policy, B: int, L: int, device: torch.device, record_logprob: bool = False) -> None:
+    def __init__(self, policy: Policy, sampling: SamplingConfig, B: int, device: torch.device,
+                 generator: Generators, synced: bool, record_logprob: bool) -> None:
+        self.policy, self.sampling, self.generator, self.synced = policy, sampling, generator, synced
         self.mask_id, self.pad_id = policy.mask_token_id, policy.pad_token_id
         self.stop_ids = tuple(getattr(policy, "stop_token_ids", (policy.eos_token_id,)))  # ends a completion
         self.banned = sorted({self.mask_id, self.pad_id, *policy.tokenizer.all_special_ids} - set(self.stop_ids))
+        L = sampling.gen_length
         self.comp = torch.full((B, L), self.mask_id, dtype=torch.long, device=device)  # (B, L)
         self.unmask_step = torch.full((B, L), -1, dtype=torch.long, device=device)
         self.entropy_sum = torch.zeros(B, device=device)
@@ -342,6 +271,14 @@ class _Decoding:
         self.logprob = torch.zeros((B, L), device=device) if record_logprob else None
         self.committed = torch.zeros(B, device=device)
         self.passes = 0
+        # (B, 2) counter-noise keys, drawn before any other noise
+        self.keys = row_keys(generator, B, device) if sampling.noise == "counter" else None
+
+    def decode(self, logits: torch.Tensor, eligible: torch.Tensor, steps_left: int | torch.Tensor, at: _At,
+               cols: slice) -> None:
+        """One step (`_step`) on (A, W, V) logits of the completion columns `cols`, committed."""
+        chosen, x0, ent, logp = _step(self, logits, eligible, steps_left, at)
+        self.commit(at.rows, cols, chosen, x0, ent, logp, at.step)
 
     def commit(self, rows: torch.Tensor, cols: slice, chosen, x0, ent, logp, step: int | torch.Tensor) -> None:
         """Write the chosen tokens of rows `rows` in columns `cols`; PAD after any EOS.
@@ -378,48 +315,22 @@ class _Decoding:
         )
 
 
-def _check_draws(B: int, temperature: float, remasking: str, generator: Generators, top_k: int | None,
-                 top_p: float | None, eos_confidence_scale: float) -> None:
-    """`generate`'s options of each step's draw and commit."""
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0, got {temperature}")
-    if remasking not in ("low_confidence", "random"):
-        raise ValueError(f"remasking must be 'low_confidence' or 'random', got {remasking!r}")
-    if (top_k is not None or top_p is not None) and temperature == 0:
-        raise ValueError("top_k and top_p restrict a random draw: set temperature > 0 or leave them None")
-    if top_k is not None and top_k < 1:
-        raise ValueError(f"top_k must be >= 1 or None, got {top_k}")
-    if top_p is not None and not 0 < top_p <= 1:
-        raise ValueError(f"top_p must be in (0, 1] or None, got {top_p}")
-    if not 0 < eos_confidence_scale <= 1:
-        raise ValueError(f"eos_confidence_scale must be in (0, 1], got {eos_confidence_scale}")
-    if generator is None and (temperature > 0 or remasking == "random"):
+def _check_generator(B: int, sampling: SamplingConfig, generator: Generators) -> None:
+    """A random draw needs its generators: one for the batch or one per row."""
+    if generator is None and (sampling.temperature > 0 or sampling.remasking == "random"):
         raise ValueError("random sampling needs an explicit generator=torch.Generator().manual_seed(seed)")
     if generator is not None and not isinstance(generator, torch.Generator) and len(generator) != B:
         raise ValueError(f"one generator per row: got {len(generator)} generators for {B} rows")
 
 
-def _one_of(choices) -> str:
-    """A Literal's values for a message: 'a', 'b' or 'c'."""
-    words = [repr(c) for c in get_args(choices)]
-    return ", ".join(words[:-1]) + " or " + words[-1]
-
-
-def check_fast_decoding(policy: Policy, remasking: str, noise: str, threshold: float | None,
-                        approx_cache: str) -> None:
-    """`generate`'s options of fast decoding, against the policy (a ValueError saying what to set)."""
-    if noise not in get_args(Noise):
-        raise ValueError(f"noise must be {_one_of(Noise)}, got {noise!r}")
-    if threshold is not None and not 0 < threshold <= 1:
-        raise ValueError(f"threshold must be in (0, 1] or None, got {threshold}")
-    if threshold is not None and remasking != "low_confidence":
-        raise ValueError("threshold commits the slots whose confidence exceeds it: it needs remasking 'low_confidence'")
-    if approx_cache not in get_args(ApproxCache):
-        raise ValueError(f"approx_cache must be {_one_of(ApproxCache)}, got {approx_cache!r}")
-    if approx_cache != "none" and policy.attention_kind != "full":
+def check_sampler(policy: Policy, sampling: SamplingConfig) -> None:
+    """The options of `sampling` that depend on the policy (a ValueError saying what to set);
+    the others `SamplingConfig` checks itself."""
+    cache = sampling.approx_cache
+    if cache != "none" and policy.attention_kind != "full":
         raise ValueError("approx_cache is for full-attention models; a block model's kv_cache is already exact")
-    if approx_cache != "none" and not hasattr(policy, "new_cache"):
-        raise ValueError(f"approx_cache {approx_cache!r} needs a policy with a KV cache (new_cache(), cache= in "
+    if cache != "none" and not hasattr(policy, "new_cache"):
+        raise ValueError(f"approx_cache {cache!r} needs a policy with a KV cache (new_cache(), cache= in "
                          f"logits), which {type(policy).__name__} lacks (the HF adapters have none): set it to 'none'")
 
 
@@ -450,66 +361,40 @@ def _blocks(policy: Policy, L: int, steps: int, block_length: int | None) -> tup
 def generate(
     policy: Policy,
     prompt_ids: torch.Tensor,
-    prompt_mask: torch.Tensor | None = None,
+    prompt_mask: torch.Tensor | None,
+    sampling: SamplingConfig,
     *,
-    gen_length: int,
-    steps: int | None = None,
-    block_length: int | None = None,
-    temperature: float = 0.0,
-    remasking: Literal["low_confidence", "random"] = "low_confidence",
     generator: Generators = None,
-    kv_cache: bool = True,
     synced: bool = False,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    eos_confidence_scale: float = 1.0,
-    noise: Noise = "generator",
-    threshold: float | None = None,
-    approx_cache: ApproxCache = "none",
     record_logprob: bool = False,
 ) -> GenerationOutput:
-    """Generate `gen_length` tokens after each (left-padded) prompt.
+    """Generate `sampling.gen_length` tokens after each (left-padded) prompt, as `sampling`
+    says (`SamplingConfig`; its gen_length must be set).
 
-    `steps` defaults to `gen_length` (one slot per step); `block_length` defaults to
-    `gen_length` (one block) for full-attention models and must be the model's block
-    size (or None) for block models. `generator` is required when sampling is random
-    (temperature > 0 or random remasking): one for the batch, or a sequence of B, one per
-    row (then a row's completion does not depend on the rest of the batch). `kv_cache` (block models with a cache only):
-    keep the keys and values of the prompt and finished blocks instead of recomputing them.
-    `synced`: make every model call of the schedule even when no row has work left (the
-    output is discarded), so that processes whose parameters are sharded (FSDP, ZeRO-3),
-    where each call is a collective, make the same number of calls; same tokens.
-    `top_k`, `top_p` (temperature > 0) and `eos_confidence_scale` depart from the exact
-    sampler (module docstring); left at their defaults they change no token.
-    Fast decoding (module docstring, "Fast decoding"): `noise` "counter" draws on the model's
-    device, for the decoded slots only (other tokens, the same distribution); `threshold`
-    commits every slot whose confidence exceeds it (parallel decoding; None or 1: today's
-    tokens); `approx_cache` "prefix" / "dual" (full attention, a policy with `new_cache`):
-    Fast-dLLM's approximate caches, refreshed at each block's first step.
-    `record_logprob`: fill `GenerationOutput.token_logprob` (the sampler's own log-probability of
-    each token, which the `path` estimator should reproduce; the trainer does not need it);
-    else it is None. Same tokens either way.
-    """
-    B, P = prompt_ids.shape
-    L = gen_length
-    steps = L if steps is None else steps
-    block_length, num_blocks = _blocks(policy, L, steps, block_length)
-    _check_draws(B, temperature, remasking, generator, top_k, top_p, eos_confidence_scale)
-    check_fast_decoding(policy, remasking, noise, threshold, approx_cache)
+    `generator` is required when sampling is random (temperature > 0 or random remasking):
+    one for the batch, or a sequence of B, one per row (then a row's completion does not
+    depend on the rest of the batch). `synced`: make every model call of the schedule even
+    when no row has work left (the output is discarded), so that processes whose parameters
+    are sharded (FSDP, ZeRO-3), where each call is a collective, make the same number of
+    calls; same tokens. `record_logprob`: fill `GenerationOutput.token_logprob` (the
+    sampler's own log-probability of each token, which the `path` estimator should
+    reproduce); else it is None. Same tokens either way."""
+    if sampling.gen_length is None:
+        raise ValueError("generate needs sampling.gen_length (a config's null means the task's completion_length)")
+    B, L = prompt_ids.size(0), sampling.gen_length
+    steps = L if sampling.steps is None else sampling.steps
+    block_length, num_blocks = _blocks(policy, L, steps, sampling.block_length)
+    _check_generator(B, sampling, generator)
+    check_sampler(policy, sampling)
     if prompt_mask is None:
         prompt_mask = torch.ones_like(prompt_ids)
-    # Steps per block: as even as possible, earlier blocks take the remainder.
-    per_block = [steps // num_blocks + (b < steps % num_blocks) for b in range(num_blocks)]
-    dec = _Decoding(policy, B, L, prompt_ids.device, record_logprob)
-    pick = dict(temperature=temperature, remasking=remasking, generator=generator, banned=dec.banned,
-                top_k=top_k, top_p=top_p, eos_confidence_scale=eos_confidence_scale, stop_ids=dec.stop_ids,
-                noise=noise, threshold=threshold)
-    keys = row_keys(generator, B, prompt_ids.device) if noise == "counter" else None
+    dec = _Decoding(policy, sampling, B, prompt_ids.device, generator, synced, record_logprob)
     if policy.attention_kind == "block":
-        _decode_blocks(policy, dec, prompt_ids, prompt_mask, block_length, steps,
-                       kv_cache and hasattr(policy, "new_cache"), pick, synced, keys)
+        _BlockSampler(dec, prompt_ids, prompt_mask, block_length, steps).run()
     else:
-        _decode_full(policy, dec, prompt_ids, prompt_mask, block_length, per_block, pick, synced, approx_cache, keys)
+        # Steps per block: as even as possible, earlier blocks take the remainder.
+        per_block = [steps // num_blocks + (b < steps % num_blocks) for b in range(num_blocks)]
+        _decode_full(dec, prompt_ids, prompt_mask, block_length, per_block)
     return dec.output(prompt_ids)
 
 
@@ -548,17 +433,17 @@ class _ApproxCache:
         return out[:, : hi - lo]
 
 
-def _decode_full(policy, dec: _Decoding, prompt_ids, prompt_mask, block_length, per_block, pick, synced,
-                 approx_cache: str = "none", keys: torch.Tensor | None = None) -> None:
+def _decode_full(dec: _Decoding, prompt_ids, prompt_mask, block_length: int, per_block: list[int]) -> None:
     """Full attention: every step runs the whole [q ; completion] of the rows with work left
     (with `approx_cache`, what `_ApproxCache` feeds)."""
+    policy, approx_cache = dec.policy, dec.sampling.approx_cache
     B, P = prompt_ids.shape
     L = dec.comp.size(1)
     attn = torch.cat([prompt_mask, torch.ones((B, L), dtype=prompt_mask.dtype, device=prompt_mask.device)], dim=1)
     pos = position_ids(attn)  # (B, P+L)
     slot = torch.arange(L, device=prompt_ids.device)
     # Generator noise without a cache draws over every column (the default stream); otherwise only the block's.
-    narrow = pick["noise"] == "counter" or approx_cache != "none"
+    narrow = dec.sampling.noise == "counter" or approx_cache != "none"
     step = 0
     for b, block_steps in enumerate(per_block):
         lo, hi = b * block_length, min(L, (b + 1) * block_length)
@@ -569,7 +454,7 @@ def _decode_full(policy, dec: _Decoding, prompt_ids, prompt_mask, block_length, 
             eligible = (dec.comp == dec.mask_id) & in_block  # (B, L)
             active = eligible.any(dim=1).nonzero().squeeze(1)  # rows with work left in this block
             if active.numel() == 0:
-                if synced:  # the call the other processes are making; its output is not needed
+                if dec.synced:  # the call the other processes are making; its output is not needed
                     policy.logits(torch.cat([prompt_ids[:1], dec.comp[:1]], dim=1), attn[:1], pos[:1])
                     dec.passes += 1
                     step += 1
@@ -582,11 +467,7 @@ def _decode_full(policy, dec: _Decoding, prompt_ids, prompt_mask, block_length, 
             else:
                 logits = cache.logits(x, active).float()  # (A, W, V)
             dec.passes += 1
-            chosen, x0, ent, logp = _step(logits, eligible[active][:, cols], block_steps - s,
-                                          logprob=dec.logprob is not None, rows=active,
-                                          keys=None if keys is None else keys[active], step=step,
-                                          cols=slot[cols], **pick)
-            dec.commit(active, cols, chosen, x0, ent, logp, step)
+            dec.decode(logits, eligible[active][:, cols], block_steps - s, _At(active, step, slot[cols]), cols)
             step += 1
 
 
@@ -598,8 +479,7 @@ def _block_schedule(num_blocks: torch.Tensor, steps: int, width: int) -> torch.T
     return per.masked_fill(j[None] >= num_blocks[:, None], 0)
 
 
-def _decode_blocks(policy, dec: _Decoding, prompt_ids, prompt_mask, S, steps, use_cache, pick, synced,
-                   noise_keys: torch.Tensor | None = None) -> None:
+class _BlockSampler:
     """Block diffusion: block j is denoised attending to the clean blocks < j, then frozen.
     Without the cache each step runs [q ; y_≤j] under the block-causal mask; with it, the
     prompt's whole blocks and each finished block are run once and their keys/values kept,
@@ -607,79 +487,97 @@ def _decode_blocks(policy, dec: _Decoding, prompt_ids, prompt_mask, S, steps, us
 
     The blocks are the policy's (`prompt_attention`). Under ``sequence_blocks`` a row's
     first block holds its prompt's tail, r = (prompt length mod S) tokens, and S − r slots:
-    the rows' blocks are then shifted against each other, and block j is decoded for all
-    rows at once over the columns it covers in any row (a row's other columns there belong
-    to its blocks j − 1 or j + 1: hidden from block j, never written). The tail is fed with
-    the first block (with the cache: once more, its prefilled keys are not used) and frozen
-    with it. Each row splits its `steps` over its own blocks, and its steps are counted
-    over its own blocks (`unmask_step`), so a row's tokens do not depend on its batch."""
-    B, P = prompt_ids.shape
-    L = dec.comp.size(1)
-    device = prompt_ids.device
-    conv = prompt_attention_of(policy)
-    keys = torch.cat([prompt_mask.bool(), torch.ones((B, L), dtype=torch.bool, device=device)], dim=1)  # (B, P+L)
-    pos = position_ids(torch.cat([prompt_mask, torch.ones_like(dec.comp)], dim=1))  # (B, P+L)
-    offset = block_offset(prompt_mask, S, conv)  # (B,) prompt tokens in each row's first block
-    blk_of = completion_blocks(offset, L, S)  # (B, L) each slot's block
-    W = tail_width(P, S, conv)
-    tail = prompt_mask[:, P - W :].bool() & (torch.arange(W, device=device) >= W - offset[:, None])  # (B, W)
-    # Every block count a row of this model can have (so that synced processes make the same calls).
-    counts = torch.arange(S if conv == "sequence_blocks" else 1, device=device)
-    counts = torch.div(counts + L + S - 1, S, rounding_mode="floor").unique()  # ceil((r + L) / S) for each r
-    NB = int(counts.max())
-    sched = _block_schedule(blk_of[:, -1] + 1, steps, NB)  # (B, NB) each row's steps per block
-    first_step = sched.cumsum(1) - sched  # (B, NB) each row's step number at the start of block j
-    iters = _block_schedule(counts, steps, NB).max(0).values.tolist()  # (NB,) calls per block, batch-independent
-    rows = torch.arange(B, device=device)
-    cache, valid = None, None
-    if use_cache:  # prefill the prompt; its keys are valid but for a tail that shares the first block
-        cache = policy.new_cache()
-        mask = block_causal_attention_mask(prompt_mask, 0, S, conv)  # (B, P, P)
-        policy.logits(prompt_ids, mask, pos[:, :P], cache=cache, extend_cache=True)
-        dec.passes += 1
-        valid = keys[:, :P].clone()  # (B, Tc) cached keys a later query may attend to
-        valid[:, P - W :] &= ~tail
-    for j in range(NB):
-        member = blk_of == j  # (B, L) the slots of block j, per row
+    block j is then decoded for all rows at once over the columns it covers in any row (a
+    row's other columns there belong to its blocks j − 1 or j + 1: hidden from block j,
+    never written). Each row splits its `steps` over its own blocks and counts its steps over
+    them (`unmask_step`), so a row's tokens do not depend on its batch (docs/methods.md,
+    "Sampling: how a step decodes")."""
+
+    def __init__(self, dec: _Decoding, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, S: int,
+                 steps: int) -> None:
+        B, P = prompt_ids.shape
+        L = dec.comp.size(1)
+        device = prompt_ids.device
+        self.dec, self.prompt_ids, self.prompt_mask, self.S, self.P = dec, prompt_ids, prompt_mask, S, P
+        self.conv = prompt_attention_of(dec.policy)
+        self.pos = position_ids(torch.cat([prompt_mask, torch.ones_like(dec.comp)], dim=1))  # (B, P+L)
+        offset = block_offset(prompt_mask, S, self.conv)  # (B,) prompt tokens in each row's first block
+        self.blk_of = completion_blocks(offset, L, S)  # (B, L) each slot's block
+        W = self.W = tail_width(P, S, self.conv)
+        self.tail = prompt_mask[:, P - W :].bool() & (torch.arange(W, device=device) >= W - offset[:, None])  # (B, W)
+        # Every block count a row of this model can have (so that synced processes make the same calls).
+        counts = torch.arange(S if self.conv == "sequence_blocks" else 1, device=device)
+        counts = torch.div(counts + L + S - 1, S, rounding_mode="floor").unique()  # ceil((r + L) / S) for each r
+        self.NB = int(counts.max())
+        self.sched = _block_schedule(self.blk_of[:, -1] + 1, steps, self.NB)  # (B, NB) each row's steps per block
+        self.first_step = self.sched.cumsum(1) - self.sched  # (B, NB) each row's step number at block j's start
+        self.iters = _block_schedule(counts, steps, self.NB).max(0).values.tolist()  # (NB,) calls per block
+        self.rows = torch.arange(B, device=device)
+        self.cache, self.valid = None, None  # valid: (B, Tc) cached keys a later query may attend to
+        if dec.sampling.kv_cache and hasattr(dec.policy, "new_cache"):
+            self._prefill()
+
+    def _prefill(self) -> None:
+        """Cache the prompt; its keys are valid but for a tail that shares the first block."""
+        P, W = self.P, self.W
+        self.cache = self.dec.policy.new_cache()
+        mask = block_causal_attention_mask(self.prompt_mask, 0, self.S, self.conv)  # (B, P, P)
+        self.dec.policy.logits(self.prompt_ids, mask, self.pos[:, :P], cache=self.cache, extend_cache=True)
+        self.dec.passes += 1
+        self.valid = self.prompt_mask.bool().clone()  # (B, P)
+        self.valid[:, P - W :] &= ~self.tail
+
+    def run(self) -> None:
+        for j in range(self.NB):
+            self._block(j)
+
+    def _block(self, j: int) -> None:
+        """Denoise block j over its steps, then (with the cache) freeze it."""
+        dec, P = self.dec, self.P
+        L = dec.comp.size(1)
+        member = self.blk_of == j  # (B, L) the slots of block j, per row
         cols = member.any(0).nonzero().flatten()
-        if cols.numel() == 0 and not synced:
-            continue
+        if cols.numel() == 0 and not dec.synced:
+            return
         lo, hi = (int(cols[0]), int(cols[-1]) + 1) if cols.numel() else (L - 1, L)  # none: a discarded call
         member = member[:, lo:hi]  # (B, W_j)
-        head = W if j == 0 else 0  # the prompt's tail denoises with the first block (cache path: fed again)
-        if use_cache:
-            fresh = torch.cat([tail[:, W - head :], member], dim=1)  # (B, F) the columns of each row's block j
-            fed_pos = torch.cat([pos[:, P - head : P], pos[:, P + lo : P + hi]], dim=1)  # (B, F)
-            mask = fresh[:, :, None] & torch.cat([valid, fresh], dim=1)[:, None, :]  # (B, F, Tc+F)
-        for s in range(iters[j]):
-            active = s < sched[:, j]  # (B,) rows still within their steps of block j
+        head = self.W if j == 0 else 0  # the prompt's tail denoises with the first block (cache path: fed again)
+        fed = None
+        if self.cache is not None:  # (the columns of each row's block j, their positions, their mask)
+            fresh = torch.cat([self.tail[:, self.W - head :], member], dim=1)  # (B, F)
+            fed_pos = torch.cat([self.pos[:, P - head : P], self.pos[:, P + lo : P + hi]], dim=1)  # (B, F)
+            fed = (fresh, fed_pos, fresh[:, :, None] & torch.cat([self.valid, fresh], dim=1)[:, None, :])
+        for s in range(self.iters[j]):
+            active = s < self.sched[:, j]  # (B,) rows still within their steps of block j
             eligible = (dec.comp[:, lo:hi] == dec.mask_id) & member & active[:, None]  # (B, W_j)
-            if not eligible.any() and not synced:
+            if not eligible.any() and not dec.synced:
                 break
-            if use_cache:  # block j (and the tail) attend to the valid cached keys and to themselves
-                fed = torch.cat([prompt_ids[:, P - head :], dec.comp[:, lo:hi]], dim=1)  # (B, F)
-                logits = policy.logits(fed, mask, fed_pos, cache=cache)[:, head:]
-            else:
-                x = torch.cat([prompt_ids, dec.comp[:, :hi]], dim=1)  # (B, P+hi)
-                attn = block_causal_attention_mask(prompt_mask, hi, S, conv)  # (B, P+hi, P+hi)
-                logits = policy.logits(x, attn, pos[:, : P + hi])[:, P + lo :]
+            logits = self._logits(lo, hi, head, fed)  # (B, W_j, V)
             dec.passes += 1
             if eligible.any():  # (synced calls with nothing left to decode are discarded)
-                steps_left = (sched[:, j] - s).clamp(min=1)  # (B,)
+                steps_left = (self.sched[:, j] - s).clamp(min=1)  # (B,)
                 # A row draws noise for its own block's columns, and only while it has slots to fill: its
                 # draws do not depend on the other rows (a row without any has none left: EOS came).
                 own = member & eligible.any(1, keepdim=True)  # (B, W_j)
-                chosen, x0, ent, logp = _step(logits.float(), eligible, steps_left, logprob=dec.logprob is not None,
-                                              rows=rows, own=own, keys=noise_keys,
-                                              step=first_step[:, j] + s, cols=torch.arange(lo, hi, device=device),
-                                              **pick)
-                dec.commit(rows, slice(lo, hi), chosen, x0, ent, logp, first_step[:, j] + s)
-        later = blk_of > j
-        if use_cache and j < NB - 1 and (synced or (dec.comp[later] == dec.mask_id).any()):  # freeze block j
-            fed = torch.cat([prompt_ids[:, P - head :], dec.comp[:, lo:hi]], dim=1)  # (B, F)
-            policy.logits(fed, mask, fed_pos, cache=cache, extend_cache=True)
-            valid = torch.cat([valid, fresh], dim=1)
+                at = _At(self.rows, self.first_step[:, j] + s, torch.arange(lo, hi, device=dec.comp.device), own)
+                dec.decode(logits.float(), eligible, steps_left, at, slice(lo, hi))
+        later = self.blk_of > j
+        if fed is not None and j < self.NB - 1 and (dec.synced or (dec.comp[later] == dec.mask_id).any()):
+            x = torch.cat([self.prompt_ids[:, P - head :], dec.comp[:, lo:hi]], dim=1)  # (B, F) freeze block j
+            dec.policy.logits(x, fed[2], fed[1], cache=self.cache, extend_cache=True)
+            self.valid = torch.cat([self.valid, fed[0]], dim=1)
             dec.passes += 1
+
+    def _logits(self, lo: int, hi: int, head: int, fed: tuple | None) -> torch.Tensor:
+        """(B, hi - lo, V) logits of block [lo, hi): with the cache, block j (and the tail) attend
+        to the valid cached keys and to themselves; without, [q ; y_<hi] under the block-causal mask."""
+        dec, P = self.dec, self.P
+        if fed is not None:
+            x = torch.cat([self.prompt_ids[:, P - head :], dec.comp[:, lo:hi]], dim=1)  # (B, F)
+            return dec.policy.logits(x, fed[2], fed[1], cache=self.cache)[:, head:]
+        x = torch.cat([self.prompt_ids, dec.comp[:, :hi]], dim=1)  # (B, P+hi)
+        attn = block_causal_attention_mask(self.prompt_mask, hi, self.S, self.conv)  # (B, P+hi, P+hi)
+        return dec.policy.logits(x, attn, self.pos[:, : P + hi])[:, P + lo :]
 
 
 def row_generators(tag: str, lo: int, hi: int) -> list[torch.Generator]:
@@ -695,69 +593,74 @@ def micro_batch_calls(rows: int, micro_batch: int | None) -> int:
     return 1 if micro_batch is None else max(1, math.ceil(rows / micro_batch))
 
 
-def generate_micro_batched(
-    policy: Policy,
-    prompt_ids: torch.Tensor,
-    prompt_mask: torch.Tensor | None = None,
-    *,
-    micro_batch: int | None,
-    generator: Generators = None,
-    synced: bool = False,
-    num_calls: int | None = None,
-    progress: bool = False,
-    sort_by_length: bool = False,
-    **kwargs,
-) -> GenerationOutput:
-    """`generate` on at most `micro_batch` rows at a time (None: all at once), the outputs
-    concatenated; `forward_passes` is the sum over the calls. The rows keep their padding
-    (P columns for all), and with one generator per row (or with no randomness) each row
-    writes the same tokens as in a single call: a row's tokens do not depend on the others
-    in its batch (tests/test_sampling.py). A single generator would be consumed in another
-    order, so it is refused when there is more than one micro-batch.
+@dataclass
+class RolloutRequest:
+    """B prompts and how to sample them: what the trainer asks a rollout engine for
+    (`stabledrl.engines`), and what `generate_micro_batched` runs."""
 
-    `sort_by_length`: the rows are cut into micro-batches in order of prompt length (each
-    row with its own generator), and each call drops the left padding columns that all its
-    rows have, so a micro-batch of short prompts runs on short sequences; the output is in
-    the given row order, `sequences` with the P columns of `prompt_ids`. Where a row's
-    positions come from the padding mask (the tiny models, and every adapter but LLaDA's) it
-    sees the same positions and keys, and only the number of hidden padding keys changes:
-    the same tokens but for rounding (tests/test_sampling.py, in float64). LLaDA counts
-    positions itself, so its positions shift by the columns dropped, which RoPE's relative
-    angles absorb, again up to rounding. With a single micro-batch the order is kept (and
-    its common padding still dropped).
+    policy: Policy
+    """The current policy: its weights are those the trainer scores the rollouts with."""
+    prompt_ids: torch.Tensor
+    """(B, P) left-padded prompt ids, on the policy's device."""
+    prompt_mask: torch.Tensor
+    """(B, P) 1 for prompt tokens, 0 for padding."""
+    gen_length: int
+    """Completion slots L."""
+    generators: list[torch.Generator]
+    """One per row (`row_generators`): row b's randomness comes from its own."""
+    sampling: SamplingConfig
+    """The sampling settings (temperature, steps, block length, ...)."""
+    micro_batch: int | None = None
+    """Rows per call of the built-in sampler (None: all)."""
+    synced: bool = False
+    """Processes with sharded parameters must make the same model calls (built-in sampler)."""
+    num_calls: int | None = None
+    """With `synced`: the sampler calls of the largest share of the processes."""
+    progress: bool = False
+    """A progress bar over the micro-batches."""
 
-    `synced` with `num_calls`: processes with sharded parameters must make the same model
-    calls, so a process with fewer micro-batches than `num_calls` (those of the largest
-    share, `micro_batch_calls`) makes the missing ones on its first row and discards them.
-    `progress`: a progress bar over the micro-batches."""
-    B = prompt_ids.size(0)
-    if prompt_mask is None:
-        prompt_mask = torch.ones_like(prompt_ids)
-    if micro_batch is not None and micro_batch < 1:
-        raise ValueError(f"micro_batch must be >= 1 or None, got {micro_batch}")
-    size = B if micro_batch is None else micro_batch
+
+def generate_micro_batched(request: RolloutRequest, *, record_logprob: bool = False) -> GenerationOutput:
+    """`generate` on at most `request.micro_batch` rows at a time (None: all at once), the
+    outputs concatenated; `forward_passes` is the sum over the calls. With one generator per
+    row (or no randomness) each row writes the same tokens as in a single call; a single
+    generator would be consumed in another order, so it is refused for several micro-batches.
+    With `sampling.sort_by_length` the rows are cut in order of prompt length and each call
+    drops the left padding all its rows have (the same tokens but for rounding; output in the
+    given order, `sequences` with the P columns of the prompts). `synced` with `num_calls`: a
+    process with fewer micro-batches than `num_calls` makes the missing calls on its first row
+    and discards them, so processes with sharded parameters make the same model calls
+    (docs/methods.md, "Sampling: how a step decodes")."""
+    r = request
+    B, size = r.prompt_ids.size(0), r.micro_batch or r.prompt_ids.size(0)
+    prompt_mask = torch.ones_like(r.prompt_ids) if r.prompt_mask is None else r.prompt_mask
+    if r.micro_batch is not None and r.micro_batch < 1:
+        raise ValueError(f"micro_batch must be >= 1 or None, got {r.micro_batch}")
+    sampling = dataclasses.replace(r.sampling, gen_length=r.gen_length)
     starts = list(range(0, B, size))
-    one_generator = isinstance(generator, torch.Generator)
+    one_generator = isinstance(r.generators, torch.Generator)
     if len(starts) > 1 and one_generator:
         raise ValueError("micro-batches need one generator per row (stabledrl.sampling.row_generators): "
                          "a single generator would give other draws than one call")
     order = torch.arange(B)  # (B,) the rows in the order they are cut into micro-batches
-    if sort_by_length and len(starts) > 1:
+    if sampling.sort_by_length and len(starts) > 1:
         order = prompt_mask.sum(1).cpu().argsort(stable=True)
     outs = []
-    for s in tqdm(starts, desc="sampling", disable=not progress, leave=False):
+    for s in tqdm(starts, desc="sampling", disable=not r.progress, leave=False):
         rows = order[s : s + size]  # (b,)
-        gens = generator if generator is None or one_generator else [generator[i] for i in rows.tolist()]
-        ids, mask = prompt_ids[rows.to(prompt_ids.device)], prompt_mask[rows.to(prompt_mask.device)]  # (b, P)
-        lead = _common_padding(mask) if sort_by_length else 0
-        out = generate(policy, ids[:, lead:], mask[:, lead:], generator=gens, synced=synced, **kwargs)
+        gens = r.generators if r.generators is None or one_generator else [r.generators[i] for i in rows.tolist()]
+        ids, mask = r.prompt_ids[rows.to(r.prompt_ids.device)], prompt_mask[rows.to(prompt_mask.device)]  # (b, P)
+        lead = _common_padding(mask) if sampling.sort_by_length else 0
+        out = generate(r.policy, ids[:, lead:], mask[:, lead:], sampling, generator=gens, synced=r.synced,
+                       record_logprob=record_logprob)
         if lead:  # back to the P columns of the prompts as given
             out.sequences = torch.cat([ids[:, :lead], out.sequences], dim=1)  # (b, P + L)
         outs.append(out)
-    if synced and num_calls is not None:
-        for _ in range(num_calls - len(starts)):  # the calls of a larger share; output discarded
+    if r.synced and r.num_calls is not None:
+        for _ in range(r.num_calls - len(starts)):  # the calls of a larger share; output discarded
             spare = [torch.Generator().manual_seed(0)]
-            generate(policy, prompt_ids[:1], prompt_mask[:1], generator=spare, synced=True, **kwargs)
+            generate(r.policy, r.prompt_ids[:1], prompt_mask[:1], sampling, generator=spare, synced=True,
+                     record_logprob=record_logprob)
     out = concat_outputs(outs)
     if not torch.equal(order, torch.arange(B)):
         out = _take_rows(out, order.argsort().to(out.completion_ids.device))

@@ -1,98 +1,21 @@
-"""Run untrusted Python (model-written programs) in a sandboxed subprocess.
+"""Run untrusted Python (model-written programs) in a sandboxed subprocess
+(docs/methods.md, "Code sandbox": its layers, what they hold and what they do not).
 
-    >>> from stabledrl.sandbox import run_python
-    >>> r = run_python("print(6 * 7)", timeout_s=2)
+    >>> from stabledrl.sandbox import SandboxLimits, run_python
+    >>> r = run_python("print(6 * 7)", SandboxLimits(timeout_s=2))
     >>> r.ok, r.reason, r.stdout
     (True, 'ok', '42\\n')
 
 `run_python` never raises because of what the program does: every failure comes back as
 `SandboxResult(ok=False, reason=...)`. It kills every process the program started and
-removes its directory before returning.
+removes its directory before returning. The program is its main process: the run ends
+when that process exits, and whatever it leaves running is killed then.
 
-The program is its main process: the run ends when that process exits, and whatever it
-leaves running is killed then, even a child that has not written its output yet: a
-program that forks must wait for its children. (Waiting for stray processes instead would
-let a daemon hold the run, and a rollout worker, until the time limit.)
-
-Each program runs under layers of protection. The OS layers are the boundary; the audit
-hook is a second layer that turns the common attempts into clear reasons:
-
-1. A new session and process group with a wall-time limit; on expiry the whole sandbox
-   is killed.
-2. Namespaces (``unshare``): a new network namespace (no interfaces but a loopback that
-   is down, so nothing connects anywhere, not even to 127.0.0.1), a new PID namespace
-   (its init is a small reaper whose exit, when the program exits or the time is up,
-   makes the kernel kill every process the program started, double-forked daemons
-   included), new IPC and mount namespaces.
-3. A read-only view of every mount (``MS_REMOUNT | MS_BIND | MS_RDONLY``, also nosuid)
-   inside the mount namespace: /tmp, /var/tmp, /dev/shm are unwritable. The program's
-   directory is a fresh size-limited tmpfs mounted over a private temporary directory:
-   cwd, HOME and TMPDIR point there, and it vanishes with the namespace.
-4. When running as root: a drop to an unprivileged uid/gid with no supplementary groups
-   (a per-run uid from `UID_RANGE`, owned by no account, so the process limit below is
-   not shared between concurrent programs), and ``PR_SET_NO_NEW_PRIVS`` so setuid
-   binaries cannot give privileges back. Root is exempt from RLIMIT_NPROC; this uid is not.
-   When not root, the namespaces come from an unprivileged user namespace (where the
-   kernel allows it) and the capabilities it grants are dropped before the program runs;
-   the program keeps our uid, and without a user namespace RLIMIT_NPROC is not set (it
-   would count all our processes).
-5. Resource limits: RLIMIT_AS (address space of each process; its threads share one malloc
-   arena, so they do not reserve 64 MB each), RLIMIT_CPU, RLIMIT_FSIZE (largest file
-   written), RLIMIT_NPROC (processes and threads), RLIMIT_NOFILE, RLIMIT_CORE = 0.
-6. One memory bound for the whole program: its processes and threads together get
-   `memory_mb` (RLIMIT_AS alone would give each of up to `max_processes` processes that
-   much). Where we may create a memory cgroup under our own cgroup (v1's memory hierarchy,
-   e.g. as root where /sys/fs/cgroup/memory is writable; v2 where our cgroup has the memory
-   controller in its cgroup.subtree_control), each program gets its own, limited to
-   `memory_mb` (swap included: memsw / memory.swap.max = 0). The namespace's init joins it
-   before it forks the program, so no process of the program is outside it (the bootstrap
-   stays out, so that the group's OOM kill cannot take it before it reaps init); the program can neither
-   leave it nor raise its limit (the mount is read-only in its namespace, and when we are
-   root the files are root's). It counts what the kernel charges:
-   anonymous and shared memory, tmpfs files, page cache, kernel memory such as pipe buffers.
-   At the bound the kernel's OOM killer kills a process, and we kill the rest at once (v2:
-   memory.oom.group; v1: an eventfd on memory.oom_control): reason "memory", layer
-   "memory-cgroup". Otherwise the namespace's init polls, every 5 ms, the resident anonymous
-   and shared memory (RssAnon + RssShmem in /proc/PID/status) of the program's processes and
-   kills them all when the sum passes the bound: layer "memory-monitor". Its limits: a
-   program can overshoot by what it touches within one interval (tens of MB; more when the
-   machine is so busy that init is not scheduled); memory it holds without mapping it is not
-   counted: pipe and socket buffers, files in its tmpfs (disk_mb bounds them) and memfd
-   files (RLIMIT_FSIZE each, as many as it may open); pages shared between its processes
-   count once per process (the sum errs high). It needs a PID namespace or root (to tell
-   the program's processes from ours); without either, only RLIMIT_AS holds, per process.
-7. ``python -I`` (isolated: no PYTHON* variables, no user site, no script directory on
-   sys.path), ``-S`` unless `site_packages`, ``-B``; an environment of PATH, HOME,
-   TMPDIR and LANG only; stdin is /dev/null; at most `max_output_bytes` of stdout and
-   stderr are read (more kills the program).
-8. A Python audit hook (PEP 578) that refuses, with a recognisable message, sockets of any
-   family but AF_UNIX, name lookups, and opens for writing / file-system changes outside
-   the program's directory. It only sees Python code in the program's own interpreter (not
-   ctypes calls or child processes): the OS layers above are what hold.
-
-A layer the kernel or our privileges do not allow is skipped and left out of
-`SandboxResult.layers`; check it if you rely on one (the code task logs a warning once).
-The reason string is a diagnosis read from exit status and stderr, not a security
-decision: a program can print anything to stderr.
-
-Where a directory on the interpreter's path (e.g. pyenv under /root, mode 0700) is not
-traversable by the unprivileged uid, the mount namespace puts a read-only tmpfs over the
-blocking directory with only the needed entries bound back in, so the program sees the
-same interpreter and standard library and nothing else there.
-
-Not covered: the program can read whatever the host lets any user read (world-readable
-files), and shares the kernel (no seccomp filter, no VM): this contains buggy and
-reward-hacking programs, not a determined attacker with a kernel exploit. Linux only.
-
-The layers are set up by `stabledrl._sandbox_boot`, a stdlib-only module run by path in
-the sandbox's fresh interpreter; this module starts it, gives it the program's memory
-cgroup, reads its reports, enforces the time and output limits, and cleans up.
-
-Why here and not under tasks/ beside its one user (tasks/code.py): it knows nothing of
-tasks, problems or rewards (code.py turns a `SandboxResult` into a reward), so it sits
-below them like the other components; a reward of another kind (a tool call, a program's
-output checked) would run programs through it too; and tasks/ holds one module per task
-and what they share.
+Layers: a process group with a wall-time limit; network, PID, IPC and mount namespaces; a
+read-only file system but for a private size-limited tmpfs; an unprivileged uid without
+capabilities; resource limits; one memory bound for the whole program (a memory cgroup, or
+a monitor); ``python -I`` with a bare environment; a Python audit hook. A layer the kernel
+or our privileges do not allow is skipped and left out of `SandboxResult.layers`. Linux only.
 """
 
 from __future__ import annotations
@@ -111,7 +34,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-__all__ = ["SandboxResult", "run_python", "UID_RANGE"]
+__all__ = ["SandboxLimits", "SandboxResult", "run_python", "UID_RANGE"]
 
 logger = logging.getLogger(__name__)
 
@@ -417,42 +340,59 @@ def _reason(returncode: int | None, stderr: str) -> str:
     return "nonzero exit"
 
 
-def run_python(
-    code: str,
-    *,
-    timeout_s: float = 5.0,
-    memory_mb: float = 512,
-    cpu_s: float | None = None,
-    max_output_bytes: int = 1 << 20,
-    max_processes: int = 16,
-    max_file_mb: float = 16,
-    disk_mb: float = 64,
-    max_open_files: int = 256,
-    site_packages: bool = False,
-    audit_hook: bool = True,
-) -> SandboxResult:
-    """Run `code` as the main module of a sandboxed Python and report what happened.
+@dataclass(frozen=True)
+class SandboxLimits:
+    """What one program may use (docs/methods.md, "Code sandbox")."""
 
-    timeout_s: wall time for the whole run, after which every process is killed.
-    memory_mb: memory of the whole program, all its processes and threads together (layer 6 of
-        the module docstring), and address-space limit of each process (RLIMIT_AS).
-    cpu_s: CPU-time limit of each process; default ceil(timeout_s) + 1.
-    max_output_bytes: stdout and stderr together; the program is killed beyond it.
-    max_processes: processes and threads of the program together (RLIMIT_NPROC).
-    max_file_mb: largest file the program may write; disk_mb: size of its directory.
-    site_packages: let the program import installed packages (drops ``-S``).
-    audit_hook: install the audit-hook layer (off only to test the OS layers alone).
-    """
+    timeout_s: float = 5.0
+    """Wall time for the whole run, after which every process is killed."""
+    memory_mb: float = 512
+    """Memory of the whole program, all its processes and threads together (layer 6), and the
+    address-space limit of each process (RLIMIT_AS)."""
+    cpu_s: float | None = None
+    """CPU-time limit of each process; None: ceil(timeout_s) + 1."""
+    max_output_bytes: int = 1 << 20
+    """stdout and stderr together; the program is killed beyond it."""
+    max_processes: int = 16
+    """Processes and threads of the program together (RLIMIT_NPROC)."""
+    max_file_mb: float = 16
+    """Largest file the program may write."""
+    disk_mb: float = 64
+    """Size of the program's directory (its tmpfs)."""
+    max_open_files: int = 256
+    """RLIMIT_NOFILE."""
+
+    def __post_init__(self) -> None:
+        if self.timeout_s <= 0 or self.memory_mb <= 0 or self.max_output_bytes <= 0 or self.max_processes < 1:
+            raise ValueError("timeout_s, memory_mb, max_output_bytes and max_processes must be positive")
+
+
+def run_python(code: str, limits: SandboxLimits = SandboxLimits(), *, site_packages: bool = False,
+               audit_hook: bool = True) -> SandboxResult:
+    """Run `code` as the main module of a sandboxed Python within `limits` and report what
+    happened. `site_packages`: let the program import installed packages (drops ``-S``).
+    `audit_hook`: install the audit-hook layer (off only to test the OS layers alone)."""
     if not isinstance(code, str):
         raise TypeError(f"code must be a str, got {type(code).__name__}")
-    if timeout_s <= 0 or memory_mb <= 0 or max_output_bytes <= 0 or max_processes < 1:
-        raise ValueError("timeout_s, memory_mb, max_output_bytes and max_processes must be positive")
-    cpu_s = math.ceil(timeout_s) + 1 if cpu_s is None else cpu_s
     t0 = time.perf_counter()
     root = os.geteuid() == 0
     uid = _UIDS.take() if root else os.geteuid()
     gid = uid if root else os.getegid()
     home = tempfile.mkdtemp(prefix="stabledrl-sandbox-")
+    try:
+        return _run_in(home, code, (uid, gid), limits, ["-I", "-B"] + ([] if site_packages else ["-S"]),
+                       audit_hook, t0)
+    finally:
+        shutil.rmtree(home, ignore_errors=True)
+        if root:
+            _UIDS.give(uid)
+
+
+def _run_in(home: str, code: str, ids: tuple[int, int], limits: SandboxLimits, flags: list[str], audit_hook: bool,
+            t0: float) -> SandboxResult:
+    """`run_python` in the program's directory `home` as (uid, gid) `ids`, with the
+    interpreter's `flags`; every process and the memory cgroup are gone when it returns."""
+    cpu_s = math.ceil(limits.timeout_s) + 1 if limits.cpu_s is None else limits.cpu_s
     # Pipes as unbuffered file objects: closing one twice is harmless, unlike os.close.
     info_r, info_w = (os.fdopen(fd, mode, buffering=0) for fd, mode in zip(os.pipe(), ("rb", "wb")))
     ctl_r, ctl_w = (os.fdopen(fd, mode, buffering=0) for fd, mode in zip(os.pipe(), ("rb", "wb")))
@@ -460,11 +400,10 @@ def run_python(
     try:
         with open(os.path.join(home, "main.py"), "wb") as f:
             f.write(code.encode("utf-8", errors="replace"))  # lone surrogates cannot be encoded
-        cgroup = _memory_cgroup(memory_mb)
+        cgroup = _memory_cgroup(limits.memory_mb)
         join = os.path.join(cgroup.path, cgroup.flavour.join) if cgroup else ""  # the file to move in with
-        args = [home, uid, gid, info_w.fileno(), ctl_r.fileno(), memory_mb, cpu_s, max_file_mb, max_processes,
-                max_open_files, disk_mb, int(audit_hook), join]
-        flags = ["-I", "-B"] + ([] if site_packages else ["-S"])
+        args = [home, *ids, info_w.fileno(), ctl_r.fileno(), limits.memory_mb, cpu_s, limits.max_file_mb,
+                limits.max_processes, limits.max_open_files, limits.disk_mb, int(audit_hook), join]
         env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": home, "TMPDIR": home, "LANG": "C.UTF-8"}
         proc = subprocess.Popen(
             [sys.executable, *flags, _BOOT, *map(str, args)], stdin=subprocess.DEVNULL,
@@ -472,7 +411,7 @@ def run_python(
             pass_fds=(info_w.fileno(), ctl_r.fileno()))
         info_w.close()
         ctl_r.close()
-        out, err, info, killed_for = _collect(proc, info_r, ctl_w, t0 + timeout_s, max_output_bytes,
+        out, err, info, killed_for = _collect(proc, info_r, ctl_w, t0 + limits.timeout_s, limits.max_output_bytes,
                                               cgroup.oom_fd if cgroup else None)
     except OSError as e:  # could not start the sandbox at all
         logger.error("sandbox failed to start: %s", e)
@@ -485,10 +424,6 @@ def run_python(
         over_memory = cgroup is not None and cgroup.oom_kills() > 0
         if cgroup is not None:
             cgroup.remove()
-        shutil.rmtree(home, ignore_errors=True)
-        if root:
-            _UIDS.give(uid)
-
     return _verdict(info, out, err, killed_for, over_memory, time.perf_counter() - t0)
 
 

@@ -125,14 +125,15 @@ class LoraSettings:
 
 @dataclass
 class SamplingConfig:
-    """How completions are sampled (rollouts and evaluation)."""
+    """How completions are sampled (rollouts and evaluation): the options of
+    `stabledrl.sampling.generate`, checked here once."""
 
     gen_length: int | None = None
     """Completion slots L; None = the task's `completion_length`."""
     steps: int | None = None
     """Denoising steps T; None = L (one slot per step)."""
     block_length: int | None = None
-    """Semi-autoregressive block size; None = one block of L."""
+    """Semi-autoregressive block size; None = one block of L (block models: their own block size)."""
     temperature: float = 0.0
     """Gumbel temperature; 0 = greedy."""
     remasking: Literal["low_confidence", "random"] = "low_confidence"
@@ -147,18 +148,6 @@ class SamplingConfig:
     call dropping the left padding its rows all have (prompts of very different lengths: GSM8K,
     MATH). Outputs in the given order; a row's tokens are the same but for rounding (a different
     number of hidden padding keys; `stabledrl.sampling.generate_micro_batched`)."""
-    top_k: int | None = None
-    """Draw each token from its k most likely values only (needs temperature > 0). None: from
-    all, the exact sampler."""
-    top_p: float | None = None
-    """Nucleus sampling, in (0, 1]: draw each token from the smallest set of most likely values
-    whose mass under the tempered distribution (after top_k) reaches top_p; needs temperature > 0.
-    None: from all, the exact sampler."""
-    eos_confidence_scale: float = 1.0
-    """EOS damping, in (0, 1]: the remasking score (the confidence, or the random draw) of a slot
-    whose drawn token is a stop token is multiplied by it, so that slot is committed later and the
-    slots before it are written first (against LLaDA's early EOS). 1: the exact sampler; below 1
-    a departure from the model's decoding rule."""
     noise: Noise = "generator"
     """Where the sampling noise comes from. generator: each row's CPU generator, float64 Gumbel
     noise over every completion column and the whole vocabulary, copied to the device (the stream
@@ -178,8 +167,8 @@ class SamplingConfig:
     refused): Fast-dLLM's approximate caches, refreshed at each block's first step (with
     block_length < L; one block caches the prompt alone). prefix: later steps feed the block and
     what follows it, attending to the kept prefix; dual: they feed the block alone, attending to
-    the kept prefix and suffix. An
-    approximation of the exact sampler (other tokens, another distribution); none: exact."""
+    the kept prefix and suffix. An approximation of the exact sampler (other tokens, another
+    distribution); none: exact."""
     engine: str = "builtin"
     """What produces the trainer's rollouts (`stabledrl.engines`): builtin (this library's sampler,
     with every option above) or an external engine, "package.module:ClassName", imported by name
@@ -187,25 +176,15 @@ class SamplingConfig:
     engine_options: dict[str, Any] = field(default_factory=dict)
     """Keyword arguments of an external engine's constructor."""
 
-    def generate_kwargs(self) -> dict:
-        """The keyword arguments of `generate` (all but gen_length and generator)."""
-        return dict(steps=self.steps, block_length=self.block_length, temperature=self.temperature,
-                    remasking=self.remasking, kv_cache=self.kv_cache, top_k=self.top_k, top_p=self.top_p,
-                    eos_confidence_scale=self.eos_confidence_scale, noise=self.noise, threshold=self.threshold,
-                    approx_cache=self.approx_cache)
-
     def __post_init__(self) -> None:
-        for name in ("gen_length", "steps", "block_length", "top_k"):
+        for name in ("gen_length", "steps", "block_length", "micro_batch"):
             v = getattr(self, name)
             check(v is None or v >= 1, f"sampling.{name} must be a positive integer or null, got {v}")
         check(self.temperature >= 0, f"sampling.temperature must be >= 0, got {self.temperature}")
-        check(self.top_p is None or 0 < self.top_p <= 1, f"sampling.top_p must be in (0, 1] or null, got {self.top_p}")
-        check(self.temperature > 0 or (self.top_k is None and self.top_p is None),
-              "sampling.top_k and top_p restrict a random draw: set sampling.temperature > 0 or leave them null")
-        check(0 < self.eos_confidence_scale <= 1,
-              f"sampling.eos_confidence_scale must be in (0, 1], got {self.eos_confidence_scale}")
-        check(self.micro_batch is None or self.micro_batch >= 1,
-              f"sampling.micro_batch must be a positive integer or null, got {self.micro_batch}")
+        for name, choices in (("remasking", ("low_confidence", "random")), ("noise", get_args(Noise)),
+                              ("approx_cache", get_args(ApproxCache))):
+            check(getattr(self, name) in choices, f"sampling.{name} must be one of {', '.join(choices)}; "
+                  f"got {getattr(self, name)!r}")
         check(self.threshold is None or 0 < self.threshold <= 1,
               f"sampling.threshold must be in (0, 1] or null, got {self.threshold}")
         check(self.threshold is None or self.remasking == "low_confidence",

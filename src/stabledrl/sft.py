@@ -1,33 +1,20 @@
-"""Supervised training of a tiny masked-diffusion LM from scratch (the `sft` verb).
+"""Supervised training of a tiny masked-diffusion LM from scratch (the `sft` verb;
+docs/methods.md, "SFT of the tiny models").
 
 Loss (LLaDA, Nie et al. 2025, Eq. 5 for SFT): with t ~ U(0, 1], mask each completion slot
 independently with probability t (the prompt is never masked) and take
 
     L = -(1 / (B L)) Σ_b (1 / t_b) Σ_{i masked} log p_θ(y_i | x_t, q),
 
-an upper bound on the completion's negative log-likelihood. Every one of the L slots is
-a target, including EOS and the PAD after it, because the sampler must learn where the
-answer ends. Deviations, both variance reductions that keep t's marginal U(t_min, 1]:
-t is stratified across the batch (t_b = 1 - (1 - t_min) frac(u + b / B)), and t_min = 1e-3
-keeps 1/t finite.
+an upper bound on the completion's negative log-likelihood. Every slot is a target,
+EOS and the PAD after it included, so the sampler learns where the answer ends.
+Deviations, variance reductions that keep t's marginal U(t_min, 1]: t is stratified across
+the batch (t_b = 1 - (1 - t_min) frac(u + b / B)), and t_min = 1e-3 keeps 1/t finite.
+Block models train with BD3-LM's one-pass block-diffusion loss (Arriola et al. 2025, Eq. 8):
+[q ; y ; ỹ] under the staircase mask, each block of ỹ noised at its own level.
 
-Block models (``model.attention_kind: block``) train with the one-pass block-diffusion
-loss of BD3-LM (Arriola et al. 2025, Eq. 8 with the vectorised [x_t ; x] input): the
-input is [q ; y ; ỹ] under the staircase mask (`stabledrl.models.attention`), each block
-of ỹ noised at its own level t, and every block's term is read from ỹ in the same pass.
-The blocks are the policy's (``prompt_attention``): under ``sequence_blocks`` (SDAR) a
-row's first block holds its prompt's tail, never noised, as SDAR's own SFT loss has it,
-and NB counts the blocks of the row with the most. With stratification the B·NB levels
-take one stratum each, in row-major order, so the blocks of one sequence get neighbouring
-strata (each level is still U(t_min, 1], and a noisy block never sees another noisy
-block, so the loss stays unbiased):
-
-    L = -(1 / (B L)) Σ_b Σ_blocks j (1 / t_bj) Σ_{i in block j, masked} log p_θ(y_i | ỹ_j, y_<j, q).
-
-The loop: fresh training problems each step (the task's train split, seeded by step),
-AdamW with warmup and cosine decay, gradient clipping, JSONL metrics, a progress bar,
-atomic checkpoints with exact resume, held-out evaluation, and the final model saved to
-``{output_dir}/final``.
+The loop: fresh problems each step, AdamW with warmup and cosine decay, clipping, JSONL
+metrics, atomic checkpoints with exact resume, evaluation, the model saved to ``final/``.
 
 Shapes: B batch, P prompt columns, L completion length, V vocabulary.
 """
@@ -168,6 +155,37 @@ def _optimizer(model: torch.nn.Module, cfg: SFTConfig):
                                                             min_lr_rate=cfg.min_lr_ratio)
 
 
+def _resume(ckpt: Path, out: Path, model, opt, sched, gen: torch.Generator) -> int:
+    """Load the weights, optimiser, schedule and noise state of checkpoint `ckpt` and rewind
+    the metrics to it; returns its step."""
+    loaded = TinyDiffusionLM.from_pretrained(ckpt)
+    model.load_state_dict(loaded.state_dict())
+    state = load_trainer_state(ckpt)
+    opt.load_state_dict(state["optimizer"])
+    sched.load_state_dict(state["scheduler"])
+    gen.set_state(state["generator"])
+    rewind_metrics(out / "metrics.jsonl", ckpt)
+    return state["step"]
+
+
+def _train_step(cfg: SFTConfig, policy, task, step: int, opt, gen: torch.Generator) -> tuple[float, float, dict, int]:
+    """One optimiser step on a fresh batch of training problems -> the loss, the gradient
+    norm before clipping, the loss's metrics and the tokens the batch holds."""
+    problems = task.generate(cfg.batch_size, split="train", seed=cfg.seed * 1_000_003 + step)
+    p_ids, p_mask = encode_policy_prompts(policy, [p.prompt for p in problems])
+    c_ids = encode_completions(policy.tokenizer, [p.answer for p in problems], task.completion_length)
+    loss, m = diffusion_loss(policy, p_ids, p_mask, c_ids, generator=gen, t_min=cfg.t_min,
+                             stratified_t=cfg.stratified_t)
+    loss_value = loss.item()
+    if not math.isfinite(loss_value):
+        raise FloatingPointError(f"non-finite SFT loss at step {step}; lower lr (now {cfg.lr})")
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(policy.model.parameters(), cfg.grad_clip))
+    opt.step()
+    return loss_value, grad_norm, m, p_ids.numel() + c_ids.numel()
+
+
 def run_sft(cfg: SFTConfig, *, resume: bool = False, progress: bool = True) -> dict[str, Any]:
     """Train, evaluate and save; returns the final evaluation summary."""
     if cfg.threads:
@@ -183,16 +201,7 @@ def run_sft(cfg: SFTConfig, *, resume: bool = False, progress: bool = True) -> d
     model.train()
     opt, sched = _optimizer(model, cfg)
     gen = torch.Generator().manual_seed(cfg.seed)
-    start = 0
-    if ckpt is not None:
-        loaded = TinyDiffusionLM.from_pretrained(ckpt)
-        model.load_state_dict(loaded.state_dict())
-        state = load_trainer_state(ckpt)
-        opt.load_state_dict(state["optimizer"])
-        sched.load_state_dict(state["scheduler"])
-        gen.set_state(state["generator"])
-        start = state["step"]
-        rewind_metrics(out / "metrics.jsonl", ckpt)
+    start = 0 if ckpt is None else _resume(ckpt, out, model, opt, sched, gen)
 
     eval_problems = task.generate(cfg.eval_n, split=cfg.eval_split, seed=0)
     metrics_file = open(out / "metrics.jsonl", "a")
@@ -200,21 +209,9 @@ def run_sft(cfg: SFTConfig, *, resume: bool = False, progress: bool = True) -> d
     t0 = time.perf_counter()
     bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, desc="sft", disable=not progress)
     for step in bar:
-        problems = task.generate(cfg.batch_size, split="train", seed=cfg.seed * 1_000_003 + step)
-        p_ids, p_mask = encode_policy_prompts(policy, [p.prompt for p in problems])
-        c_ids = encode_completions(policy.tokenizer, [p.answer for p in problems], task.completion_length)
-        loss, m = diffusion_loss(
-            policy, p_ids, p_mask, c_ids, generator=gen, t_min=cfg.t_min, stratified_t=cfg.stratified_t
-        )
-        loss_value = loss.item()
-        if not math.isfinite(loss_value):
-            raise FloatingPointError(f"non-finite SFT loss at step {step}; lower lr (now {cfg.lr})")
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip))
-        opt.step()
+        loss_value, grad_norm, m, n_tokens = _train_step(cfg, policy, task, step, opt, gen)
         sched.step()
-        tokens += p_ids.numel() + c_ids.numel()
+        tokens += n_tokens
         done = step + 1
         if done % cfg.log_every == 0 or done == cfg.steps:
             elapsed = time.perf_counter() - t0

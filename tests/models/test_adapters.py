@@ -29,7 +29,7 @@ from stabledrl.data import completion_mask, encode_completions, encode_prompts, 
 from stabledrl.likelihood import plan_views, score_views
 from stabledrl.models import HFPolicy, ModelConfig, load_policy
 from stabledrl.models.attention import block_causal_attention_mask
-from stabledrl.sampling import generate
+from stabledrl.sampling import SamplingConfig, generate
 from stabledrl.tokenizer import CHARS, build_char_tokenizer
 from stabledrl.train import TrainConfig, run_train
 from tests.test_likelihood_blockwise import terms_by_separate_passes
@@ -373,7 +373,7 @@ def test_sdar_completions_can_end_at_its_end_of_turn_token(dirs):
     im_end = policy.tokenizer.convert_tokens_to_ids("<|im_end|>")
     assert im_end != policy.eos_token_id
     ids, mask = encode_prompts(policy.tokenizer, ["1,2=3"] * 256)
-    out = generate(policy, ids, mask, gen_length=4, temperature=1.0, remasking="random",
+    out = generate(policy, ids, mask, SamplingConfig(gen_length=4, temperature=1.0, remasking="random"),
                    generator=torch.Generator().manual_seed(0))
     # ~1,000 draws from a near-uniform distribution over 29 tokens: never drawing <|im_end|>
     # (if it were allowed) has probability about e^-30.

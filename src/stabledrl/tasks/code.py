@@ -35,7 +35,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Literal, Sequence
 
-from stabledrl.sandbox import SandboxResult, run_python
+from stabledrl.sandbox import SandboxLimits, SandboxResult, run_python
 from stabledrl.tasks.base import Problem, Score, ScoredTask, Split, check_lengths, register_task
 from stabledrl.tasks.datasets import DatasetTask, format_prompt
 
@@ -147,9 +147,9 @@ class CodeTask(DatasetTask, ScoredTask):
         if not code.strip():
             return Score(0.0, reason="empty program")
         token = f"stabledrl-tests-passed-{secrets.token_hex(8)}"
-        result: SandboxResult = run_python(
-            build_program(code, problem.meta) + f"\nprint({token!r})\n", timeout_s=self.timeout_s,
-            memory_mb=self.memory_mb, max_processes=self.max_processes, max_output_bytes=self.max_output_bytes)
+        limits = SandboxLimits(timeout_s=self.timeout_s, memory_mb=self.memory_mb, max_processes=self.max_processes,
+                               max_output_bytes=self.max_output_bytes)
+        result: SandboxResult = run_python(build_program(code, problem.meta) + f"\nprint({token!r})\n", limits)
         if not self._warned_layers:
             missing = {"net-ns", "pid-ns", "readonly-fs", "rlimits"} - set(result.layers)
             if not {"memory-cgroup", "memory-monitor"} & set(result.layers):
