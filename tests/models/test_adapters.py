@@ -142,10 +142,17 @@ def test_llada_logits_are_its_own_unshifted_logits(dirs):
     policy = _policy(dirs, "llada")
     assert policy.tokenizer.mask_token_id is None  # LLaDA's tokenizer does not name it
     ids, mask = encode_prompts(policy.tokenizer, PROMPTS)
+    assert not mask.all()  # left padding
+    B, T = ids.shape
     with torch.no_grad():
         out = policy.logits(ids, mask, position_ids(mask))
-        native = policy.model(input_ids=ids, attention_mask=mask).logits
+        # The padding goes in as a boolean key mask through attention_bias, which every copy
+        # that reads masks uses as given ...
+        native = policy.model(input_ids=ids, attention_bias=mask.bool()[:, None, None, :].expand(B, 1, T, T)).logits
+        # ... never as the (B, T) mask, which the authors' copy (the stand-in's) makes causal
+        causal = policy.model(input_ids=ids, attention_mask=mask).logits
     assert torch.equal(out, native)
+    assert not torch.allclose(out, causal, atol=1e-3)
 
 
 def test_llada_checkpoints_activations_only_through_its_own_hook(dirs):

@@ -187,13 +187,21 @@ class HFPolicy:
                 raise ValueError("position_ids are required with a boolean (B, T, T) mask")
             position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
         kwargs: dict[str, Any]
+        padded = attention_mask.dim() == 2 and not bool(attention_mask.bool().all())
         if self.adapter == "llada":
-            kwargs = {"attention_mask": attention_mask}
+            # Never the (B, T) mask: the authors' copies turn a mask holding a 0 into a causal bias.
+            # A given attention_bias is used as is by every copy that reads masks at all.
+            keys = attention_mask.bool()[:, None, None, :].expand(B, 1, T, T)  # (B, 1, T, T) key padding
+            kwargs = {"attention_bias": keys} if padded else {}
         elif self.adapter == "masked_lm":
             kwargs = {"attention_mask": attention_mask, "position_ids": position_ids + self._position_offset}
         elif self.adapter == "dream":
+            # Additive, in the model's dtype: some copies cast the mask to the query dtype, which
+            # would turn a boolean one into 0/1 and mask nothing.
             keys = attention_mask.bool()[:, None, None, :].expand(B, 1, T, T)  # (B, 1, T, T) key padding
-            kwargs = {"attention_mask": keys, "position_ids": position_ids}
+            additive = torch.zeros(keys.shape, dtype=self._dtype, device=input_ids.device)
+            kwargs = {"attention_mask": additive.masked_fill(~keys, torch.finfo(self._dtype).min),
+                      "position_ids": position_ids}
         else:  # decoder: the block mask as a 4-D boolean mask, True = may attend
             allowed = attention_mask.bool()[:, None]  # (B, 1, T, T)
             # Every query keeps itself, so padding rows are finite (and never read).
