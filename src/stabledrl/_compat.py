@@ -31,6 +31,8 @@ module covers the rest:
   lists in ``_no_split_modules`` and raises on the first it cannot find. LLaDA's class lists
   three block classes of which a checkpoint holds one; `fit_no_split_modules` keeps only the
   listed classes the model contains (called at load).
+- **DeepSpeed ZeRO-3's ``zero.Init``** (``zero3_init_flag``) partitions parameters as the model
+  loads; `gathered_parameters` makes them whole for the load-time attention probe.
 - **SDAR's file imports flash-attn at module level** (``flash_attn_func``, the Triton
   ``rms_norm_fn``). Where flash-attn is not installed, `install_remote_code_shims` puts a
   pure-torch ``flash_attn`` package into ``sys.modules`` (only then) with those two functions
@@ -61,7 +63,8 @@ import torch
 import transformers
 
 __all__ = ["REMOTE_CODE_TRANSFORMERS", "install_remote_code_shims", "check_remote_code_supported", "save_pretrained",
-           "checkpointing_in_eval_mode", "fit_no_split_modules", "flash_attn_func", "rms_norm_fn"]
+           "checkpointing_in_eval_mode", "fit_no_split_modules", "flash_attn_func", "rms_norm_fn",
+           "gathered_parameters"]
 
 REMOTE_CODE_TRANSFORMERS = ">=4.56,<4.58"
 """The transformers versions under which the real LLaDA, Dream and SDAR code runs (pyproject.toml)."""
@@ -143,6 +146,21 @@ def _install_flash_attn_fallback() -> None:
         parent, _, child = name.rpartition(".")
         if parent:
             setattr(sys.modules[parent], child, module)
+
+
+@contextlib.contextmanager
+def gathered_parameters(model: torch.nn.Module):
+    """While open, a model loaded under DeepSpeed ZeRO-3's ``zero.Init`` (its parameters
+    partitioned, empty on each process) holds its full parameters, for a forward outside the
+    engine (the load-time attention probe); any other model is left as it is."""
+    params = [p for p in model.parameters() if hasattr(p, "ds_numel")]
+    if not params:
+        yield
+        return
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters(params):
+        yield
 
 
 def fit_no_split_modules(model: torch.nn.Module) -> list[str] | None:

@@ -365,7 +365,8 @@ def load_hf_policy(
                       prompt_attention=prompt_attention, gradient_checkpointing=gradient_checkpointing)
     if check_attention and policy.attention_kind == "full":
         code = type(model).__module__.rsplit(".", 1)[-1] + ".py" if remote else type(model).__name__
-        probe_attention(policy.logits, vocab=model.get_input_embeddings().num_embeddings, device=device,
-                        avoid=(policy.pad_token_id, policy.mask_token_id, *policy.stop_token_ids),
-                        source=f"{Path(str(path)) / code if remote else code} ({adapter} adapter)")
+        with _compat.gathered_parameters(model):  # partitioned where ZeRO-3 loaded it
+            probe_attention(policy.logits, vocab=model.get_input_embeddings().num_embeddings, device=device,
+                            avoid=(policy.pad_token_id, policy.mask_token_id, *policy.stop_token_ids),
+                            source=f"{Path(str(path)) / code if remote else code} ({adapter} adapter)")
     return policy
