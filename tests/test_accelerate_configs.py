@@ -47,7 +47,10 @@ def _launch(config: Path, checkpoints: dict[str, Path], tmp_path: Path) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     res = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
     assert res.returncode == 0, "\n".join(line for line in res.stderr.splitlines() if "Error" in line)[-4000:]
-    return json.loads((tmp_path / "report.json").read_text())
+    report = json.loads((tmp_path / "report.json").read_text())
+    # FSDP's RAM-efficient loading (fsdp.yaml) gives real weights to the first process only
+    assert report["loaded"] == ([1, 0] if config == FSDP_CONFIG else [1, 1])
+    return report["models"]
 
 
 @pytest.mark.slow  # one 2-process launch, about 20 s
@@ -128,8 +131,11 @@ def _main(report: str, checkpoints: list[str]) -> int:
                      "sharded": sharded,
                      "changed": acc.is_main_process and any(not torch.equal(before[k], after[k]) for k in before
                                                             if k in after)}
+    # which processes read real weights at load (and so ran the attention probe)
+    from stabledrl._compat import weights_loaded_here
+    loaded = acc.gather(torch.tensor([int(weights_loaded_here())])).tolist()
     if acc.is_main_process:
-        Path(report).write_text(json.dumps(out, indent=1))
+        Path(report).write_text(json.dumps({"loaded": loaded, "models": out}, indent=1))
     acc.wait_for_everyone()
     torch.distributed.destroy_process_group()
     return 0

@@ -32,7 +32,9 @@ module covers the rest:
   three block classes of which a checkpoint holds one; `fit_no_split_modules` keeps only the
   listed classes the model contains (called at load).
 - **DeepSpeed ZeRO-3's ``zero.Init``** (``zero3_init_flag``) partitions parameters as the model
-  loads; `gathered_parameters` makes them whole for the load-time attention probe.
+  loads; `gathered_parameters` makes them whole for the load-time attention probe. Under
+  FSDP's RAM-efficient loading only local rank 0 holds real weights at load
+  (`weights_loaded_here`); the probe runs there, and its refusal ends the launch.
 - **SDAR's file imports flash-attn at module level** (``flash_attn_func``, the Triton
   ``rms_norm_fn``). Where flash-attn is not installed, `install_remote_code_shims` puts a
   pure-torch ``flash_attn`` package into ``sys.modules`` (only then) with those two functions
@@ -64,7 +66,7 @@ import transformers
 
 __all__ = ["REMOTE_CODE_TRANSFORMERS", "install_remote_code_shims", "check_remote_code_supported", "save_pretrained",
            "checkpointing_in_eval_mode", "fit_no_split_modules", "flash_attn_func", "rms_norm_fn",
-           "gathered_parameters"]
+           "gathered_parameters", "weights_loaded_here"]
 
 REMOTE_CODE_TRANSFORMERS = ">=4.56,<4.58"
 """The transformers versions under which the real LLaDA, Dream and SDAR code runs (pyproject.toml)."""
@@ -91,7 +93,7 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p
     """flash-attn's ``flash_attn_func`` in torch: (B, T, H, Dh) queries, (B, S, Hkv, Dh) keys
     and values (grouped-query heads repeated), output (B, T, H, Dh). A causal mask aligns the
     last query with the last key, as flash-attn's does."""
-    if unsupported and any(v not in (None, False, (-1, -1), 0.0) for v in unsupported.values()):
+    if not all(map(_is_default, unsupported.values())):
         raise NotImplementedError(f"the torch stand-in for flash_attn_func takes no {sorted(unsupported)}; "
                                   "install flash-attn (pip install 'stabledrl[gpu]')")
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, T, Dh)
@@ -107,19 +109,25 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p
 def rms_norm_fn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                 residual: torch.Tensor | None = None, eps: float = 1e-6, prenorm: bool = False,
                 residual_in_fp32: bool = False, **unsupported: Any):
-    """flash-attn's Triton ``rms_norm_fn`` in torch: RMS-normalise in float32, scale by
-    `weight` (and add `bias`) in x's dtype; with `residual`, normalise x + residual, and with
-    `prenorm` also return that sum."""
-    if unsupported and any(v not in (None, False, 0.0) for v in unsupported.values()):
+    """flash-attn's Triton ``rms_norm_fn`` in torch: RMS-normalise, scale by `weight` and add
+    `bias` in float32, return in x's dtype (as its kernel does); with `residual`, normalise
+    x + residual, and with `prenorm` also return that sum."""
+    if not all(map(_is_default, unsupported.values())):
         raise NotImplementedError(f"the torch stand-in for rms_norm_fn takes no {sorted(unsupported)}; "
                                   "install flash-attn (pip install 'stabledrl[gpu]')")
     dtype = x.dtype
     if residual is not None:
         x = x.float() + residual.float() if residual_in_fp32 else x + residual
-    h = x.float()
-    y = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(dtype) * weight
-    y = y if bias is None else y + bias
+    wide = torch.promote_types(x.dtype, torch.float32)
+    h = x.to(wide)
+    y = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * weight.to(wide)
+    y = (y if bias is None else y + bias.to(wide)).to(dtype)
     return (y, x.to(torch.float32 if residual_in_fp32 else dtype)) if prenorm else y
+
+
+def _is_default(value: Any) -> bool:
+    """An argument of flash-attn's functions left at a value the torch stand-ins also mean."""
+    return value is None or value is False or (isinstance(value, (tuple, int, float)) and value in ((-1, -1), 0, 0.0))
 
 
 def _missing(name: str):
@@ -133,7 +141,8 @@ def _install_flash_attn_fallback() -> None:
     """Register a ``flash_attn`` package (and the submodules SDAR imports) backed by the torch
     functions above. It carries a module spec, so `importlib.util.find_spec` finds it, while
     transformers' availability check (which reads the installed distribution) still says no."""
-    names = {"flash_attn": {"flash_attn_func": flash_attn_func, "flash_attn_varlen_func": _missing("flash_attn_varlen_func")},
+    names = {"flash_attn": {"flash_attn_func": flash_attn_func,
+                            "flash_attn_varlen_func": _missing("flash_attn_varlen_func")},
              "flash_attn.bert_padding": {n: _missing(n) for n in ("index_first_axis", "pad_input", "unpad_input")},
              "flash_attn.ops": {}, "flash_attn.ops.triton": {},
              "flash_attn.ops.triton.layer_norm": {"rms_norm_fn": rms_norm_fn}}
@@ -146,6 +155,16 @@ def _install_flash_attn_fallback() -> None:
         parent, _, child = name.rpartition(".")
         if parent:
             setattr(sys.modules[parent], child, module)
+
+
+def weights_loaded_here() -> bool:
+    """False on the processes to which transformers gave uninitialised weights, for FSDP to
+    broadcast the first process's at `prepare` (``fsdp_cpu_ram_efficient_loading``, as in
+    configs/accelerate/fsdp.yaml): only local rank 0 reads the checkpoint then."""
+    from transformers.integrations.fsdp import is_fsdp_enabled
+    from transformers.modeling_utils import is_local_dist_rank_0
+
+    return not (is_fsdp_enabled() and not is_local_dist_rank_0())
 
 
 @contextlib.contextmanager

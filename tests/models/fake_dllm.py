@@ -424,7 +424,8 @@ class _SDARAttention(_Layer):
                                "SFT forward")
         mask = mask.bool() if mask is not None else None  # :571: an additive 0/-inf mask is inverted
         if mask is None or torch.all(mask):  # :573 "decoding": flash-attn, no mask; (B, T, H, Dh) layout
-            return flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=False).transpose(1, 2)
+            q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+            return flash_attn_func(q, k, v, causal=False).transpose(1, 2)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # :585 "prefilling"
 
 

@@ -363,7 +363,7 @@ def load_hf_policy(
     policy = HFPolicy(model, tokenizer, adapter, mask_id, block_size=block_size, shift_logits=shift,
                       trust_remote_code=remote, chat_template=chat_template, stop_tokens=tuple(stop_tokens),
                       prompt_attention=prompt_attention, gradient_checkpointing=gradient_checkpointing)
-    if check_attention and policy.attention_kind == "full":
+    if check_attention and policy.attention_kind == "full" and _compat.weights_loaded_here():
         code = type(model).__module__.rsplit(".", 1)[-1] + ".py" if remote else type(model).__name__
         with _compat.gathered_parameters(model):  # partitioned where ZeRO-3 loaded it
             probe_attention(policy.logits, vocab=model.get_input_embeddings().num_embeddings, device=device,
