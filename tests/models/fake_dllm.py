@@ -18,8 +18,8 @@ LLaDA (``LLaDAModelLM``, model_type ``llada``)
     use_cache, ...)``: a (B, T) key-padding mask, applied only when it holds a 0; a bool
     ``attention_bias`` (True: may attend). No position ids: RoPE over columns 0..T-1.
   - ``LLADA_COPY``: "authors" (dLLM-RL, StableDRL: a mask with a 0 and no bias -> the causal
-    bias), "hub" (the attention call drops every mask and bias), "key_padding" (ML-GSAI's,
-    per /work/shared/real-models.md: bidirectional, padding masked).
+    bias), "hub" (the attention call drops every mask and bias), "key_padding"
+    (bidirectional, padding masked: attributed to ML-GSAI's copy, whose repository ships none).
   - ``_no_split_modules`` names three block classes; a llama-type model holds only
     ``LLaDALlamaBlock``. Built with ``init_params=False``; ``reset_parameters()`` initialises.
   - No KV cache: the inner model asserts ``not use_cache``, and ``use_cache`` defaults to the
@@ -135,8 +135,8 @@ class LLaDABlock(_Layer):
     """Gen-Verse/dLLM-RL models/llada/modeling_llada.py:521, the base of the two block types."""
 
     def attend(self, q, k, v, mask):
-        # The Hub copy's attention call passes attn_mask=None (dLLM-RL sample/llada/modeling_llada.py:767,
-        # a copy of the Hub file); the others pass the bias (models/llada/modeling_llada.py:716).
+        # "hub": the attention call passes attn_mask=None (the Hub copy's behaviour; the same line is in
+        # dLLM-RL sample/llada/modeling_llada.py:767); the others pass the bias (models/llada/...:716).
         return super().attend(q, k, v, None if LLADA_COPY == "hub" else mask)
 
 
@@ -196,13 +196,13 @@ class LLaDAModel(nn.Module):
         if attention_bias is not None or padding is not None:
             if attention_bias is None:  # :1263-1268: no bias given -> the causal one, in the authors' copies
                 bias = _causal_bias(T) if LLADA_COPY == "authors" else torch.zeros(1, 1, T, T)
-            elif attention_bias.dtype in (torch.int8, torch.bool):  # :1270: 0 -> min
+            elif attention_bias.dtype in (torch.int8, torch.bool):  # :1269: 0 -> min
                 bias = attention_bias.float().masked_fill(attention_bias == 0, low)
             else:
                 bias = attention_bias.float()
             bias = bias[:, :, :T, :T]
             if padding is not None:
-                bias = (bias + padding).clamp(min=low)  # :1287 ensure_finite_
+                bias = (bias + padding).clamp(min=low)  # :1288 ensure_finite_
         cos, sin = _cos_sin(self.inv_freq, torch.arange(T).expand(B, T))  # columns, not real positions
         for i, block in enumerate(self.transformer.blocks):
             s = self.activation_checkpointing_strategy
