@@ -27,6 +27,19 @@ module covers the rest:
   function is the layer's own ``__call__``, so its recomputation in the backward is the same
   eval-mode computation. LLaDA's own hook (``set_activation_checkpointing``) needs none of
   this: it checkpoints in eval mode too.
+- **FSDP's transformer-layer wrap** (configs/accelerate/fsdp.yaml) wraps the classes a model
+  lists in ``_no_split_modules`` and raises on the first it cannot find. LLaDA's class lists
+  three block classes of which a checkpoint holds one; `fit_no_split_modules` keeps only the
+  listed classes the model contains (called at load).
+- **DeepSpeed ZeRO-3's ``zero.Init``** (``zero3_init_flag``) partitions parameters as the model
+  loads; `gathered_parameters` makes them whole for the load-time attention probe. Under
+  FSDP's RAM-efficient loading only local rank 0 holds real weights at load
+  (`weights_loaded_here`); the probe runs there, and its refusal ends the launch.
+- **SDAR's file imports flash-attn at module level** (``flash_attn_func``, the Triton
+  ``rms_norm_fn``). Where flash-attn is not installed, `install_remote_code_shims` puts a
+  pure-torch ``flash_attn`` package into ``sys.modules`` (only then) with those two functions
+  written in torch; the rest of its names raise when called. ``pip install 'stabledrl[gpu]'``
+  installs the real one.
 - **transformers 5.x** breaks LLaDA's code (``all_tied_weights_keys``: its model class never
   calls ``post_init``; ``tie_weights(missing_keys=...)``: its override takes no arguments) and
   Dream's (``ROPE_INIT_FUNCTIONS["default"]`` is gone; ``validate(user_set_attributes=...)``).
@@ -39,8 +52,12 @@ Nothing here runs at import time: `stabledrl.models.adapters` calls these functi
 from __future__ import annotations
 
 import contextlib
+import importlib.machinery
+import importlib.util
 import inspect
 import json
+import sys
+import types
 from pathlib import Path
 from typing import Any, Optional, TypedDict
 
@@ -48,7 +65,8 @@ import torch
 import transformers
 
 __all__ = ["REMOTE_CODE_TRANSFORMERS", "install_remote_code_shims", "check_remote_code_supported", "save_pretrained",
-           "checkpointing_in_eval_mode"]
+           "checkpointing_in_eval_mode", "fit_no_split_modules", "flash_attn_func", "rms_norm_fn",
+           "gathered_parameters", "weights_loaded_here"]
 
 REMOTE_CODE_TRANSFORMERS = ">=4.56,<4.58"
 """The transformers versions under which the real LLaDA, Dream and SDAR code runs (pyproject.toml)."""
@@ -66,6 +84,119 @@ def install_remote_code_shims() -> None:
 
     if not hasattr(transformers.utils, "LossKwargs"):
         transformers.utils.LossKwargs = LossKwargs
+    if importlib.util.find_spec("flash_attn") is None:
+        _install_flash_attn_fallback()
+
+
+def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0,
+                    softmax_scale: float | None = None, causal: bool = False, **unsupported: Any) -> torch.Tensor:
+    """flash-attn's ``flash_attn_func`` in torch: (B, T, H, Dh) queries, (B, S, Hkv, Dh) keys
+    and values (grouped-query heads repeated), output (B, T, H, Dh). A causal mask aligns the
+    last query with the last key, as flash-attn's does."""
+    if not all(map(_is_default, unsupported.values())):
+        raise NotImplementedError(f"the torch stand-in for flash_attn_func takes no {sorted(unsupported)}; "
+                                  "install flash-attn (pip install 'stabledrl[gpu]')")
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, T, Dh)
+    T, S = q.shape[-2], k.shape[-2]
+    mask = None
+    if causal:
+        mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)  # (T, S)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=softmax_scale, enable_gqa=k.shape[1] != q.shape[1])
+    return out.transpose(1, 2)
+
+
+def rms_norm_fn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                residual: torch.Tensor | None = None, eps: float = 1e-6, prenorm: bool = False,
+                residual_in_fp32: bool = False, **unsupported: Any):
+    """flash-attn's Triton ``rms_norm_fn`` in torch: RMS-normalise, scale by `weight` and add
+    `bias` in float32, return in x's dtype (as its kernel does); with `residual`, normalise
+    x + residual, and with `prenorm` also return that sum."""
+    if not all(map(_is_default, unsupported.values())):
+        raise NotImplementedError(f"the torch stand-in for rms_norm_fn takes no {sorted(unsupported)}; "
+                                  "install flash-attn (pip install 'stabledrl[gpu]')")
+    dtype = x.dtype
+    if residual is not None:
+        x = x.float() + residual.float() if residual_in_fp32 else x + residual
+    wide = torch.promote_types(x.dtype, torch.float32)
+    h = x.to(wide)
+    y = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * weight.to(wide)
+    y = (y if bias is None else y + bias.to(wide)).to(dtype)
+    return (y, x.to(torch.float32 if residual_in_fp32 else dtype)) if prenorm else y
+
+
+def _is_default(value: Any) -> bool:
+    """An argument of flash-attn's functions left at a value the torch stand-ins also mean."""
+    return value is None or value is False or (isinstance(value, (tuple, int, float)) and value in ((-1, -1), 0, 0.0))
+
+
+def _missing(name: str):
+    def call(*args: Any, **kwargs: Any):
+        raise NotImplementedError(f"flash_attn.{name} has no torch stand-in; install flash-attn "
+                                  "(pip install 'stabledrl[gpu]')")
+    return call
+
+
+def _install_flash_attn_fallback() -> None:
+    """Register a ``flash_attn`` package (and the submodules SDAR imports) backed by the torch
+    functions above. It carries a module spec, so `importlib.util.find_spec` finds it, while
+    transformers' availability check (which reads the installed distribution) still says no."""
+    names = {"flash_attn": {"flash_attn_func": flash_attn_func,
+                            "flash_attn_varlen_func": _missing("flash_attn_varlen_func")},
+             "flash_attn.bert_padding": {n: _missing(n) for n in ("index_first_axis", "pad_input", "unpad_input")},
+             "flash_attn.ops": {}, "flash_attn.ops.triton": {},
+             "flash_attn.ops.triton.layer_norm": {"rms_norm_fn": rms_norm_fn}}
+    for name, attrs in names.items():
+        module = types.ModuleType(name, "stabledrl's torch stand-in (stabledrl._compat); flash-attn is not installed")
+        module.__spec__ = importlib.machinery.ModuleSpec(name, None, is_package=True)
+        module.__path__ = []
+        module.__dict__.update(attrs)
+        sys.modules[name] = module
+        parent, _, child = name.rpartition(".")
+        if parent:
+            setattr(sys.modules[parent], child, module)
+
+
+def weights_loaded_here() -> bool:
+    """False on the processes to which transformers gave uninitialised weights, for FSDP to
+    broadcast the first process's at `prepare` (``fsdp_cpu_ram_efficient_loading``, as in
+    configs/accelerate/fsdp.yaml): only local rank 0 reads the checkpoint then."""
+    from transformers.integrations.fsdp import is_fsdp_enabled
+    from transformers.modeling_utils import is_local_dist_rank_0
+
+    return not (is_fsdp_enabled() and not is_local_dist_rank_0())
+
+
+@contextlib.contextmanager
+def gathered_parameters(model: torch.nn.Module):
+    """While open, a model loaded under DeepSpeed ZeRO-3's ``zero.Init`` (its parameters
+    partitioned, empty on each process) holds its full parameters, for a forward outside the
+    engine (the load-time attention probe); any other model is left as it is."""
+    params = [p for p in model.parameters() if hasattr(p, "ds_numel")]
+    if not params:
+        yield
+        return
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters(params):
+        yield
+
+
+def fit_no_split_modules(model: torch.nn.Module) -> list[str] | None:
+    """Reduce ``model._no_split_modules`` to the listed classes that `model` contains, so that
+    accelerate's transformer-layer wrap (which raises on a listed class it cannot find) wraps
+    what there is. Returns the new list; None (nothing changed) for a model that lists none.
+    A list none of whose classes is present is an error naming them."""
+    listed = getattr(model, "_no_split_modules", None)
+    if not listed:
+        return None
+    present = {type(m).__name__ for m in model.modules()}
+    kept = [name for name in listed if name in present]
+    if not kept:
+        raise ValueError(f"{type(model).__name__} lists _no_split_modules {list(listed)}, none of which it "
+                         "contains: FSDP could not wrap its layers")
+    model._no_split_modules = kept  # an instance attribute: the class's list stays as published
+    return kept
 
 
 def _major(version: str) -> int:

@@ -9,10 +9,19 @@ Dream-org/Dream-v0-Instruct-7B ``modeling_dream.py`` and ``generation_utils.py``
 SDAR-*-Chat / TraDo ``modeling_sdar.py`` and SDAR's ``generate.py``); the arithmetic is
 written here, small.
 
+Copies in circulation differ in their attention while sharing class names and config; the
+module constants ``LLADA_COPY`` and ``DREAM_COPY`` say which copy this file stands for (a test
+saves a copy of the file with the line rewritten, as a checkpoint carries its own file).
+
 LLaDA (``LLaDAModelLM``, model_type ``llada``)
   - ``forward(input_ids, inputs_embeds, attention_mask, attention_bias, past_key_values, labels,
     use_cache, ...)``: a (B, T) key-padding mask, applied only when it holds a 0; a bool
     ``attention_bias`` (True: may attend). No position ids: RoPE over columns 0..T-1.
+  - ``LLADA_COPY``: "authors" (dLLM-RL, StableDRL: a mask with a 0 and no bias -> the causal
+    bias), "hub" (the attention call drops every mask and bias), "key_padding"
+    (bidirectional, padding masked: attributed to ML-GSAI's copy, whose repository ships none).
+  - ``_no_split_modules`` names three block classes; a llama-type model holds only
+    ``LLaDALlamaBlock``. Built with ``init_params=False``; ``reset_parameters()`` initialises.
   - No KV cache: the inner model asserts ``not use_cache``, and ``use_cache`` defaults to the
     config's. Logits unshifted. The mask id lives in the config, not in the tokenizer.
   - Never calls ``post_init`` (the cause of its failure under transformers 5.x) and overrides
@@ -22,7 +31,9 @@ LLaDA (``LLaDAModelLM``, model_type ``llada``)
     ``gradient_checkpointing_enable()`` refuses it.
 Dream (``DreamModel``, model_type ``Dream``)
   - ``forward(input_ids, attention_mask, position_ids, ...)``: the mask goes to SDPA as is
-    (a 4-D boolean mask, True: may attend; anything else that is not a tensor means none).
+    (a 4-D boolean mask, True: may attend; anything else that is not a tensor means none);
+    ``DREAM_COPY = "dllm_rl"``: cast to the query dtype first, so a boolean mask becomes an
+    additive 0/1 and masks nothing. Layers ``DreamDecoderLayer``, listed in ``_no_split_modules``.
   - Initialised from an AR model: logits[:, i] are read as predicting token i + 1.
   - RoPE from ``ROPE_INIT_FUNCTIONS[rope_type]``, rope_type "default" when ``rope_scaling`` is
     null (the key transformers 5.x removed).
@@ -32,7 +43,10 @@ Dream (``DreamModel``, model_type ``Dream``)
     (``self._gradient_checkpointing_func(layer.__call__, ...)``) only when
     ``self.gradient_checkpointing and self.training``.
 SDAR / TraDo (``SDARForCausalLM``, model_type ``sdar``)
-  - Its module imports ``LossKwargs`` from ``transformers.utils`` (gone since 4.56).
+  - Its module imports ``LossKwargs`` from ``transformers.utils`` (gone since 4.56) and, at
+    module level, flash-attn's Triton ``rms_norm_fn`` (its RMSNorm) and ``flash_attn_func``
+    (its all-True-mask attention): without flash-attn (or stabledrl's shim) it does not import.
+  - Layers ``SDARDecoderLayer``, listed in ``_no_split_modules``.
   - Decoder layers are transformers' ``GradientCheckpointingLayer`` (checkpointed only when
     the layer itself is training); the attention inside refuses train mode (its flex path).
   - In eval mode the attention calls ``attention_mask.bool()`` and hands it to SDPA (an
@@ -59,6 +73,18 @@ from transformers.modeling_outputs import CausalLMOutputWithPast, MaskedLMOutput
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.utils import LossKwargs  # as SDAR's file does: missing from transformers >= 4.56
 
+# JetAstra/SDAR training/model/SDAR-8B-Chat/modeling_sdar.py:51: outside any try, so the file
+# needs flash-attn to import; :54-58 the attention functions, inside a bare try/except.
+from flash_attn.ops.triton.layer_norm import rms_norm_fn as flash_rms_norm
+
+try:
+    from flash_attn import flash_attn_func, flash_attn_varlen_func  # noqa: F401
+except:  # noqa: E722 (SDAR's own)
+    pass
+
+LLADA_COPY = "authors"  # which modeling_llada.py this file stands for (module docstring)
+DREAM_COPY = "hub"  # which modeling_dream.py
+
 
 def _rotate(x, cos, sin):  # x: (B, H, T, Dh); cos/sin: (B, 1, T, Dh)
     x1, x2 = x.chunk(2, dim=-1)
@@ -74,18 +100,21 @@ def _cos_sin(inv_freq, positions):  # (Dh/2,), (B, T) -> two (B, 1, T, Dh)
 class _Layer(nn.Module):
     """Pre-norm attention + MLP; `mask` is whatever the owning model hands to SDPA."""
 
-    def __init__(self, d, heads):
+    def __init__(self, d, heads, norm=nn.RMSNorm):
         super().__init__()
         self.heads = heads
-        self.n1, self.n2 = nn.RMSNorm(d), nn.RMSNorm(d)
+        self.n1, self.n2 = norm(d), norm(d)
         self.qkv = nn.Linear(d, 3 * d)
         self.out = nn.Linear(d, d, bias=False)
         self.mlp = nn.Sequential(nn.Linear(d, 2 * d), nn.SiLU(), nn.Linear(2 * d, d))
 
+    def attend(self, q, k, v, mask):  # (B, H, T, Dh) each -> (B, H, T, Dh)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
     def forward(self, x, cos, sin, mask):
         B, T, D = x.shape
         q, k, v = self.qkv(self.n1(x)).view(B, T, 3, self.heads, -1).permute(2, 0, 3, 1, 4)  # 3 x (B, H, T, Dh)
-        a = F.scaled_dot_product_attention(_rotate(q, cos, sin), _rotate(k, cos, sin), v, attn_mask=mask)
+        a = self.attend(_rotate(q, cos, sin), _rotate(k, cos, sin), v, mask)
         x = x + self.out(a.transpose(1, 2).reshape(B, T, D))
         return x + self.mlp(self.n2(x))
 
@@ -102,21 +131,51 @@ class LLaDAConfig(PretrainedConfig):
         super().__init__(use_cache=use_cache, **kwargs)
 
 
+class LLaDABlock(_Layer):
+    """Gen-Verse/dLLM-RL models/llada/modeling_llada.py:521, the base of the two block types."""
+
+    def attend(self, q, k, v, mask):
+        # "hub": the attention call passes attn_mask=None (the Hub copy's behaviour; the same line is in
+        # dLLM-RL sample/llada/modeling_llada.py:767); the others pass the bias (models/llada/...:716).
+        return super().attend(q, k, v, None if LLADA_COPY == "hub" else mask)
+
+
+class LLaDASequentialBlock(LLaDABlock):
+    """modeling_llada.py:747, block_type "sequential": never built for the llama-type checkpoints."""
+
+
+class LLaDALlamaBlock(LLaDABlock):
+    """modeling_llada.py:837, block_type "llama": the block of LLaDA-8B."""
+
+
+def _causal_bias(T):  # modeling_llada.py:494 get_causal_attention_bias: (1, 1, T, T), min above the diagonal
+    return torch.full((T, T), torch.finfo(torch.float32).min).triu(1)[None, None]
+
+
 class LLaDAModel(nn.Module):
     """The inner model (not a PreTrainedModel), with LLaDA's checkpointing hook."""
 
-    def __init__(self, config):
+    def __init__(self, config, init_params=True):
         super().__init__()
         self.config = config
         self.transformer = nn.ModuleDict(dict(
             wte=nn.Embedding(config.vocab_size, config.d_model),
-            blocks=nn.ModuleList(_Layer(config.d_model, config.n_heads) for _ in range(config.n_layers)),
+            blocks=nn.ModuleList(LLaDALlamaBlock(config.d_model, config.n_heads) for _ in range(config.n_layers)),
             ln_f=nn.RMSNorm(config.d_model),
             ff_out=nn.Linear(config.d_model, config.vocab_size, bias=False)))
         half = config.d_model // config.n_heads // 2
         self.register_buffer("inv_freq", 1.0 / config.rope_theta ** (torch.arange(half).float() / half), persistent=False)
         self.activation_checkpointing_strategy = None
         self.checkpointed_calls = 0  # for the tests: blocks run through torch.utils.checkpoint
+        if init_params:  # modeling_llada.py:1096; LLaDAModelLM passes init_params=False (:1393)
+            self.reset_parameters()
+
+    def reset_parameters(self):  # modeling_llada.py:1122 (its own normal init, small here)
+        for m in self.modules():
+            if isinstance(m, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(m.weight, std=0.02)
+                if getattr(m, "bias", None) is not None:
+                    nn.init.zeros_(m.bias)
 
     def set_activation_checkpointing(self, strategy):
         if strategy not in (None, "whole_layer", "one_in_two", "one_in_three", "one_in_four", "fine_grained"):
@@ -128,15 +187,22 @@ class LLaDAModel(nn.Module):
         assert past_key_values is None and not use_cache, "The kvcache is not suppotred for MDM."
         B, T = input_ids.shape
         x = self.transformer.wte(input_ids) if input_embeddings is None else input_embeddings  # (B, T, D)
-        bias = torch.zeros(1, 1, T, T)
-        if attention_mask is not None and 0.0 in attention_mask:  # key padding only
+        low = torch.finfo(torch.float32).min
+        padding = None  # modeling_llada.py:1244: a (B, T) mask counts only when it holds a 0
+        if attention_mask is not None and 0.0 in attention_mask:
             keys = attention_mask.float().view(B, -1)[:, None, None, :]  # (B, 1, 1, T)
-            bias = bias + (1.0 - keys) * torch.finfo(torch.float32).min
-        if attention_bias is not None:
-            if attention_bias.dtype == torch.bool:
-                attention_bias = torch.zeros(attention_bias.shape).masked_fill(~attention_bias, torch.finfo(torch.float32).min)
-            bias = bias + attention_bias
-        bias = bias.clamp(min=torch.finfo(torch.float32).min)
+            padding = (1.0 - keys) * low
+        bias = None
+        if attention_bias is not None or padding is not None:
+            if attention_bias is None:  # :1263-1268: no bias given -> the causal one, in the authors' copies
+                bias = _causal_bias(T) if LLADA_COPY == "authors" else torch.zeros(1, 1, T, T)
+            elif attention_bias.dtype in (torch.int8, torch.bool):  # :1269: 0 -> min
+                bias = attention_bias.float().masked_fill(attention_bias == 0, low)
+            else:
+                bias = attention_bias.float()
+            bias = bias[:, :, :T, :T]
+            if padding is not None:
+                bias = (bias + padding).clamp(min=low)  # :1288 ensure_finite_
         cos, sin = _cos_sin(self.inv_freq, torch.arange(T).expand(B, T))  # columns, not real positions
         for i, block in enumerate(self.transformer.blocks):
             s = self.activation_checkpointing_strategy
@@ -153,10 +219,12 @@ class LLaDAModelLM(PreTrainedModel):
 
     config_class = LLaDAConfig
     base_model_prefix = "model"
+    # modeling_llada.py:1391 (dLLM-RL; StableDRL networks/modeling_llada.py:1399): three names, one present
+    _no_split_modules = ["LLaDABlock", "LLaDASequentialBlock", "LLaDALlamaBlock"]
 
     def __init__(self, config, model=None, init_params=False):
         super().__init__(config)
-        self.model = model or LLaDAModel(config)
+        self.model = model or LLaDAModel(config, init_params=init_params)
 
     def forward(self, input_ids=None, inputs_embeds=None, attention_mask=None, attention_bias=None,
                 past_key_values=None, labels=None, use_cache=None, output_attentions=None,
@@ -221,9 +289,19 @@ class DreamGenerationMixin:
     """Dream's sampler lives here; the adapters never call it."""
 
 
+class DreamDecoderLayer(_Layer):
+    """Gen-Verse/dLLM-RL models/dream/modeling_dream.py:460 (its SDPA attention at :436-444)."""
+
+    def attend(self, q, k, v, mask):
+        if DREAM_COPY == "dllm_rl" and mask is not None:  # models/dream/modeling_dream.py:441: .to(q dtype)
+            mask = mask.to(q.dtype)  # a boolean mask becomes 0/1 added to the scores: nothing masked
+        return super().attend(q, k, v, mask)
+
+
 class DreamPreTrainedModel(PreTrainedModel):
     config_class = DreamConfig
     base_model_prefix = "model"
+    _no_split_modules = ["DreamDecoderLayer"]  # modeling_dream.py:551
     supports_gradient_checkpointing = True
     _supports_sdpa = True
 
@@ -238,7 +316,7 @@ class DreamBaseModel(DreamPreTrainedModel):
     def __init__(self, config):
         super().__init__(config)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(_Layer(config.hidden_size, config.num_attention_heads)
+        self.layers = nn.ModuleList(DreamDecoderLayer(config.hidden_size, config.num_attention_heads)
                                     for _ in range(config.num_hidden_layers))
         self.norm = nn.RMSNorm(config.hidden_size)
         rope_type = "default" if config.rope_scaling is None else config.rope_scaling.get("rope_type")
@@ -322,20 +400,38 @@ def block_attn_mask(num_tokens, block_size, device):
     return torch.stack(rows)
 
 
+class SDARRMSNorm(nn.Module):
+    """modeling_sdar.py:356: its forward is flash-attn's Triton rms_norm_fn (:366)."""
+
+    def __init__(self, d, eps=1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d))
+        self.variance_epsilon = eps
+
+    def forward(self, x):
+        return flash_rms_norm(x, weight=self.weight, bias=None, eps=self.variance_epsilon)
+
+
 class _SDARAttention(_Layer):
     """Attention and MLP of a decoder layer (SDAR's attention checks the mode, not the layer)."""
 
-    def forward(self, x, cos, sin, mask):
+    def __init__(self, d, heads):
+        super().__init__(d, heads, norm=SDARRMSNorm)
+
+    def attend(self, q, k, v, mask):  # modeling_sdar.py:570-596, the eval path
         if self.training:
             raise RuntimeError("SDAR's training attention takes a flex-attention BlockMask built by its own "
                                "SFT forward")
-        mask = mask.bool() if mask is not None else None  # SDAR's eval path
-        if mask is not None and torch.all(mask):
-            mask = None  # its flash-attention path: no mask at all
-        return super().forward(x, cos, sin, mask)
+        mask = mask.bool() if mask is not None else None  # :571: an additive 0/-inf mask is inverted
+        if mask is None or torch.all(mask):  # :573 "decoding": flash-attn, no mask; (B, T, H, Dh) layout
+            q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+            return flash_attn_func(q, k, v, causal=False).transpose(1, 2)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # :585 "prefilling"
 
 
-class _SDARDecoderLayer(GradientCheckpointingLayer):
+class SDARDecoderLayer(GradientCheckpointingLayer):
+    """modeling_sdar.py:600."""
+
     def __init__(self, d, heads):
         super().__init__()
         self.inner = _SDARAttention(d, heads)
@@ -347,6 +443,7 @@ class _SDARDecoderLayer(GradientCheckpointingLayer):
 class SDARPreTrainedModel(PreTrainedModel):
     config_class = SDARConfig
     base_model_prefix = "model"
+    _no_split_modules = ["SDARDecoderLayer"]  # modeling_sdar.py:669
     supports_gradient_checkpointing = True
     _supports_sdpa = True
 
@@ -355,9 +452,9 @@ class SDARModel(SDARPreTrainedModel):
     def __init__(self, config):
         super().__init__(config)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(_SDARDecoderLayer(config.hidden_size, config.num_attention_heads)
+        self.layers = nn.ModuleList(SDARDecoderLayer(config.hidden_size, config.num_attention_heads)
                                     for _ in range(config.num_hidden_layers))
-        self.norm = nn.RMSNorm(config.hidden_size)
+        self.norm = SDARRMSNorm(config.hidden_size)
         inv_freq, _ = ROPE_INIT_FUNCTIONS["default"](config, None)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.gradient_checkpointing = False

@@ -53,7 +53,9 @@ def sdar_tokenizer() -> PreTrainedTokenizerFast:
                                    additional_special_tokens=["<|im_start|>", "<|im_end|>"])
 
 
-def _save_remote(path: Path, model, tok, auto: str) -> Path:
+def _save_remote(path: Path, model, tok, auto: str, copy: dict[str, str] | None = None) -> Path:
+    """`copy`: module constants of fake_dllm.py to rewrite in the saved file (which copy of a
+    modelling file it stands for, e.g. {"LLADA_COPY": "hub"})."""
     # Weights spread enough that random completions differ in reward (RL needs mixed groups).
     for m in model.modules():
         if isinstance(m, (torch.nn.Linear, torch.nn.Embedding)):
@@ -62,13 +64,22 @@ def _save_remote(path: Path, model, tok, auto: str) -> Path:
     cfg.auto_map = {"AutoConfig": f"fake_dllm.{type(cfg).__name__}", auto: f"fake_dllm.{type(model).__name__}"}
     model.save_pretrained(path)
     tok.save_pretrained(path)
-    shutil.copy(fake_dllm.__file__, path / "fake_dllm.py")
+    code = Path(fake_dllm.__file__).read_text()
+    for name, value in (copy or {}).items():
+        line = f'{name} = "{getattr(fake_dllm, name)}"'
+        assert line in code, name
+        code = code.replace(line, f'{name} = "{value}"')
+    (path / "fake_dllm.py").write_text(code)
     return path
 
 
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("adapters")
+    return save_stand_ins(tmp_path_factory.mktemp("adapters"))
+
+
+def save_stand_ins(root: Path, copies: dict[str, str] | None = None) -> dict[str, Path]:
+    """The five checkpoints under `root`; `copies` as `_save_remote`'s `copy`."""
     tok = build_char_tokenizer()
     ids = dict(vocab_size=len(tok), pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
     # LLaDA's tokenizer does not declare its mask token; its config does.
@@ -76,17 +87,17 @@ def dirs(tmp_path_factory) -> dict[str, Path]:
     llada_tok.mask_token = None
     torch.manual_seed(0)
     out = {"llada": _save_remote(root / "llada", fake_dllm.LLaDAModelLM(fake_dllm.LLaDAConfig(
-        mask_token_id=tok.mask_token_id, **ids)), llada_tok, "AutoModel")}
+        mask_token_id=tok.mask_token_id, **ids)), llada_tok, "AutoModel", copies)}
     torch.manual_seed(0)
     out["dream"] = _save_remote(root / "dream", fake_dllm.DreamModel(fake_dllm.DreamConfig(
-        mask_token_id=tok.mask_token_id, bos_token_id=tok.bos_token_id, **ids)), tok, "AutoModel")
+        mask_token_id=tok.mask_token_id, bos_token_id=tok.bos_token_id, **ids)), tok, "AutoModel", copies)
     stok = sdar_tokenizer()
     torch.manual_seed(0)
     sdar = fake_dllm.SDARForCausalLM(fake_dllm.SDARConfig(
         vocab_size=len(stok), block_size=4, mask_token_id=stok.mask_token_id, pad_token_id=stok.pad_token_id,
         eos_token_id=stok.eos_token_id))
     sdar.generation_config = GenerationConfig(eos_token_id=[stok.convert_tokens_to_ids("<|im_end|>"), stok.eos_token_id])
-    out["sdar"] = _save_remote(root / "sdar", sdar, stok, "AutoModelForCausalLM")
+    out["sdar"] = _save_remote(root / "sdar", sdar, stok, "AutoModelForCausalLM", copies)
     torch.manual_seed(0)
     bert = BertForMaskedLM(BertConfig(vocab_size=len(tok), hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
                                       intermediate_size=64, max_position_embeddings=64, pad_token_id=tok.pad_token_id))
@@ -142,10 +153,17 @@ def test_llada_logits_are_its_own_unshifted_logits(dirs):
     policy = _policy(dirs, "llada")
     assert policy.tokenizer.mask_token_id is None  # LLaDA's tokenizer does not name it
     ids, mask = encode_prompts(policy.tokenizer, PROMPTS)
+    assert not mask.all()  # left padding
+    B, T = ids.shape
     with torch.no_grad():
         out = policy.logits(ids, mask, position_ids(mask))
-        native = policy.model(input_ids=ids, attention_mask=mask).logits
+        # The padding goes in as a boolean key mask through attention_bias, which every copy
+        # that reads masks uses as given ...
+        native = policy.model(input_ids=ids, attention_bias=mask.bool()[:, None, None, :].expand(B, 1, T, T)).logits
+        # ... never as the (B, T) mask, which the authors' copy (the stand-in's) makes causal
+        causal = policy.model(input_ids=ids, attention_mask=mask).logits
     assert torch.equal(out, native)
+    assert not torch.allclose(out, causal, atol=1e-3)
 
 
 def test_llada_checkpoints_activations_only_through_its_own_hook(dirs):
@@ -198,7 +216,7 @@ def test_gradient_checkpointing_runs_the_models_own_hook_with_the_same_gradients
     assert policy.checkpointing_hook == ("set_activation_checkpointing" if name == "llada"
                                          else "gradient_checkpointing_enable")
     if name == "llada":
-        assert policy.model.model.checkpointed_calls == 2 * 2  # 2 layers, 2 forwards
+        assert policy.model.model.checkpointed_calls == 2 * (2 + 2)  # 2 layers; 2 forwards and the load's probe's 2
     assert grads[0].keys() == grads[1].keys() and len(grads[0]) > 0
     for k, g in grads[0].items():  # recomputed in float32: relative 1e-5 of the largest entry
         assert (g - grads[1][k]).abs().max() <= 1e-5 * g.abs().max(), k

@@ -51,6 +51,13 @@ for any local checkpoint whose config.json names its code (``auto_map``); a save
 records it, so that a run's final model loads again. Workarounds for that code (SDAR's
 ``LossKwargs`` import, Dream's generation config at save time) are in `stabledrl._compat`.
 
+**The attention each full-attention adapter relies on is checked at load** (`probe_attention`):
+copies of one modelling file in circulation differ (LLaDA's Hub copy attends to padding, the
+StableDRL authors' and dLLM-RL's turn a (B, T) mask holding a 0 into a causal bias; dLLM-RL's
+Dream casts a boolean mask to 0/1). The adapters pass padding in the one form every copy that
+reads masks honours (LLaDA: a boolean ``attention_bias``; Dream: an additive float mask) and
+refuse, in one line naming the file, a model that is not bidirectional or lets padding in.
+
 The mask token id is required: from `ModelConfig.mask_token_id`, else the checkpoint's
 config, else the tokenizer. Missing, or equal to the pad id, is an error at start-up.
 
@@ -64,7 +71,7 @@ import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Sequence
+from typing import Any, Callable, Literal, Sequence
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -73,7 +80,7 @@ from stabledrl import _compat
 from stabledrl.models.attention import PromptAttention, check_prompt_attention
 from stabledrl.models.prompting import resolve_chat_template, resolve_stop_tokens
 
-__all__ = ["ADAPTERS", "HFPolicy", "load_hf_policy", "ADAPTER_FILE"]
+__all__ = ["ADAPTERS", "HFPolicy", "load_hf_policy", "ADAPTER_FILE", "probe_attention"]
 
 log = logging.getLogger(__name__)
 
@@ -187,13 +194,21 @@ class HFPolicy:
                 raise ValueError("position_ids are required with a boolean (B, T, T) mask")
             position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
         kwargs: dict[str, Any]
+        padded = attention_mask.dim() == 2 and not bool(attention_mask.bool().all())
         if self.adapter == "llada":
-            kwargs = {"attention_mask": attention_mask}
+            # Never the (B, T) mask: the authors' copies turn a mask holding a 0 into a causal bias.
+            # A given attention_bias is used as is by every copy that reads masks at all.
+            keys = attention_mask.bool()[:, None, None, :].expand(B, 1, T, T)  # (B, 1, T, T) key padding
+            kwargs = {"attention_bias": keys} if padded else {}
         elif self.adapter == "masked_lm":
             kwargs = {"attention_mask": attention_mask, "position_ids": position_ids + self._position_offset}
         elif self.adapter == "dream":
+            # Additive, in the model's dtype: some copies cast the mask to the query dtype, which
+            # would turn a boolean one into 0/1 and mask nothing.
             keys = attention_mask.bool()[:, None, None, :].expand(B, 1, T, T)  # (B, 1, T, T) key padding
-            kwargs = {"attention_mask": keys, "position_ids": position_ids}
+            additive = torch.zeros(keys.shape, dtype=self._dtype, device=input_ids.device)
+            kwargs = {"attention_mask": additive.masked_fill(~keys, torch.finfo(self._dtype).min),
+                      "position_ids": position_ids}
         else:  # decoder: the block mask as a 4-D boolean mask, True = may attend
             allowed = attention_mask.bool()[:, None]  # (B, 1, T, T)
             # Every query keeps itself, so padding rows are finite (and never read).
@@ -223,6 +238,36 @@ class HFPolicy:
              "chat_template": self.chat_template, "stop_tokens": list(self.stop_tokens),
              "prompt_attention": self.prompt_attention if self.attention_kind == "block" else None},
             indent=2) + "\n")
+
+
+def probe_attention(logits: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], *, vocab: int,
+                    avoid: Sequence[int], source: str, device: str | torch.device = "cpu") -> None:
+    """Refuse a full-attention model, in one line naming `source`, unless (1) an early position
+    depends on a later token and (2) a left-padded row's real positions do not depend on its
+    padded ones. Two rows of 6 tokens (the second with 2 padded), called twice: the second
+    call changes row 0's last token and row 1's padded tokens. (2) skips the first real
+    position, which a shifted model (Dream) reads from the padded one before it. Where a token
+    is not attended to, the logits do not change at all (masked keys weigh exactly 0), so both
+    checks compare at 1e-5 of the logits' scale."""
+    tokens = [i for i in range(min(vocab, 64)) if i not in set(avoid)]
+    if len(tokens) < 9:
+        return  # a vocabulary this small is a test's; nothing to probe with
+    mask = torch.tensor([[1] * 6, [0, 0, 1, 1, 1, 1]], device=device)  # (2, 6)
+    first = torch.tensor([tokens[:6], tokens[:6]], device=device)  # (2, 6)
+    second = first.clone()
+    second[0, -1] = tokens[6]  # a later token of the unpadded row
+    second[1, :2] = torch.tensor(tokens[7:9], device=device)  # the padded row's padding
+    with torch.no_grad():
+        a, b = (logits(ids, mask).float() for ids in (first, second))  # (2, 6, V) each
+    tol = 1e-5 * float(a.abs().max())
+    if float((a[0, 0] - b[0, 0]).abs().max()) <= tol:
+        raise ValueError(f"{source}: position 0 does not depend on a later token, so the model attends causally "
+                         "where this adapter needs full attention; use a bidirectional copy of the modelling file, "
+                         "or load a causal model with the decoder adapter")
+    if float((a[1, 3:] - b[1, 3:]).abs().max()) > tol:
+        raise ValueError(f"{source}: a left-padded row's logits change with its padding tokens, so this modelling "
+                         "file attends to padding (LLaDA's Hub copy drops its attention mask); replace it with a "
+                         "copy that applies its attention bias (docs/scale-out.md, 'Attention probe')")
 
 
 def _enable_checkpointing(model: PreTrainedModel) -> str:
@@ -281,10 +326,12 @@ def load_hf_policy(
     stop_tokens: Sequence[int | str] = (),
     prompt_attention: str | None = None,
     gradient_checkpointing: bool = False,
+    check_attention: bool = True,
 ) -> HFPolicy:
     """Load a checkpoint (a local directory or a Hub name) with the named adapter. A policy
     saved by stabledrl keeps the settings it was saved with unless they are given here
-    (`chat_template`, `prompt_attention` None and `stop_tokens` empty take the saved ones)."""
+    (`chat_template`, `prompt_attention` None and `stop_tokens` empty take the saved ones).
+    `check_attention`: probe a full-attention model's attention (`probe_attention`)."""
     from transformers import AutoModel, AutoModelForCausalLM, AutoModelForMaskedLM, AutoTokenizer
 
     if adapter not in ADAPTERS:
@@ -312,6 +359,14 @@ def load_hf_policy(
     if adapter == "decoder" and block_size is None:  # SDAR / TraDo name their block size
         block_size = getattr(model.config, "block_size", None)
     shift = (adapter == "dream") if shift_logits is None else shift_logits
-    return HFPolicy(model, tokenizer, adapter, mask_id, block_size=block_size, shift_logits=shift,
-                    trust_remote_code=remote, chat_template=chat_template, stop_tokens=tuple(stop_tokens),
-                    prompt_attention=prompt_attention, gradient_checkpointing=gradient_checkpointing)
+    _compat.fit_no_split_modules(model)
+    policy = HFPolicy(model, tokenizer, adapter, mask_id, block_size=block_size, shift_logits=shift,
+                      trust_remote_code=remote, chat_template=chat_template, stop_tokens=tuple(stop_tokens),
+                      prompt_attention=prompt_attention, gradient_checkpointing=gradient_checkpointing)
+    if check_attention and policy.attention_kind == "full" and _compat.weights_loaded_here():
+        code = type(model).__module__.rsplit(".", 1)[-1] + ".py" if remote else type(model).__name__
+        with _compat.gathered_parameters(model):  # partitioned where ZeRO-3 loaded it
+            probe_attention(policy.logits, vocab=model.get_input_embeddings().num_embeddings, device=device,
+                            avoid=(policy.pad_token_id, policy.mask_token_id, *policy.stop_token_ids),
+                            source=f"{Path(str(path)) / code if remote else code} ({adapter} adapter)")
+    return policy

@@ -154,13 +154,17 @@ def resolve_adapter(path: str | Path, adapter: str = "auto") -> str:
 
 
 def load_policy(model: str | Path | ModelConfig, *, device: str | torch.device | None = None,
-                dtype: torch.dtype | None = None, trainable: bool = False):
+                dtype: torch.dtype | None = None, trainable: bool = False, check_attention: bool | None = None):
     """Load a policy: a stabledrl tiny model, a real checkpoint through its adapter, or
     either with LoRA adapters (a directory holding ``adapter_config.json``, as a LoRA run
     saves; `trainable` keeps the adapters trainable). A weights file that cannot be read
-    (cut off, or not safetensors) is a ValueError naming it."""
+    (cut off, or not safetensors) is a ValueError naming it. `check_attention`: probe a
+    full-attention checkpoint's attention at load (`stabledrl.models.adapters.probe_attention`);
+    None: the config's ``check_attention`` where it has one, else on."""
+    if check_attention is None:
+        check_attention = getattr(model, "check_attention", True) if isinstance(model, ModelConfig) else True
     try:
-        return _load_policy(model, device=device, dtype=dtype, trainable=trainable)
+        return _load_policy(model, device=device, dtype=dtype, trainable=trainable, check_attention=check_attention)
     except SafetensorError as e:
         path = Path(model.path if isinstance(model, ModelConfig) else model)
         names = ", ".join(str(f) for f in _unreadable_weights(path)) or f"a weights file of {path}"
@@ -185,7 +189,7 @@ def _unreadable_weights(path: Path) -> list[Path]:
 
 
 def _load_policy(model: str | Path | ModelConfig, *, device: str | torch.device | None, dtype: torch.dtype | None,
-                 trainable: bool):
+                 trainable: bool, check_attention: bool = True):
     cfg = model if isinstance(model, ModelConfig) else ModelConfig(path=str(model))
     device = cfg.device if device is None else device
     if device == "auto":
@@ -195,7 +199,8 @@ def _load_policy(model: str | Path | ModelConfig, *, device: str | torch.device 
     if (path / "adapter_config.json").is_file():  # LoRA: load the base, then the adapters
         from peft import PeftModel
 
-        policy = _load_policy(_lora_base(path, cfg), device=device, dtype=dtype, trainable=False)
+        policy = _load_policy(_lora_base(path, cfg), device=device, dtype=dtype, trainable=False,
+                              check_attention=check_attention)
         policy.model = PeftModel.from_pretrained(policy.model, str(path), is_trainable=trainable).to(device)
         return policy
     adapter = resolve_adapter(path, cfg.adapter)
@@ -214,7 +219,7 @@ def _load_policy(model: str | Path | ModelConfig, *, device: str | torch.device 
                             trust_remote_code=cfg.trust_remote_code, chat_template=chat_template,
                             stop_tokens=cfg.stop_tokens,
                             prompt_attention=None if cfg.prompt_attention == "auto" else cfg.prompt_attention,
-                            gradient_checkpointing=cfg.gradient_checkpointing)
+                            gradient_checkpointing=cfg.gradient_checkpointing, check_attention=check_attention)
     if path.exists():
         _record_base_path(policy.model, path)
     return policy

@@ -155,6 +155,7 @@ class TinyDiffusionLM(PreTrainedModel):
     base_model_prefix = "model"
     _supports_sdpa = True
     supports_gradient_checkpointing = True
+    _no_split_modules = ["_Block"]  # FSDP's transformer-layer wrap shards each block on its own
 
     def __init__(self, config: TinyDiffusionConfig) -> None:
         super().__init__(config)
