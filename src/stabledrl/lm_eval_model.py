@@ -36,7 +36,7 @@ from stabledrl.data import decode_policy_completions, encode_policy_prompts
 from stabledrl.likelihood import estimate
 from stabledrl.models import load_policy
 from stabledrl.settings import ModelConfig, SamplingConfig
-from stabledrl.sampling import generate_micro_batched, row_generators
+from stabledrl.sampling import RolloutRequest, generate_micro_batched, row_generators
 
 __all__ = ["StableDRLLM", "cut_at"]
 
@@ -110,11 +110,10 @@ class StableDRLLM(LM):
         policy, s = self.policy, self.sampling
         policy.model.eval()
         ids, mask = encode_policy_prompts(policy, contexts)  # (n, P)
-        out = generate_micro_batched(policy, ids.to(policy.device), mask.to(policy.device),
-                                     micro_batch=s.micro_batch or self.batch_size,
-                                     generator=row_generators(f"eval/{self.seed}", 0, len(contexts)),
-                                     progress=not disable_tqdm, sort_by_length=s.sort_by_length,
-                                     gen_length=s.gen_length, **s.generate_kwargs())
+        out = generate_micro_batched(RolloutRequest(
+            policy, ids.to(policy.device), mask.to(policy.device), s.gen_length,
+            row_generators(f"eval/{self.seed}", 0, len(contexts)), s,
+            micro_batch=s.micro_batch or self.batch_size, progress=not disable_tqdm))
         texts = decode_policy_completions(policy, out.completion_ids.cpu())
         return [cut_at(t, list(r.args[1].get("until", []) if len(r.args) > 1 else [])) for t, r in zip(texts, requests)]
 
