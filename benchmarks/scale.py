@@ -69,13 +69,11 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from stabledrl.config import load_config
 from stabledrl.likelihood import backward_views, planner_options
 from stabledrl.models import TinyDiffusionConfig, TinyDiffusionLM, TinyPolicy, add_lora, base_policy
 from stabledrl.objectives import group_advantages
 from stabledrl.sampling import generate_micro_batched, row_generators
 from stabledrl.settings import LoraSettings, TrainConfig
-from stabledrl.train import Rollouts, _needs_reference, _optimizer, _plan, _score, build_objective
 from stabledrl.tokenizer import build_char_tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -166,6 +164,8 @@ def preset(name: str, overrides: list[str] = ()) -> Preset:
     K = 2 views, μ = 2, AdamW lr 2e-6, weight decay 0.1, clip 0.2, bf16. The prompt length is
     ours, not theirs: 256 columns, as docs/scale-out.md assumes for GSM8K in LLaDA's chat
     template. Their SPG estimator is not implemented here: the step uses mc with K = 2."""
+    from stabledrl.config import load_config  # imported here: gpu_check runs without dacite
+
     if name == "countdown":
         path = ROOT / "configs" / "countdown-stabledrl.yaml"
         cfg = load_config(TrainConfig, path, overrides)
@@ -202,6 +202,9 @@ class Footprint:
     shards: int = 1  # FSDP / ZeRO-3 processes sharing weights, gradients and AdamW states
     optimizer_chunk: int | None = None  # elements stepped at a time (the trainer: 2**26); None: all
     foreach: bool = False  # torch's multi-tensor AdamW (its default for CUDA tensors)
+    checkpointing: bool = False  # gradient checkpointing: a layer keeps only its input for the backward
+    noise: str = "generator"  # the sampler's noise: generator (float64, every column) or counter
+    block_length: int | None = None  # the sampler's block: counter noise draws over its columns only
 
 
 def activation_bytes(shape: Shape, f: Footprint) -> int:
@@ -224,17 +227,31 @@ def activation_bytes(shape: Shape, f: Footprint) -> int:
     MLP (4I) and the mask (9d + 4I + T); float32 the two residuals (or, over a bfloat16 LoRA
     base, the norms' float32 copies of their inputs) and, with full fine-tuning, the norms'
     x·rsqrt (2d + 2d). Once: the embedding output over float32 weights (d), cos and sin, and
-    with full fine-tuning the final norm (float32) and its cast (bfloat16)."""
-    d, I, V, H = shape.hidden_size, shape.intermediate_size, shape.vocab_size, shape.num_attention_heads
-    T, L, Dh = f.prompt_length + f.gen_length, f.gen_length, d // H
-    full = f.lora_params == 0
+    with full fine-tuning the final norm (float32) and its cast (bfloat16).
+
+    With gradient checkpointing a layer keeps only its input, the residual stream in the
+    weights' dtype (d per token and layer); one layer's activations as above exist while it
+    is recomputed in the backward (`layer_bytes`, the predicted update's `recompute` term)."""
+    T, L = f.prompt_length + f.gen_length, f.gen_length
+    per_layer = f.weight_bytes * shape.hidden_size if f.checkpointing else layer_bytes(shape, f)
+    return T * (shape.num_hidden_layers * per_layer + _once_bytes(shape, f)) + 4 * L * shape.vocab_size
+
+
+def layer_bytes(shape: Shape, f: Footprint) -> int:
+    """Bytes one layer keeps for the backward per token, without checkpointing (`activation_bytes`)."""
+    d, I, H = shape.hidden_size, shape.intermediate_size, shape.num_attention_heads
+    T, full = f.prompt_length + f.gen_length, f.lora_params == 0
     if f.autocast:
-        layer = 2 * (9 * d + 4 * I + T) + 4 * ((2 * d if full else 0) + 2 * d + H + 2)
-        once = 4 * (d * (f.weight_bytes == 4) + Dh) + (6 * d if full else 0)
-    else:
-        layer = 4 * ((4 * d if full else 2 * d) + 9 * d + 4 * I + T + H + 2)
-        once = 4 * (d + Dh + (2 * d if full else 0))
-    return T * (shape.num_hidden_layers * layer + once) + 4 * L * V
+        return 2 * (9 * d + 4 * I + T) + 4 * ((2 * d if full else 0) + 2 * d + H + 2)
+    return 4 * ((4 * d if full else 2 * d) + 9 * d + 4 * I + T + H + 2)
+
+
+def _once_bytes(shape: Shape, f: Footprint) -> int:
+    """Bytes kept once per token, outside the layers (`activation_bytes`)."""
+    d, Dh, full = shape.hidden_size, shape.hidden_size // shape.num_attention_heads, f.lora_params == 0
+    if f.autocast:
+        return 4 * (d * (f.weight_bytes == 4) + Dh) + (6 * d if full else 0)
+    return 4 * (d + Dh + (2 * d if full else 0))
 
 
 def predict_memory(shape: Shape, f: Footprint) -> dict[str, Any]:
@@ -290,13 +307,21 @@ def predict_memory(shape: Shape, f: Footprint) -> dict[str, Any]:
     def forward_peak(rows: int) -> int:  # a forward without a graph: a layer's temporaries, or the head
         return terms["forward_weight_copies"] + rows * T * max((4 * I + 3 * d) * act, 3 * d * act + V * logit)
 
-    pick = A * T * V * logit + (4 * A * L * V if f.autocast else 0) + 40 * A * L * V
+    if f.noise == "counter":  # float32 logits, and 7 (N, V) float32 draws over the block's N <= A·W eligible slots
+        W = min(L, f.block_length or L)
+        pick = max(A * T * V * (logit + 4 if f.autocast else 4), A * T * V * 4 + 28 * A * W * V)
+    else:
+        pick = A * T * V * logit + (4 * A * L * V if f.autocast else 0) + 40 * A * L * V
     terms["rollout_transient"] = max(forward_peak(A), pick)
     to_float32 = n * T * V * (logit + 4) if f.autocast else 0  # accelerate's convert_outputs_to_fp32
     terms["scoring_transient"] = max(forward_peak(n), to_float32, n * V * (4 * T + 4 * L))
     terms["activations"] = n * activation_bytes(shape, f)
     head_grad = 4 * V * d if full else 0
     terms["update_backward_transient"] = max(8 * n * L * V, n * T * V * logit + n * T * d * act + head_grad)
+    # checkpointing: one layer's activations while it is recomputed, with the residual's gradient
+    # coming in and going out (float32), after the head's backward has freed its temporaries
+    recompute = n * T * (layer_bytes(shape, f) + 8 * d) if f.checkpointing else 0
+    terms["recompute"] = recompute
     stepped = train // shard
     if f.foreach:
         chunk = stepped if f.optimizer_chunk is None else min(stepped, f.optimizer_chunk)
@@ -309,7 +334,7 @@ def predict_memory(shape: Shape, f: Footprint) -> dict[str, Any]:
         "rollout": resident + terms["gradients"] + terms["rollout_transient"],
         "scoring": resident + terms["gradients"] + terms["scoring_transient"],
         "update": resident + terms["forward_weight_copies"] + terms["activations"]
-                  + terms["update_backward_transient"],
+                  + max(terms["update_backward_transient"], recompute),
         "optimizer": resident + terms["gradients"] + temp,
     }
     return {"terms": terms, "phases": phases, "peak": max(phases.values()), "params": N, "trainable": train}
@@ -328,6 +353,8 @@ def views_per_row(cfg: TrainConfig) -> int:
 def footprint(cfg: TrainConfig, prompt_length: int, *, lora_params: int = 0, weight_bytes: int = 4,
               shards: int = 1, optimizer_chunk: int | None = None, foreach: bool = False) -> Footprint:
     """The footprint of one process of `shards` running `cfg` (its share of the P·G rows)."""
+    from stabledrl.train import _needs_reference
+
     rows = -(-cfg.prompts_per_step * cfg.group_size // shards)
     views = rows * views_per_row(cfg)
     budget = cfg.estimator.max_views_per_forward
@@ -441,6 +468,8 @@ class _Run:
 
 def rl_step(run: _Run, step: int, clock: _Clock) -> dict[str, int]:
     """One step of the trainer (stabledrl.train, one process) on random prompts and rewards."""
+    from stabledrl.train import Rollouts, _plan, _score, build_objective
+
     cfg, policy, acc = run.cfg, run.policy, run.accelerator
     B, G, L = run.prompt_ids.size(0), cfg.group_size, cfg.rollout.gen_length
     e = cfg.estimator
@@ -524,6 +553,7 @@ def run_mode(shape_name: str, pre: Preset, mode: str, device: str, *, repeats: i
              lora_base_dtype: torch.dtype = torch.float32) -> dict[str, Any]:
     """Build the model, run one warm-up step and `repeats` timed steps (and, on CPU, one more
     under `LiveBytes`); return the figures and the memory model's prediction."""
+    from stabledrl.train import _needs_reference, _optimizer
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState
 
