@@ -14,7 +14,7 @@ update: `score_views` with a graph (or `backward_views` under a view budget), `s
 over groups, accelerate's backward, clipping, AdamW. Prompts are random token ids; rewards
 are random. One warm-up step, then `--repeats` timed ones; peak memory is
 `torch.cuda.max_memory_allocated` of a timed step, beside `scale.predict_memory` for the
-same setting. MFU: model FLOPs (2·N_matmul·tokens per forward plus attention's 4·T·d per
+same setting (on CPU: the live tensor bytes of one more step, `scale.LiveBytes`). MFU: model FLOPs (2·N_matmul·tokens per forward plus attention's 4·T·d per
 token and layer; the update's backward 2× the forward with full fine-tuning, 1× with LoRA,
 whose frozen weights get no gradient; checkpointing's recomputation not counted) over
 `--peak-tflops` (989: the H100 SXM's dense bf16 rate).
@@ -114,11 +114,14 @@ def rl_step(ctx: dict[str, Any], step: int) -> dict[str, Any]:
         _sync(cuda)
         if cuda:
             torch.cuda.reset_peak_memory_stats()
+        if ctx.get("live") is not None:
+            ctx["live"].enter(name)
         c0, s0, t0 = counter.count, counter.sq, time.perf_counter()
         res = fn()
         _sync(cuda)
+        live = ctx.get("live")
         out[name] = {"seconds": time.perf_counter() - t0, "tokens": counter.count - c0, "tokens_sq": counter.sq - s0,
-                     "peak_bytes": torch.cuda.max_memory_allocated() if cuda else None}
+                     "peak_bytes": torch.cuda.max_memory_allocated() if cuda else live and live.peaks[name]}
         return res
 
     sampling = SamplingConfig(gen_length=a.gen_length, steps=a.steps, block_length=a.block_length,
@@ -159,6 +162,14 @@ def rl_step(ctx: dict[str, Any], step: int) -> dict[str, Any]:
     out["counts"] = {"rows": B, "completion_slots": B * a.gen_length, "scored_slots": int(cmask.sum()),
                      "views": plan.num_views, "forward_passes": roll.forward_passes}
     return out
+
+
+def _resident(ctx: dict[str, Any]) -> list[torch.Tensor]:
+    """The tensors a step starts with: weights, buffers, gradients, AdamW's states, prompts."""
+    model = ctx["policy"].model
+    out = [*model.parameters(), *model.buffers()] + [p.grad for p in ctx["params"] if p.grad is not None]
+    out += [v for st in ctx["opt"].state.values() for v in st.values() if isinstance(v, torch.Tensor)]
+    return out + [ctx["prompt_ids"], ctx["prompt_mask"]]
 
 
 def flops_per_token(n_matmul: int, layers: int, width: int) -> tuple[int, int]:
@@ -263,6 +274,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     warm = time.perf_counter() - t0
     print(f"warm-up step: {warm:.1f} s", flush=True)
     steps = [rl_step(ctx, 1 + r) for r in range(args.repeats)]
+    if not cuda:  # one more step with every live tensor counted (scale.LiveBytes: torch keeps no CPU statistics)
+        with scale.LiveBytes() as live:
+            for t in _resident(ctx):
+                live.add(t)
+            ctx["live"] = live
+            steps.append(rl_step(ctx, 1 + args.repeats))
+            ctx["live"] = None
     phases = ("rollout", "scoring", "update", "optimizer")
     med = {k: statistics.median(s[k]["seconds"] for s in steps) for k in phases}
     last = steps[-1]
@@ -291,23 +309,25 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "peak_tflops": args.peak_tflops,
         "steps": steps,
     }
-    if cuda:
-        measured = {k: max(s[k]["peak_bytes"] for s in steps) for k in phases}
-        report["memory"] = {"measured_by": "torch.cuda.max_memory_allocated", "measured_phases": measured,
-                            "measured_peak": max(measured.values())}
+    measured = {k: max(s[k]["peak_bytes"] or 0 for s in steps) for k in phases}
+    report["memory"] = {"measured_by": "torch.cuda.max_memory_allocated" if cuda else "LiveBytes (live tensor storages)",
+                        "measured_phases": measured, "measured_peak": max(measured.values())}
     if shape is not None:
         lora_n = trainable if args.train == "lora" else 0
         pred = scale.predict_memory(shape, footprint(args, shape, lora_n, args.rows))
         mem = report.setdefault("memory", {})
         mem.update(predicted_peak=pred["peak"], predicted_phases=pred["phases"], predicted_terms=pred["terms"])
-        if cuda:
-            mem["ratio_predicted_over_measured"] = pred["peak"] / mem["measured_peak"]
+        mem["ratio_predicted_over_measured"] = pred["peak"] / mem["measured_peak"]
     _print(report)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
         print(f"wrote {args.out}")
     return report
+
+
+def _size(x: float) -> str:
+    return f"{x / GB:.2f} GB" if x >= 0.1 * GB else f"{x / 1e6:.3f} MB"
 
 
 def _print(r: dict[str, Any]) -> None:
@@ -319,12 +339,12 @@ def _print(r: dict[str, Any]) -> None:
     if r["mfu"]:
         print("MFU: " + ", ".join(f"{k} {v:.1%}" for k, v in r["mfu"].items()))
     if "measured_peak" in m:
-        print("peak memory measured: " + ", ".join(f"{k} {v / GB:.2f} GB" for k, v in m["measured_phases"].items()))
+        print("peak memory measured: " + ", ".join(f"{k} {_size(v)}" for k, v in m["measured_phases"].items()))
     if "predicted_peak" in m:
-        print("peak memory predicted: " + ", ".join(f"{k} {v / GB:.2f} GB" for k, v in m["predicted_phases"].items()
+        print("peak memory predicted: " + ", ".join(f"{k} {_size(v)}" for k, v in m["predicted_phases"].items()
                                                      if k != "start"))
     if "ratio_predicted_over_measured" in m:
-        print(f"peak: measured {m['measured_peak'] / GB:.2f} GB, predicted {m['predicted_peak'] / GB:.2f} GB, "
+        print(f"peak: measured {_size(m['measured_peak'])}, predicted {_size(m['predicted_peak'])}, "
               f"ratio {m['ratio_predicted_over_measured']:.3f}")
 
 

@@ -307,15 +307,23 @@ def predict_memory(shape: Shape, f: Footprint) -> dict[str, Any]:
     def forward_peak(rows: int) -> int:  # a forward without a graph: a layer's temporaries, or the head
         return terms["forward_weight_copies"] + rows * T * max((4 * I + 3 * d) * act, 3 * d * act + V * logit)
 
-    if f.noise == "counter":  # float32 logits, and 7 (N, V) float32 draws over the block's N <= A·W eligible slots
+    # The sampler's loop holds the previous step's float32 logits (A, T, V) while the next forward
+    # runs and its output is converted: `held` besides the forward in every step but the first.
+    held = A * T * V * 4
+    to_float32 = (logit + 4) if f.autocast else 0  # per logit: accelerate's float32 copy beside the bfloat16 one
+    if f.noise == "counter":  # 7 (N, V) float32 draws over the block's N <= A·W eligible slots
         W = min(L, f.block_length or L)
-        pick = max(A * T * V * (logit + 4 if f.autocast else 4), A * T * V * 4 + 28 * A * W * V)
+        pick = A * T * V * 4 + 28 * A * W * V
     else:
         pick = A * T * V * logit + (4 * A * L * V if f.autocast else 0) + 40 * A * L * V
-    terms["rollout_transient"] = max(forward_peak(A), pick)
-    to_float32 = n * T * V * (logit + 4) if f.autocast else 0  # accelerate's convert_outputs_to_fp32
-    terms["scoring_transient"] = max(forward_peak(n), to_float32, n * V * (4 * T + 4 * L))
+    terms["rollout_transient"] = max(held + forward_peak(A), held + A * T * V * to_float32, pick)
+    # log-softmax over the L completion slots of the float32 logits: on CUDA the strided slice is first
+    # copied whole (measured on an H100: 8 bytes per logit of n·T·V with L = T/2, not 6)
+    head = n * V * (4 * T + 8 * L)
+    terms["scoring_transient"] = max(forward_peak(n), n * T * V * to_float32, head)
     terms["activations"] = n * activation_bytes(shape, f)
+    # the update's forward peaks at that log-softmax: what is kept besides the log-softmax, and the head
+    terms["update_forward_head"] = max(n * T * V * to_float32, head) - 4 * n * L * V
     head_grad = 4 * V * d if full else 0
     terms["update_backward_transient"] = max(8 * n * L * V, n * T * V * logit + n * T * d * act + head_grad)
     # checkpointing: one layer's activations while it is recomputed, with the residual's gradient
@@ -334,7 +342,7 @@ def predict_memory(shape: Shape, f: Footprint) -> dict[str, Any]:
         "rollout": resident + terms["gradients"] + terms["rollout_transient"],
         "scoring": resident + terms["gradients"] + terms["scoring_transient"],
         "update": resident + terms["forward_weight_copies"] + terms["activations"]
-                  + max(terms["update_backward_transient"], recompute),
+                  + max(terms["update_backward_transient"], recompute, terms["update_forward_head"]),
         "optimizer": resident + terms["gradients"] + temp,
     }
     return {"terms": terms, "phases": phases, "peak": max(phases.values()), "params": N, "trainable": train}

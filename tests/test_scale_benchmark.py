@@ -71,13 +71,14 @@ def test_activation_bytes_by_hand():
 def test_scoring_terms_by_hand():
     # 8 views of T = 24 tokens (L = 11 scored), V = 256, float32: the larger of a layer's
     # temporaries, 8·24·(4·96 + 3·32)·4 = 368,640, the head's, 8·24·(3·32 + 256)·4 = 270,336,
-    # and the logits with their log-softmax, 8·256·(4·24 + 4·11) = 286,720
+    # and the logits with the log-softmax over L and the copy of its strided input (CUDA),
+    # 8·256·(4·24 + 8·11) = 376,832
     t = scale.predict_memory(TINY, _footprint())["terms"]
-    assert t["scoring_transient"] == 368_640
+    assert t["scoring_transient"] == 376_832
     # Under autocast the prepared model's bfloat16 logits (2 bytes) get a float32 copy (4)
-    # beside them: 8·24·256·6 = 294,912, above the forward (autocast's casts 2·43,168 =
-    # 86,336 plus 8·24·480·2 = 184,320) and the float32 logits with the log-softmax (286,720)
-    t = scale.predict_memory(TINY, _footprint(autocast=True))["terms"]
+    # beside them: 8·24·256·6 = 294,912. With 2 completion slots of 24 that copy is the largest:
+    # the log-softmax then takes 8·256·(4·24 + 8·2) = 229,376 and a layer 8·24·(4·96 + 3·32)·2 = 184,320
+    t = scale.predict_memory(TINY, _footprint(autocast=True, prompt_length=22, gen_length=2))["terms"]
     assert t["scoring_transient"] == 294_912
 
 
