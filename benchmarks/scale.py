@@ -92,6 +92,14 @@ class Shape:
     intermediate_size: int  # I, the SwiGLU width
     rope_theta: float = 500000.0
     max_position_embeddings: int = 4096
+    num_key_value_heads: int | None = None  # grouped-query attention (None: H); the memory model only
+    qkv_bias: bool = False  # biases on q, k, v (Qwen2)
+    qk_norm: bool = False  # RMSNorm on each head's q and k (Qwen3)
+
+    @property
+    def kv_width(self) -> int:
+        """The width of k and of v: (H_kv) · Dh."""
+        return (self.num_key_value_heads or self.num_attention_heads) * (self.hidden_size // self.num_attention_heads)
 
 
 SHAPES = {
@@ -102,6 +110,13 @@ SHAPES = {
     # max_sequence_length 4096. Its safetensors index: total_size 16,031,162,368 bytes of
     # bfloat16, i.e. 8,015,581,184 parameters, which `param_count` gives.
     "llada-8b": Shape(126464, 4096, 32, 32, 12288),
+    # Dream-v0-Instruct-7B is Qwen2.5-7B's shape (its config.json: hidden 3584, 28 layers, 28 heads,
+    # 4 key-value heads, intermediate 18944, vocabulary 152064, q/k/v biases, untied head):
+    # 7,615,616,512 parameters, Qwen2.5-7B's published count. Not buildable as TinyDiffusionLM (GQA).
+    "dream-7b": Shape(152064, 3584, 28, 28, 18944, rope_theta=1e6, num_key_value_heads=4, qkv_bias=True),
+    # SDAR-8B-Chat is Qwen3-8B's shape (hidden 4096, 36 layers, 32 heads, 8 key-value heads of 128,
+    # intermediate 12288, vocabulary 151936, q/k norms, untied head): 8,190,735,360 parameters.
+    "sdar-8b": Shape(151936, 4096, 36, 32, 12288, rope_theta=1e6, num_key_value_heads=8, qk_norm=True),
     # LLaDA's proportions (I = 3d, head width 128, V/d = 32) at width 256: 11.0 M parameters.
     "llada-cpu": Shape(8192, 256, 8, 2, 768),
     # for the tests
@@ -110,9 +125,11 @@ SHAPES = {
 
 
 def layer_params(shape: Shape) -> int:
-    """Parameters of one layer: q, k, v, out (4d²), gate, up (2dI), down (Id), two RMSNorm weights (2d)."""
-    d, I = shape.hidden_size, shape.intermediate_size
-    return 4 * d * d + 3 * d * I + 2 * d
+    """Parameters of one layer: q, out (2d²), k, v (2·d·kv, kv = d without GQA), gate, up (2dI),
+    down (Id), two RMSNorm weights (2d); Qwen's q, k, v biases (d + 2kv) or q, k norms (2·Dh)."""
+    d, I, kv, Dh = shape.hidden_size, shape.intermediate_size, shape.kv_width, shape.hidden_size // shape.num_attention_heads
+    extra = (d + 2 * kv if shape.qkv_bias else 0) + (2 * Dh if shape.qk_norm else 0)
+    return 2 * d * d + 2 * d * kv + 3 * d * I + 2 * d + extra
 
 
 def param_count(shape: Shape) -> int:
@@ -125,15 +142,25 @@ def lora_param_count(shape: Shape, r: int) -> int:
     """LoRA adapters of rank r on every linear layer but the output head (peft's
     "all-linear"): r·(in + out) for qkv (d -> 3d), proj (d -> d), gate_up (d -> 2I), down (I -> d).
     (LLaDA's own modules, with q, k, v and ff_proj, up_proj apart, take r·(11d + 3I) per layer.)"""
-    d, I = shape.hidden_size, shape.intermediate_size
-    return shape.num_hidden_layers * r * (4 * d + 2 * d + d + 2 * I + I + d)
+    d, I, kv = shape.hidden_size, shape.intermediate_size, shape.kv_width
+    return shape.num_hidden_layers * r * ((2 * d + 2 * kv) + 2 * d + d + 2 * I + I + d)
+
+
+def buildable(shape: Shape) -> bool:
+    """Whether `TinyDiffusionLM` has this shape: no grouped-query attention, biases or q/k norms."""
+    return shape.kv_width == shape.hidden_size and not (shape.qkv_bias or shape.qk_norm)
 
 
 def build_model(shape: Shape, device: str | torch.device, dtype: torch.dtype = torch.float32) -> TinyDiffusionLM:
     """A randomly initialised `TinyDiffusionLM` of this shape, made directly on `device`
     (``meta``: no memory, for counting). The special tokens are those of the char tokenizer."""
+    if not buildable(shape):
+        raise ValueError("TinyDiffusionLM has no grouped-query attention, q/k/v biases or q/k norms: this shape "
+                         "is for the memory model (--predict-only, --recipes)")
     tok = build_char_tokenizer()
-    cfg = TinyDiffusionConfig(**dataclasses.asdict(shape), mask_token_id=tok.mask_token_id,
+    fields = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+              "rope_theta", "max_position_embeddings")
+    cfg = TinyDiffusionConfig(**{k: getattr(shape, k) for k in fields}, mask_token_id=tok.mask_token_id,
                               pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id,
                               eos_token_id=tok.eos_token_id)
     previous = torch.get_default_dtype()
@@ -205,6 +232,12 @@ class Footprint:
     checkpointing: bool = False  # gradient checkpointing: a layer keeps only its input for the backward
     noise: str = "generator"  # the sampler's noise: generator (float64, every column) or counter
     block_length: int | None = None  # the sampler's block: counter noise draws over its columns only
+    block_size: int | None = None  # a block model's S: KV-cached rollouts, staircase scoring [q ; y ; q̃ ; ỹ]
+
+
+def scored_length(f: Footprint) -> int:
+    """Tokens of one scored view: P + L, or a block model's staircase P + 2L + S (q̃ is at most a block)."""
+    return f.prompt_length + f.gen_length + (f.gen_length + f.block_size if f.block_size else 0)
 
 
 def activation_bytes(shape: Shape, f: Footprint) -> int:
@@ -232,7 +265,7 @@ def activation_bytes(shape: Shape, f: Footprint) -> int:
     With gradient checkpointing a layer keeps only its input, the residual stream in the
     weights' dtype (d per token and layer); one layer's activations as above exist while it
     is recomputed in the backward (`layer_bytes`, the predicted update's `recompute` term)."""
-    T, L = f.prompt_length + f.gen_length, f.gen_length
+    T, L = scored_length(f), f.gen_length
     per_layer = f.weight_bytes * shape.hidden_size if f.checkpointing else layer_bytes(shape, f)
     return T * (shape.num_hidden_layers * per_layer + _once_bytes(shape, f)) + 4 * L * shape.vocab_size
 
@@ -240,7 +273,7 @@ def activation_bytes(shape: Shape, f: Footprint) -> int:
 def layer_bytes(shape: Shape, f: Footprint) -> int:
     """Bytes one layer keeps for the backward per token, without checkpointing (`activation_bytes`)."""
     d, I, H = shape.hidden_size, shape.intermediate_size, shape.num_attention_heads
-    T, full = f.prompt_length + f.gen_length, f.lora_params == 0
+    T, full = scored_length(f), f.lora_params == 0
     if f.autocast:
         return 2 * (9 * d + 4 * I + T) + 4 * ((2 * d if full else 0) + 2 * d + H + 2)
     return 4 * ((4 * d if full else 2 * d) + 9 * d + 4 * I + T + H + 2)
@@ -280,11 +313,13 @@ def predict_memory(shape: Shape, f: Footprint) -> dict[str, Any]:
     - optimizer: all gradients and the step's temporaries: √v and its quotient for the
       largest parameter (torch's per-tensor AdamW, on CPU), or √v of all that is stepped at
       once (foreach; `optimizer_chunk` bounds it, and adds the trainer's copy of the chunk).
-    Rollouts of LLaDA (full attention) keep no KV cache; a block model's cache would add
-    2·nl·T·d bytes of activations per row."""
+    Rollouts of LLaDA (full attention) keep no KV cache and run the whole P + L columns each
+    step. A block model (`block_size` S) feeds one block of S columns against a cache of
+    2·nl·(P + L)·kv values per row, and scores the staircase (`scored_length`)."""
     N = param_count(shape)
     d, V, L = shape.hidden_size, shape.vocab_size, f.gen_length
-    T = f.prompt_length + f.gen_length
+    T = scored_length(f)
+    Tr = f.block_size or f.prompt_length + f.gen_length  # the columns a sampler step feeds
     full = f.lora_params == 0
     train = N if full else f.lora_params
     shard = f.shards if full else 1
@@ -304,19 +339,20 @@ def predict_memory(shape: Shape, f: Footprint) -> dict[str, Any]:
     A, n = f.rows_per_call, f.views_per_forward
     I = shape.intermediate_size
 
-    def forward_peak(rows: int) -> int:  # a forward without a graph: a layer's temporaries, or the head
-        return terms["forward_weight_copies"] + rows * T * max((4 * I + 3 * d) * act, 3 * d * act + V * logit)
+    def forward_peak(rows: int, tokens: int = T) -> int:  # no graph: a layer's temporaries, or the head
+        return terms["forward_weight_copies"] + rows * tokens * max((4 * I + 3 * d) * act, 3 * d * act + V * logit)
 
-    # The sampler's loop holds the previous step's float32 logits (A, T, V) while the next forward
+    # The sampler's loop holds the previous step's float32 logits (A, Tr, V) while the next forward
     # runs and its output is converted: `held` besides the forward in every step but the first.
-    held = A * T * V * 4
+    held = A * Tr * V * 4
     to_float32 = (logit + 4) if f.autocast else 0  # per logit: accelerate's float32 copy beside the bfloat16 one
     if f.noise == "counter":  # 7 (N, V) float32 draws over the block's N <= A·W eligible slots
-        W = min(L, f.block_length or L)
-        pick = A * T * V * 4 + 28 * A * W * V
+        W = min(L, f.block_size or f.block_length or L)
+        pick = A * Tr * V * 4 + 28 * A * W * V
     else:
-        pick = A * T * V * logit + (4 * A * L * V if f.autocast else 0) + 40 * A * L * V
-    terms["rollout_transient"] = max(held + forward_peak(A), held + A * T * V * to_float32, pick)
+        pick = A * Tr * V * logit + (4 * A * L * V if f.autocast else 0) + 40 * A * L * V
+    cache = 2 * A * shape.num_hidden_layers * (f.prompt_length + L) * shape.kv_width * act if f.block_size else 0
+    terms["rollout_transient"] = cache + max(held + forward_peak(A, Tr), held + A * Tr * V * to_float32, pick)
     # log-softmax over the L completion slots of the float32 logits: on CUDA the strided slice is first
     # copied whole (measured on an H100: 8 bytes per logit of n·T·V with L = T/2, not 6)
     head = n * V * (4 * T + 8 * L)
@@ -670,7 +706,7 @@ def predict_layouts(shape_name: str, pre: Preset, *, shards: int, lora: LoraSett
     share of rows that fits without a view budget (docs/scale-out.md: with sharded
     parameters the trainer leaves `max_views_per_forward` unset)."""
     shape = SHAPES[shape_name]
-    n_meta = sum(p.numel() for p in build_model(shape, "meta").parameters())  # the real module tree
+    n_meta = sum(p.numel() for p in build_model(shape, "meta").parameters()) if buildable(shape) else param_count(shape)
     if n_meta != param_count(shape):
         raise RuntimeError(f"the meta model has {n_meta} parameters, param_count {param_count(shape)}")
     K = views_per_row(pre.config)
@@ -695,6 +731,83 @@ def predict_layouts(shape_name: str, pre: Preset, *, shards: int, lora: LoraSett
                 lambda k: peak(rows_per_call=min(k, f.rows_per_call), views_per_forward=k * K) <= gpu_bytes, share)
         out[name] = entry
     return out
+
+
+# ----------------------------------------------------------------------------- the recipes
+@dataclass(frozen=True)
+class Recipe:
+    """One shipped recipe's sizes, as the memory model reads them (8 GPUs, FSDP full shard, bf16, AdamW)."""
+
+    shape: str
+    block_size: int | None = None  # a block model's S (staircase scoring, KV-cached rollouts)
+    prompt_length: int = 256  # Pl: the chat-templated GSM8K / MATH prompt, as docs/scale-out.md assumes
+    gen_length: int = 256
+    block_length: int = 32
+    prompts: int = 32
+    group_size: int = 16
+    views: int = 2  # K noised views a rollout (SPG's block_random: 2 Monte Carlo samples)
+    processes: int = 8
+    rounds: int = 4  # rollout rounds accumulated into one optimizer step (the authors: 8 GPUs x 4)
+
+
+RECIPES = {
+    # the StableDRL authors' GSM8K / MATH run (docs: /work/shared/real-models.md, "Published settings")
+    "llada-8b-instruct-gsm8k-stabledrl": Recipe("llada-8b"),
+    "dream-7b-gsm8k-stabledrl": Recipe("dream-7b"),
+    "sdar-8b-gsm8k-stabledrl": Recipe("sdar-8b", block_size=4, block_length=4),
+}
+
+
+def recipe_footprint(r: Recipe, **kw) -> Footprint:
+    """One GPU's footprint: full fine-tuning sharded over the processes (the trainer's chunked
+    foreach AdamW), bf16 autocast, counter noise, gradient checkpointing; `kw` overrides."""
+    rows = r.prompts * r.group_size // (r.processes * r.rounds)
+    base = dict(prompt_length=r.prompt_length, gen_length=r.gen_length, rows_per_call=rows,
+                views_per_forward=rows * r.views, autocast=True, shards=r.processes, optimizer_chunk=2**26,
+                foreach=True, checkpointing=True, noise="counter", block_length=r.block_length, block_size=r.block_size)
+    return Footprint(**{**base, **kw})
+
+
+def predict_recipes(gpu_bytes: float) -> dict[str, Any]:
+    """Per GPU, for each recipe: the prediction at its micro-batches (a round's rows sampled and
+    scored in micro-batches of at most 16 rows / 32 views, the largest that fit), beside the
+    same without checkpointing and the whole share of P·G / processes rows at once without
+    checkpointing or rounds (the defaults before micro-batches and rounds)."""
+    out: dict[str, Any] = {"gpu_bytes": gpu_bytes}
+    for name, r in RECIPES.items():
+        shape = SHAPES[r.shape]
+        rows = r.prompts * r.group_size // (r.processes * r.rounds)
+        peak = lambda **kw: predict_memory(shape, recipe_footprint(r, **kw))["peak"]  # noqa: E731
+        micro = _largest(lambda k: peak(rows_per_call=k, views_per_forward=1) <= gpu_bytes, min(rows, 16))
+        views = _largest(lambda k: peak(rows_per_call=1, views_per_forward=k) <= gpu_bytes, min(rows * r.views, 32))
+        f = recipe_footprint(r, rows_per_call=max(micro, 1), views_per_forward=max(views, 1))
+        pred = predict_memory(shape, f)
+        share = r.prompts * r.group_size // r.processes
+        whole = predict_memory(shape, recipe_footprint(r, rows_per_call=share, views_per_forward=share * r.views,
+                                                        checkpointing=False))
+        out[name] = {"recipe": dataclasses.asdict(r), "params": param_count(shape), "rows_per_round": rows,
+                     "rollout.micro_batch": micro, "estimator.max_views_per_forward": views,
+                     "footprint": dataclasses.asdict(f), "peak": pred["peak"], "phases": pred["phases"],
+                     "terms": pred["terms"], "fits": pred["peak"] <= gpu_bytes,
+                     "peak_without_checkpointing": predict_memory(shape, dataclasses.replace(f, checkpointing=False))["peak"],
+                     "whole_share_at_once": {"rows": share, "phases": whole["phases"], "peak": whole["peak"]}}
+    return out
+
+
+def recipes_table(pred: dict[str, Any]) -> str:
+    """The markdown table of `predict_recipes`."""
+    lines = ["| recipe | parameters | rows per GPU and round | rollout.micro_batch | views per forward | "
+             "predicted peak per GPU | largest phase | without checkpointing | whole share at once, no checkpointing |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for name, e in pred.items():
+        if not isinstance(e, dict):
+            continue
+        phase = max(e["phases"], key=e["phases"].get)
+        lines.append(f"| {name} | {e['params'] / 1e9:.2f} B | {e['rows_per_round']} | {e['rollout.micro_batch']} | "
+                     f"{e['estimator.max_views_per_forward']} | {_gb(e['peak'])} | {phase} | "
+                     f"{_gb(e['peak_without_checkpointing'])} | {_gb(e['whole_share_at_once']['peak'])} "
+                     f"({e['whole_share_at_once']['rows']} rows) |")
+    return "\n".join(lines)
 
 
 # ----------------------------------------------------------------------------- command line
@@ -730,6 +843,9 @@ def main() -> None:
     ap.add_argument("--predict-only", action="store_true",
                     help="no model is materialised: the parameter count of the meta model and the memory model's "
                          "prediction for full FT under FSDP and for LoRA on one GPU")
+    ap.add_argument("--recipes", action="store_true",
+                    help="the memory model alone, per GPU, for the shipped recipes (8 GPUs, FSDP): "
+                         "benchmarks/results/scale-recipes.json and a markdown table")
     ap.add_argument("--shards", type=int, default=8, help="--predict-only: FSDP processes of full fine-tuning")
     ap.add_argument("--gpu-memory", type=float, default=80.0, help="--predict-only: GB of one GPU")
     ap.add_argument("--tag", help="default: <shape>-<preset>")
@@ -767,6 +883,14 @@ def main() -> None:
         "settings": {"device": args.device, "threads": args.threads, "repeats": args.repeats,
                      "lora": dataclasses.asdict(lora), "lora_base_dtype": str(base_dtype).removeprefix("torch.")},
     }
+    if args.recipes:
+        pred = predict_recipes(args.gpu_memory * GB)
+        path = Path(args.out or ROOT / "benchmarks" / "results" / "scale-recipes.json")
+        path.write_text(json.dumps({"command": "python benchmarks/scale.py " + " ".join(sys.argv[1:]),
+                                    "predicted": pred}, indent=2) + "\n")
+        print(recipes_table(pred))
+        print(f"wrote {path}")
+        return
     if args.predict_only:
         pred = predict_layouts(shape_name, pre, shards=args.shards, lora=lora, gpu_bytes=args.gpu_memory * GB)
         report["predicted"] = pred
