@@ -7,16 +7,15 @@
 
 The default model is the project's own bidirectional transformer (`TinyDiffusionLM`) at
 LLaDA-8B's shape (32 layers, width 4096, 32 heads, SwiGLU 12288, vocabulary 126,464, RoPE θ
-5e5, RMSNorm, no biases, untied head: 8,015,581,184 parameters) with random bfloat16 weights;
-not LLaDA's modelling file. The step mirrors the trainer's from the library's components:
-`roll_out` (built-in engine, counter noise), `plan_views` + `score_views` for ℓ_old, then one
-update: `score_views` with a graph (or `backward_views` under a view budget), `stabledrl_loss`
-over groups, accelerate's backward, clipping, AdamW. Prompts are random token ids; rewards
-are random. One warm-up step, then `--repeats` timed ones; peak memory is
-`torch.cuda.max_memory_allocated` of a timed step, beside `scale.predict_memory` for the
-same setting (on CPU: the live tensor bytes of one more step, `scale.LiveBytes`). MFU: model FLOPs (2·N_matmul·tokens per forward plus attention's 4·T·d per
-token and layer; the update's backward 2× the forward with full fine-tuning, 1× with LoRA,
-whose frozen weights get no gradient; checkpointing's recomputation not counted) over
+5e5, RMSNorm, no biases, untied head: 8,015,581,184 parameters), random bfloat16 weights;
+not LLaDA's modelling file. The step mirrors the trainer's with the library's components:
+`roll_out` (built-in engine, counter noise), `plan_views` + `score_views` for ℓ_old, one
+update (`score_views` with a graph, or `backward_views` under a view budget; `stabledrl_loss`;
+accelerate's backward; clipping; AdamW). Random prompts and rewards. One warm-up step, then
+`--repeats` timed ones. Peak memory: `torch.cuda.max_memory_allocated` (on CPU the live tensor
+bytes, `scale.LiveBytes`) beside `scale.predict_memory` for the same setting. MFU: model FLOPs
+(a forward 2·N_matmul per token plus attention's 4·nl·d per token and key; the update's
+backward 2× the forward in full fine-tuning, 1× with LoRA; recomputation not counted) over
 `--peak-tflops` (989: the H100 SXM's dense bf16 rate).
 """
 
@@ -286,8 +285,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     last = steps[-1]
     dense, attn = flops_per_token(n_matmul, cfg.num_hidden_layers, cfg.hidden_size)
     backward = 2 if args.train == "full" else 1
-    flops = {k: (dense * last[k]["tokens"] + attn * last[k]["tokens_sq"]) * (1 + (backward if k == "update" else 0))
-             for k in phases[:3]}
+    flops = {k: dense * last[k]["tokens"] + attn * last[k]["tokens_sq"] for k in ("rollout", "scoring")}
+    flops["update"] = (1 + backward) * flops["scoring"]  # the same views; a view budget's no-grad pass not counted
     mm = _matmul_tflops() if cuda else None
     report: dict[str, Any] = {
         "command": "python benchmarks/gpu_check.py " + " ".join(sys.argv[1:] if argv is None else argv),
@@ -310,7 +309,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "steps": steps,
     }
     measured = {k: max(s[k]["peak_bytes"] or 0 for s in steps) for k in phases}
-    report["memory"] = {"measured_by": "torch.cuda.max_memory_allocated" if cuda else "LiveBytes (live tensor storages)",
+    by = "torch.cuda.max_memory_allocated" if cuda else "LiveBytes (live tensor storages)"
+    report["memory"] = {"measured_by": by,
                         "measured_phases": measured, "measured_peak": max(measured.values())}
     if shape is not None:
         lora_n = trainable if args.train == "lora" else 0

@@ -127,7 +127,8 @@ SHAPES = {
 def layer_params(shape: Shape) -> int:
     """Parameters of one layer: q, out (2d²), k, v (2·d·kv, kv = d without GQA), gate, up (2dI),
     down (Id), two RMSNorm weights (2d); Qwen's q, k, v biases (d + 2kv) or q, k norms (2·Dh)."""
-    d, I, kv, Dh = shape.hidden_size, shape.intermediate_size, shape.kv_width, shape.hidden_size // shape.num_attention_heads
+    d, I, kv = shape.hidden_size, shape.intermediate_size, shape.kv_width
+    Dh = d // shape.num_attention_heads
     extra = (d + 2 * kv if shape.qkv_bias else 0) + (2 * Dh if shape.qk_norm else 0)
     return 2 * d * d + 2 * d * kv + 3 * d * I + 2 * d + extra
 
@@ -789,7 +790,8 @@ def predict_recipes(gpu_bytes: float) -> dict[str, Any]:
                      "rollout.micro_batch": micro, "estimator.max_views_per_forward": views,
                      "footprint": dataclasses.asdict(f), "peak": pred["peak"], "phases": pred["phases"],
                      "terms": pred["terms"], "fits": pred["peak"] <= gpu_bytes,
-                     "peak_without_checkpointing": predict_memory(shape, dataclasses.replace(f, checkpointing=False))["peak"],
+                     "peak_without_checkpointing":
+                         predict_memory(shape, dataclasses.replace(f, checkpointing=False))["peak"],
                      "whole_share_at_once": {"rows": share, "phases": whole["phases"], "peak": whole["peak"]}}
     return out
 
