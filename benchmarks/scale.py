@@ -2,6 +2,7 @@
 
     python benchmarks/scale.py --threads 1       # CPU: the scaled-down LLaDA shape, full FT and LoRA
     python benchmarks/scale.py --shape llada-8b --preset gsm8k-llada --predict-only   # the memory model alone
+    python benchmarks/scale.py --recipes     # per GPU for the shipped 8-GPU recipes (docs/gpu-check.md)
     # one GPU (not run here): LoRA on LLaDA-8B's shape; full fine-tuning is refused as predicted not to fit
     python benchmarks/scale.py --device cuda --preset gsm8k-llada --set prompts_per_step=2 \
         --set rollout.micro_batch=16 --set estimator.max_views_per_forward=8
@@ -308,9 +309,11 @@ def predict_memory(shape: Shape, f: Footprint) -> dict[str, Any]:
       under autocast, accelerate's float32 copy of the bfloat16 logits, made beside them (the
       prepared model returns float32 outputs); then the float32 logits and the log-softmax
       (n, L, V);
-    - update: the activations of the n views with a graph (`activation_bytes`), the weight
-      copies, and the backward's first steps: the log-softmax's two gradients (2 × L·V per
-      view), then the logits' gradient (T·V) with the head's input and weight gradients;
+    - update: the activations of the n views with a graph (`activation_bytes`; with
+      checkpointing a layer's input each, and one layer's activations while recomputed), the
+      weight copies, and the larger of the forward's head (as in scoring) and the backward's
+      first steps: the log-softmax's two gradients (2 × L·V per view), then the logits'
+      gradient (T·V) with the head's input and weight gradients;
     - optimizer: all gradients and the step's temporaries: √v and its quotient for the
       largest parameter (torch's per-tensor AdamW, on CPU), or √v of all that is stepped at
       once (foreach; `optimizer_chunk` bounds it, and adds the trainer's copy of the chunk).
