@@ -83,7 +83,8 @@ def build(args) -> tuple[TinyPolicy, scale.Shape | None]:
     if args.model:
         from stabledrl.models.policy import load_policy
 
-        policy, shape = load_policy(args.model, device=args.device, dtype=dtype), None
+        policy = load_policy(args.model, device=args.device, dtype=dtype)
+        shape = _shape_of(policy.model.config)
     else:
         shape = scale.SHAPES[args.size]
         if args.layers:
@@ -100,6 +101,20 @@ def build(args) -> tuple[TinyPolicy, scale.Shape | None]:
         add_lora(policy, LoraSettings(r=args.lora_r, alpha=2.0 * args.lora_r, dropout=0.0), seed=0)
     policy.model.eval()
     return policy, shape
+
+
+def _shape_of(cfg) -> scale.Shape | None:
+    """The memory model's shape of a checkpoint's config (HF names, or LLaDA's); None if unreadable."""
+    def get(*names):
+        return next((getattr(cfg, n) for n in names if getattr(cfg, n, None) is not None), None)
+    d, nl = get("hidden_size", "d_model"), get("num_hidden_layers", "n_layers")
+    H = get("num_attention_heads", "n_heads")
+    I, V = get("intermediate_size", "mlp_hidden_size"), get("embedding_size", "vocab_size")
+    if None in (d, nl, H, I, V):
+        return None
+    kv = get("num_key_value_heads", "n_kv_heads")
+    return scale.Shape(V, d, nl, H, I, num_key_value_heads=None if kv == H else kv,
+                       qkv_bias=bool(get("attention_bias", "include_bias")), qk_norm=any(t in str(get("model_type")) for t in ("qwen3", "sdar")))
 
 
 def _sync(cuda: bool) -> None:
@@ -129,7 +144,7 @@ def rl_step(ctx: dict[str, Any], step: int) -> dict[str, Any]:
         return res
 
     sampling = SamplingConfig(gen_length=a.gen_length, steps=a.steps, block_length=a.block_length,
-                              temperature=a.temperature, noise="counter")
+                              temperature=a.temperature, noise=a.noise)
     request = RolloutRequest(policy, ids, mask, a.gen_length, row_generators(f"gpu_check/{step}", 0, B), sampling,
                              micro_batch=a.micro_batch)
     with torch.no_grad():
@@ -190,7 +205,7 @@ def footprint(args, shape: scale.Shape, lora_params: int, rows: int) -> scale.Fo
                            rows_per_call=min(rows, args.micro_batch or rows),
                            views_per_forward=min(views, args.max_views_per_forward or views),
                            lora_params=lora_params, weight_bytes=2 if args.train == "lora" else 4, autocast=True,
-                           foreach=True, checkpointing=args.checkpointing, noise="counter",
+                           foreach=True, checkpointing=args.checkpointing, noise=args.noise,
                            block_length=args.block_length)
 
 
@@ -210,6 +225,8 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--block-length", type=int, default=32)
     ap.add_argument("--steps", type=int, default=128)
     ap.add_argument("--temperature", type=float, default=0.9)
+    ap.add_argument("--noise", choices=["counter", "generator"], default="counter",
+                    help="the sampler's noise (generator: float64 Gumbel noise from CPU generators)")
     ap.add_argument("--micro-batch", type=int, help="rollout rows per sampler call (default: all)")
     ap.add_argument("--estimator", choices=["mc", "block_random"], default="block_random")
     ap.add_argument("--views", type=int, default=2, help="noised views per rollout (K)")
