@@ -2,6 +2,7 @@
 
     python benchmarks/scale.py --threads 1       # CPU: the scaled-down LLaDA shape, full FT and LoRA
     python benchmarks/scale.py --shape llada-8b --preset gsm8k-llada --predict-only   # the memory model alone
+    python benchmarks/scale.py --recipes     # per GPU for the shipped 8-GPU recipes (docs/gpu-check.md)
     # one GPU (not run here): LoRA on LLaDA-8B's shape; full fine-tuning is refused as predicted not to fit
     python benchmarks/scale.py --device cuda --preset gsm8k-llada --set prompts_per_step=2 \
         --set rollout.micro_batch=16 --set estimator.max_views_per_forward=8
@@ -69,13 +70,11 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from stabledrl.config import load_config
 from stabledrl.likelihood import backward_views, planner_options
 from stabledrl.models import TinyDiffusionConfig, TinyDiffusionLM, TinyPolicy, add_lora, base_policy
 from stabledrl.objectives import group_advantages
 from stabledrl.sampling import RolloutRequest, generate_micro_batched, row_generators
 from stabledrl.settings import LoraSettings, TrainConfig
-from stabledrl.train import Rollouts, _needs_reference, _optimizer, _plan, _score, build_objective
 from stabledrl.tokenizer import build_char_tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -94,6 +93,14 @@ class Shape:
     intermediate_size: int  # I, the SwiGLU width
     rope_theta: float = 500000.0
     max_position_embeddings: int = 4096
+    num_key_value_heads: int | None = None  # grouped-query attention (None: H); the memory model only
+    qkv_bias: bool = False  # biases on q, k, v (Qwen2)
+    qk_norm: bool = False  # RMSNorm on each head's q and k (Qwen3)
+
+    @property
+    def kv_width(self) -> int:
+        """The width of k and of v: (H_kv) · Dh."""
+        return (self.num_key_value_heads or self.num_attention_heads) * (self.hidden_size // self.num_attention_heads)
 
 
 SHAPES = {
@@ -104,6 +111,13 @@ SHAPES = {
     # max_sequence_length 4096. Its safetensors index: total_size 16,031,162,368 bytes of
     # bfloat16, i.e. 8,015,581,184 parameters, which `param_count` gives.
     "llada-8b": Shape(126464, 4096, 32, 32, 12288),
+    # Dream-v0-Instruct-7B is Qwen2.5-7B's shape (its config.json: hidden 3584, 28 layers, 28 heads,
+    # 4 key-value heads, intermediate 18944, vocabulary 152064, q/k/v biases, untied head):
+    # 7,615,616,512 parameters, Qwen2.5-7B's published count. Not buildable as TinyDiffusionLM (GQA).
+    "dream-7b": Shape(152064, 3584, 28, 28, 18944, rope_theta=1e6, num_key_value_heads=4, qkv_bias=True),
+    # SDAR-8B-Chat is Qwen3-8B's shape (hidden 4096, 36 layers, 32 heads, 8 key-value heads of 128,
+    # intermediate 12288, vocabulary 151936, q/k norms, untied head): 8,190,735,360 parameters.
+    "sdar-8b": Shape(151936, 4096, 36, 32, 12288, rope_theta=1e6, num_key_value_heads=8, qk_norm=True),
     # LLaDA's proportions (I = 3d, head width 128, V/d = 32) at width 256: 11.0 M parameters.
     "llada-cpu": Shape(8192, 256, 8, 2, 768),
     # for the tests
@@ -112,9 +126,12 @@ SHAPES = {
 
 
 def layer_params(shape: Shape) -> int:
-    """Parameters of one layer: q, k, v, out (4d²), gate, up (2dI), down (Id), two RMSNorm weights (2d)."""
-    d, I = shape.hidden_size, shape.intermediate_size
-    return 4 * d * d + 3 * d * I + 2 * d
+    """Parameters of one layer: q, out (2d²), k, v (2·d·kv, kv = d without GQA), gate, up (2dI),
+    down (Id), two RMSNorm weights (2d); Qwen's q, k, v biases (d + 2kv) or q, k norms (2·Dh)."""
+    d, I, kv = shape.hidden_size, shape.intermediate_size, shape.kv_width
+    Dh = d // shape.num_attention_heads
+    extra = (d + 2 * kv if shape.qkv_bias else 0) + (2 * Dh if shape.qk_norm else 0)
+    return 2 * d * d + 2 * d * kv + 3 * d * I + 2 * d + extra
 
 
 def param_count(shape: Shape) -> int:
@@ -127,15 +144,25 @@ def lora_param_count(shape: Shape, r: int) -> int:
     """LoRA adapters of rank r on every linear layer but the output head (peft's
     "all-linear"): r·(in + out) for qkv (d -> 3d), proj (d -> d), gate_up (d -> 2I), down (I -> d).
     (LLaDA's own modules, with q, k, v and ff_proj, up_proj apart, take r·(11d + 3I) per layer.)"""
-    d, I = shape.hidden_size, shape.intermediate_size
-    return shape.num_hidden_layers * r * (4 * d + 2 * d + d + 2 * I + I + d)
+    d, I, kv = shape.hidden_size, shape.intermediate_size, shape.kv_width
+    return shape.num_hidden_layers * r * ((2 * d + 2 * kv) + 2 * d + d + 2 * I + I + d)
+
+
+def buildable(shape: Shape) -> bool:
+    """Whether `TinyDiffusionLM` has this shape: no grouped-query attention, biases or q/k norms."""
+    return shape.kv_width == shape.hidden_size and not (shape.qkv_bias or shape.qk_norm)
 
 
 def build_model(shape: Shape, device: str | torch.device, dtype: torch.dtype = torch.float32) -> TinyDiffusionLM:
     """A randomly initialised `TinyDiffusionLM` of this shape, made directly on `device`
     (``meta``: no memory, for counting). The special tokens are those of the char tokenizer."""
+    if not buildable(shape):
+        raise ValueError("TinyDiffusionLM has no grouped-query attention, q/k/v biases or q/k norms: this shape "
+                         "is for the memory model (--predict-only, --recipes)")
     tok = build_char_tokenizer()
-    cfg = TinyDiffusionConfig(**dataclasses.asdict(shape), mask_token_id=tok.mask_token_id,
+    fields = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+              "rope_theta", "max_position_embeddings")
+    cfg = TinyDiffusionConfig(**{k: getattr(shape, k) for k in fields}, mask_token_id=tok.mask_token_id,
                               pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id,
                               eos_token_id=tok.eos_token_id)
     previous = torch.get_default_dtype()
@@ -166,6 +193,8 @@ def preset(name: str, overrides: list[str] = ()) -> Preset:
     K = 2 views, μ = 2, AdamW lr 2e-6, weight decay 0.1, clip 0.2, bf16. The prompt length is
     ours, not theirs: 256 columns, as docs/scale-out.md assumes for GSM8K in LLaDA's chat
     template. Their SPG estimator is not implemented here: the step uses mc with K = 2."""
+    from stabledrl.config import load_config  # imported here: gpu_check runs without dacite
+
     if name == "countdown":
         path = ROOT / "configs" / "countdown-stabledrl.yaml"
         cfg = load_config(TrainConfig, path, overrides)
@@ -202,6 +231,15 @@ class Footprint:
     shards: int = 1  # FSDP / ZeRO-3 processes sharing weights, gradients and AdamW states
     optimizer_chunk: int | None = None  # elements stepped at a time (the trainer: 2**26); None: all
     foreach: bool = False  # torch's multi-tensor AdamW (its default for CUDA tensors)
+    checkpointing: bool = False  # gradient checkpointing: a layer keeps only its input for the backward
+    noise: str = "generator"  # the sampler's noise: generator (float64, every column) or counter
+    block_length: int | None = None  # the sampler's block: counter noise draws over its columns only
+    block_size: int | None = None  # a block model's S: KV-cached rollouts, staircase scoring [q ; y ; q̃ ; ỹ]
+
+
+def scored_length(f: Footprint) -> int:
+    """Tokens of one scored view: P + L, or a block model's staircase P + 2L + S (q̃ is at most a block)."""
+    return f.prompt_length + f.gen_length + (f.gen_length + f.block_size if f.block_size else 0)
 
 
 def activation_bytes(shape: Shape, f: Footprint) -> int:
@@ -224,17 +262,31 @@ def activation_bytes(shape: Shape, f: Footprint) -> int:
     MLP (4I) and the mask (9d + 4I + T); float32 the two residuals (or, over a bfloat16 LoRA
     base, the norms' float32 copies of their inputs) and, with full fine-tuning, the norms'
     x·rsqrt (2d + 2d). Once: the embedding output over float32 weights (d), cos and sin, and
-    with full fine-tuning the final norm (float32) and its cast (bfloat16)."""
-    d, I, V, H = shape.hidden_size, shape.intermediate_size, shape.vocab_size, shape.num_attention_heads
-    T, L, Dh = f.prompt_length + f.gen_length, f.gen_length, d // H
-    full = f.lora_params == 0
+    with full fine-tuning the final norm (float32) and its cast (bfloat16).
+
+    With gradient checkpointing a layer keeps only its input, the residual stream in the
+    weights' dtype (d per token and layer); one layer's activations as above exist while it
+    is recomputed in the backward (`layer_bytes`, the predicted update's `recompute` term)."""
+    T, L = scored_length(f), f.gen_length
+    per_layer = f.weight_bytes * shape.hidden_size if f.checkpointing else layer_bytes(shape, f)
+    return T * (shape.num_hidden_layers * per_layer + _once_bytes(shape, f)) + 4 * L * shape.vocab_size
+
+
+def layer_bytes(shape: Shape, f: Footprint) -> int:
+    """Bytes one layer keeps for the backward per token, without checkpointing (`activation_bytes`)."""
+    d, I, H = shape.hidden_size, shape.intermediate_size, shape.num_attention_heads
+    T, full = scored_length(f), f.lora_params == 0
     if f.autocast:
-        layer = 2 * (9 * d + 4 * I + T) + 4 * ((2 * d if full else 0) + 2 * d + H + 2)
-        once = 4 * (d * (f.weight_bytes == 4) + Dh) + (6 * d if full else 0)
-    else:
-        layer = 4 * ((4 * d if full else 2 * d) + 9 * d + 4 * I + T + H + 2)
-        once = 4 * (d + Dh + (2 * d if full else 0))
-    return T * (shape.num_hidden_layers * layer + once) + 4 * L * V
+        return 2 * (9 * d + 4 * I + T) + 4 * ((2 * d if full else 0) + 2 * d + H + 2)
+    return 4 * ((4 * d if full else 2 * d) + 9 * d + 4 * I + T + H + 2)
+
+
+def _once_bytes(shape: Shape, f: Footprint) -> int:
+    """Bytes kept once per token, outside the layers (`activation_bytes`)."""
+    d, Dh, full = shape.hidden_size, shape.hidden_size // shape.num_attention_heads, f.lora_params == 0
+    if f.autocast:
+        return 4 * (d * (f.weight_bytes == 4) + Dh) + (6 * d if full else 0)
+    return 4 * (d + Dh + (2 * d if full else 0))
 
 
 def predict_memory(shape: Shape, f: Footprint) -> dict[str, Any]:
@@ -257,17 +309,21 @@ def predict_memory(shape: Shape, f: Footprint) -> dict[str, Any]:
       under autocast, accelerate's float32 copy of the bfloat16 logits, made beside them (the
       prepared model returns float32 outputs); then the float32 logits and the log-softmax
       (n, L, V);
-    - update: the activations of the n views with a graph (`activation_bytes`), the weight
-      copies, and the backward's first steps: the log-softmax's two gradients (2 × L·V per
-      view), then the logits' gradient (T·V) with the head's input and weight gradients;
+    - update: the activations of the n views with a graph (`activation_bytes`; with
+      checkpointing a layer's input each, and one layer's activations while recomputed), the
+      weight copies, and the larger of the forward's head (as in scoring) and the backward's
+      first steps: the log-softmax's two gradients (2 × L·V per view), then the logits'
+      gradient (T·V) with the head's input and weight gradients;
     - optimizer: all gradients and the step's temporaries: √v and its quotient for the
       largest parameter (torch's per-tensor AdamW, on CPU), or √v of all that is stepped at
       once (foreach; `optimizer_chunk` bounds it, and adds the trainer's copy of the chunk).
-    Rollouts of LLaDA (full attention) keep no KV cache; a block model's cache would add
-    2·nl·T·d bytes of activations per row."""
+    Rollouts of LLaDA (full attention) keep no KV cache and run the whole P + L columns each
+    step. A block model (`block_size` S) feeds one block of S columns against a cache of
+    2·nl·(P + L)·kv values per row, and scores the staircase (`scored_length`)."""
     N = param_count(shape)
     d, V, L = shape.hidden_size, shape.vocab_size, f.gen_length
-    T = f.prompt_length + f.gen_length
+    T = scored_length(f)
+    Tr = f.block_size or f.prompt_length + f.gen_length  # the columns a sampler step feeds
     full = f.lora_params == 0
     train = N if full else f.lora_params
     shard = f.shards if full else 1
@@ -287,16 +343,33 @@ def predict_memory(shape: Shape, f: Footprint) -> dict[str, Any]:
     A, n = f.rows_per_call, f.views_per_forward
     I = shape.intermediate_size
 
-    def forward_peak(rows: int) -> int:  # a forward without a graph: a layer's temporaries, or the head
-        return terms["forward_weight_copies"] + rows * T * max((4 * I + 3 * d) * act, 3 * d * act + V * logit)
+    def forward_peak(rows: int, tokens: int = T) -> int:  # no graph: a layer's temporaries, or the head
+        return terms["forward_weight_copies"] + rows * tokens * max((4 * I + 3 * d) * act, 3 * d * act + V * logit)
 
-    pick = A * T * V * logit + (4 * A * L * V if f.autocast else 0) + 40 * A * L * V
-    terms["rollout_transient"] = max(forward_peak(A), pick)
-    to_float32 = n * T * V * (logit + 4) if f.autocast else 0  # accelerate's convert_outputs_to_fp32
-    terms["scoring_transient"] = max(forward_peak(n), to_float32, n * V * (4 * T + 4 * L))
+    # The sampler's loop holds the previous step's float32 logits (A, Tr, V) while the next forward
+    # runs and its output is converted: `held` besides the forward in every step but the first.
+    held = A * Tr * V * 4
+    to_float32 = (logit + 4) if f.autocast else 0  # per logit: accelerate's float32 copy beside the bfloat16 one
+    if f.noise == "counter":  # 7 (N, V) float32 draws over the block's N <= A·W eligible slots
+        W = min(L, f.block_size or f.block_length or L)
+        pick = A * Tr * V * 4 + 28 * A * W * V
+    else:
+        pick = A * Tr * V * logit + (4 * A * L * V if f.autocast else 0) + 40 * A * L * V
+    cache = 2 * A * shape.num_hidden_layers * (f.prompt_length + L) * shape.kv_width * act if f.block_size else 0
+    terms["rollout_transient"] = cache + max(held + forward_peak(A, Tr), held + A * Tr * V * to_float32, pick)
+    # log-softmax over the L completion slots of the float32 logits: on CUDA the strided slice is first
+    # copied whole (measured on an H100: 8 bytes per logit of n·T·V with L = T/2, not 6)
+    head = n * V * (4 * T + 8 * L)
+    terms["scoring_transient"] = max(forward_peak(n), n * T * V * to_float32, head)
     terms["activations"] = n * activation_bytes(shape, f)
+    # the update's forward peaks at that log-softmax: what is kept besides the log-softmax, and the head
+    terms["update_forward_head"] = max(n * T * V * to_float32, head) - 4 * n * L * V
     head_grad = 4 * V * d if full else 0
     terms["update_backward_transient"] = max(8 * n * L * V, n * T * V * logit + n * T * d * act + head_grad)
+    # checkpointing: one layer's activations while it is recomputed, with the residual's gradient
+    # coming in and going out (float32), after the head's backward has freed its temporaries
+    recompute = n * T * (layer_bytes(shape, f) + 8 * d) if f.checkpointing else 0
+    terms["recompute"] = recompute
     stepped = train // shard
     if f.foreach:
         chunk = stepped if f.optimizer_chunk is None else min(stepped, f.optimizer_chunk)
@@ -309,7 +382,7 @@ def predict_memory(shape: Shape, f: Footprint) -> dict[str, Any]:
         "rollout": resident + terms["gradients"] + terms["rollout_transient"],
         "scoring": resident + terms["gradients"] + terms["scoring_transient"],
         "update": resident + terms["forward_weight_copies"] + terms["activations"]
-                  + terms["update_backward_transient"],
+                  + max(terms["update_backward_transient"], recompute, terms["update_forward_head"]),
         "optimizer": resident + terms["gradients"] + temp,
     }
     return {"terms": terms, "phases": phases, "peak": max(phases.values()), "params": N, "trainable": train}
@@ -328,6 +401,8 @@ def views_per_row(cfg: TrainConfig) -> int:
 def footprint(cfg: TrainConfig, prompt_length: int, *, lora_params: int = 0, weight_bytes: int = 4,
               shards: int = 1, optimizer_chunk: int | None = None, foreach: bool = False) -> Footprint:
     """The footprint of one process of `shards` running `cfg` (its share of the P·G rows)."""
+    from stabledrl.train import _needs_reference
+
     rows = -(-cfg.prompts_per_step * cfg.group_size // shards)
     views = rows * views_per_row(cfg)
     budget = cfg.estimator.max_views_per_forward
@@ -441,6 +516,8 @@ class _Run:
 
 def rl_step(run: _Run, step: int, clock: _Clock) -> dict[str, int]:
     """One step of the trainer (stabledrl.train, one process) on random prompts and rewards."""
+    from stabledrl.train import Rollouts, _plan, _score, build_objective
+
     cfg, policy, acc = run.cfg, run.policy, run.accelerator
     B, G, L = run.prompt_ids.size(0), cfg.group_size, cfg.rollout.gen_length
     e = cfg.estimator
@@ -523,6 +600,7 @@ def run_mode(shape_name: str, pre: Preset, mode: str, device: str, *, repeats: i
              lora_base_dtype: torch.dtype = torch.float32) -> dict[str, Any]:
     """Build the model, run one warm-up step and `repeats` timed steps (and, on CPU, one more
     under `LiveBytes`); return the figures and the memory model's prediction."""
+    from stabledrl.train import _needs_reference, _optimizer
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState
 
@@ -631,7 +709,7 @@ def predict_layouts(shape_name: str, pre: Preset, *, shards: int, lora: LoraSett
     share of rows that fits without a view budget (docs/scale-out.md: with sharded
     parameters the trainer leaves `max_views_per_forward` unset)."""
     shape = SHAPES[shape_name]
-    n_meta = sum(p.numel() for p in build_model(shape, "meta").parameters())  # the real module tree
+    n_meta = sum(p.numel() for p in build_model(shape, "meta").parameters()) if buildable(shape) else param_count(shape)
     if n_meta != param_count(shape):
         raise RuntimeError(f"the meta model has {n_meta} parameters, param_count {param_count(shape)}")
     K = views_per_row(pre.config)
@@ -656,6 +734,84 @@ def predict_layouts(shape_name: str, pre: Preset, *, shards: int, lora: LoraSett
                 lambda k: peak(rows_per_call=min(k, f.rows_per_call), views_per_forward=k * K) <= gpu_bytes, share)
         out[name] = entry
     return out
+
+
+# ----------------------------------------------------------------------------- the recipes
+@dataclass(frozen=True)
+class Recipe:
+    """One shipped recipe's sizes, as the memory model reads them (8 GPUs, FSDP full shard, bf16, AdamW)."""
+
+    shape: str
+    block_size: int | None = None  # a block model's S (staircase scoring, KV-cached rollouts)
+    prompt_length: int = 256  # Pl: the chat-templated GSM8K / MATH prompt, as docs/scale-out.md assumes
+    gen_length: int = 256
+    block_length: int = 32
+    prompts: int = 32
+    group_size: int = 16
+    views: int = 2  # K noised views a rollout (SPG's block_random: 2 Monte Carlo samples)
+    processes: int = 8
+    rounds: int = 4  # rollout rounds accumulated into one optimizer step (the authors: 8 GPUs x 4)
+
+
+RECIPES = {
+    # the StableDRL authors' GSM8K / MATH run (docs: /work/shared/real-models.md, "Published settings")
+    "llada-8b-instruct-gsm8k-stabledrl": Recipe("llada-8b"),
+    "dream-7b-gsm8k-stabledrl": Recipe("dream-7b"),
+    "sdar-8b-gsm8k-stabledrl": Recipe("sdar-8b", block_size=4, block_length=4),
+}
+
+
+def recipe_footprint(r: Recipe, **kw) -> Footprint:
+    """One GPU's footprint: full fine-tuning sharded over the processes (the trainer's chunked
+    foreach AdamW), bf16 autocast, counter noise, gradient checkpointing; `kw` overrides."""
+    rows = r.prompts * r.group_size // (r.processes * r.rounds)
+    base = dict(prompt_length=r.prompt_length, gen_length=r.gen_length, rows_per_call=rows,
+                views_per_forward=rows * r.views, autocast=True, shards=r.processes, optimizer_chunk=2**26,
+                foreach=True, checkpointing=True, noise="counter", block_length=r.block_length, block_size=r.block_size)
+    return Footprint(**{**base, **kw})
+
+
+def predict_recipes(gpu_bytes: float) -> dict[str, Any]:
+    """Per GPU, for each recipe: the prediction at its micro-batches (a round's rows sampled and
+    scored in micro-batches of at most 16 rows / 32 views, the largest that fit), beside the
+    same without checkpointing and the whole share of P·G / processes rows at once without
+    checkpointing or rounds (the defaults before micro-batches and rounds)."""
+    out: dict[str, Any] = {"gpu_bytes": gpu_bytes}
+    for name, r in RECIPES.items():
+        shape = SHAPES[r.shape]
+        rows = r.prompts * r.group_size // (r.processes * r.rounds)
+        peak = lambda **kw: predict_memory(shape, recipe_footprint(r, **kw))["peak"]  # noqa: E731
+        micro = _largest(lambda k: peak(rows_per_call=k, views_per_forward=1) <= gpu_bytes, min(rows, 16))
+        views = _largest(lambda k: peak(rows_per_call=1, views_per_forward=k) <= gpu_bytes, min(rows * r.views, 32))
+        f = recipe_footprint(r, rows_per_call=max(micro, 1), views_per_forward=max(views, 1))
+        pred = predict_memory(shape, f)
+        share = r.prompts * r.group_size // r.processes
+        whole = predict_memory(shape, recipe_footprint(r, rows_per_call=share, views_per_forward=share * r.views,
+                                                        checkpointing=False))
+        out[name] = {"recipe": dataclasses.asdict(r), "params": param_count(shape), "rows_per_round": rows,
+                     "rollout.micro_batch": micro, "estimator.max_views_per_forward": views,
+                     "footprint": dataclasses.asdict(f), "peak": pred["peak"], "phases": pred["phases"],
+                     "terms": pred["terms"], "fits": pred["peak"] <= gpu_bytes,
+                     "peak_without_checkpointing":
+                         predict_memory(shape, dataclasses.replace(f, checkpointing=False))["peak"],
+                     "whole_share_at_once": {"rows": share, "phases": whole["phases"], "peak": whole["peak"]}}
+    return out
+
+
+def recipes_table(pred: dict[str, Any]) -> str:
+    """The markdown table of `predict_recipes`."""
+    lines = ["| recipe | parameters | rows per GPU and round | rollout.micro_batch | views per forward | "
+             "predicted peak per GPU | largest phase | without checkpointing | whole share at once, no checkpointing |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for name, e in pred.items():
+        if not isinstance(e, dict):
+            continue
+        phase = max(e["phases"], key=e["phases"].get)
+        lines.append(f"| {name} | {e['params'] / 1e9:.2f} B | {e['rows_per_round']} | {e['rollout.micro_batch']} | "
+                     f"{e['estimator.max_views_per_forward']} | {_gb(e['peak'])} | {phase} | "
+                     f"{_gb(e['peak_without_checkpointing'])} | {_gb(e['whole_share_at_once']['peak'])} "
+                     f"({e['whole_share_at_once']['rows']} rows) |")
+    return "\n".join(lines)
 
 
 # ----------------------------------------------------------------------------- command line
@@ -691,6 +847,9 @@ def main() -> None:
     ap.add_argument("--predict-only", action="store_true",
                     help="no model is materialised: the parameter count of the meta model and the memory model's "
                          "prediction for full FT under FSDP and for LoRA on one GPU")
+    ap.add_argument("--recipes", action="store_true",
+                    help="the memory model alone, per GPU, for the shipped recipes (8 GPUs, FSDP): "
+                         "benchmarks/results/scale-recipes.json and a markdown table")
     ap.add_argument("--shards", type=int, default=8, help="--predict-only: FSDP processes of full fine-tuning")
     ap.add_argument("--gpu-memory", type=float, default=80.0, help="--predict-only: GB of one GPU")
     ap.add_argument("--tag", help="default: <shape>-<preset>")
@@ -728,6 +887,14 @@ def main() -> None:
         "settings": {"device": args.device, "threads": args.threads, "repeats": args.repeats,
                      "lora": dataclasses.asdict(lora), "lora_base_dtype": str(base_dtype).removeprefix("torch.")},
     }
+    if args.recipes:
+        pred = predict_recipes(args.gpu_memory * GB)
+        path = Path(args.out or ROOT / "benchmarks" / "results" / "scale-recipes.json")
+        path.write_text(json.dumps({"command": "python benchmarks/scale.py " + " ".join(sys.argv[1:]),
+                                    "predicted": pred}, indent=2) + "\n")
+        print(recipes_table(pred))
+        print(f"wrote {path}")
+        return
     if args.predict_only:
         pred = predict_layouts(shape_name, pre, shards=args.shards, lora=lora, gpu_bytes=args.gpu_memory * GB)
         report["predicted"] = pred

@@ -71,13 +71,14 @@ def test_activation_bytes_by_hand():
 def test_scoring_terms_by_hand():
     # 8 views of T = 24 tokens (L = 11 scored), V = 256, float32: the larger of a layer's
     # temporaries, 8·24·(4·96 + 3·32)·4 = 368,640, the head's, 8·24·(3·32 + 256)·4 = 270,336,
-    # and the logits with their log-softmax, 8·256·(4·24 + 4·11) = 286,720
+    # and the logits with the log-softmax over L and the copy of its strided input (CUDA),
+    # 8·256·(4·24 + 8·11) = 376,832
     t = scale.predict_memory(TINY, _footprint())["terms"]
-    assert t["scoring_transient"] == 368_640
+    assert t["scoring_transient"] == 376_832
     # Under autocast the prepared model's bfloat16 logits (2 bytes) get a float32 copy (4)
-    # beside them: 8·24·256·6 = 294,912, above the forward (autocast's casts 2·43,168 =
-    # 86,336 plus 8·24·480·2 = 184,320) and the float32 logits with the log-softmax (286,720)
-    t = scale.predict_memory(TINY, _footprint(autocast=True))["terms"]
+    # beside them: 8·24·256·6 = 294,912. With 2 completion slots of 24 that copy is the largest:
+    # the log-softmax then takes 8·256·(4·24 + 8·2) = 229,376 and a layer 8·24·(4·96 + 3·32)·2 = 184,320
+    t = scale.predict_memory(TINY, _footprint(autocast=True, prompt_length=22, gen_length=2))["terms"]
     assert t["scoring_transient"] == 294_912
 
 
@@ -154,3 +155,59 @@ def test_largest_finds_the_last_size_that_fits_by_bisection():
     assert scale._largest(lambda k: k <= 7, 10) == 7
     assert scale._largest(lambda k: True, 10) == 10
     assert scale._largest(lambda k: False, 10) == 0
+
+
+def test_checkpointing_terms_by_hand():
+    # A layer keeps only its input: d = 32 float32 values per token (128 bytes); two layers 256.
+    # Once per token as without checkpointing: 448 bytes. 24 · (256 + 448) = 16,896, plus the
+    # log-softmax 11,264: 28,160 per view
+    f = _footprint(checkpointing=True)
+    assert scale.activation_bytes(TINY, f) == 28_160
+    t = scale.predict_memory(TINY, f)["terms"]
+    assert t["activations"] == 8 * 28_160
+    # one layer recomputed (3,312 bytes a token, as in test_activation_bytes_by_hand) with the residual's
+    # gradient in and out (2 · 4 · 32 = 256): 8 views · 24 tokens · 3,568 = 685,056
+    assert t["recompute"] == 685_056
+    assert scale.predict_memory(TINY, _footprint())["terms"]["recompute"] == 0
+
+
+def test_counter_noise_rollout_term_by_hand():
+    # 4 rows of T = 24, V = 256, float32. The previous step's logits 4·24·256·4 = 98,304 are held
+    # while the next forward's largest temporaries run, 4·24·(4·96 + 3·32)·4 = 184,320: 282,624,
+    # above the draw: the logits and 7 float32 (N, V) over N = 4 rows × 4 block columns,
+    # 98,304 + 28·4·4·256 = 212,992
+    t = scale.predict_memory(TINY, _footprint(noise="counter", block_length=4))["terms"]
+    assert t["rollout_transient"] == 282_624
+
+
+def test_block_models_score_the_staircase_and_cache_keys():
+    # S = 4: the staircase [q ; y ; q̃ ; ỹ] is 13 + 2·11 + 4 = 39 tokens; the rollout feeds 4 columns
+    assert scale.scored_length(_footprint(block_size=4)) == 39
+    assert scale.scored_length(_footprint()) == 24
+    t = scale.predict_memory(TINY, _footprint(noise="counter", block_size=4))["terms"]
+    # cache 2 · 4 rows · 2 layers · 24 positions · 32 · 4 bytes = 49,152; held logits 4·4·256·4 = 16,384;
+    # the forward over 4 columns 4·4·1,920 = 30,720; the draw 16,384 + 28·4·4·256 = 131,072
+    assert t["rollout_transient"] == 49_152 + 131_072
+
+
+def test_dream_and_sdar_shapes_have_their_base_models_parameter_counts():
+    # Qwen2.5-7B (Dream-7B): per layer q, o 2·3584² = 25,690,112; k, v 2·3584·512 = 3,670,016; biases
+    # 3584 + 1024; MLP 3·3584·18944 = 203,685,888; norms 7,168 -> 233,057,792 · 28 = 6,525,618,176;
+    # embedding and head 2·152064·3584 = 1,089,994,752; final norm 3,584: 7,615,616,512
+    assert scale.param_count(scale.SHAPES["dream-7b"]) == 7_615_616_512
+    # Qwen3-8B (SDAR-8B): q, o 2·4096² = 33,554,432; k, v 2·4096·1024 = 8,388,608; MLP 150,994,944;
+    # norms 8,192 and q/k norms 256 -> 192,946,432 · 36 = 6,946,071,552; 2·151936·4096 = 1,244,659,712;
+    # final norm 4,096: 8,190,735,360
+    assert scale.param_count(scale.SHAPES["sdar-8b"]) == 8_190_735_360
+    with pytest.raises(ValueError, match="grouped-query"):
+        scale.build_model(scale.SHAPES["sdar-8b"], "meta")
+
+
+def test_every_recipe_is_predicted_to_fit_80_gb_per_gpu_only_with_checkpointing():
+    pred = scale.predict_recipes(80e9)
+    for name in scale.RECIPES:
+        e = pred[name]
+        assert e["fits"] and e["peak"] <= 80e9, name
+        assert e["rollout.micro_batch"] >= 1 and e["estimator.max_views_per_forward"] >= 1
+        assert e["peak_without_checkpointing"] > 80e9 > e["peak"]
+    assert "| llada-8b-instruct-gsm8k-stabledrl |" in scale.recipes_table(pred)

@@ -139,7 +139,9 @@ class _Block(nn.Module):
         B, T, D = x.shape
         q, k, v = self.qkv(self.attn_norm(x)).split(D, dim=-1)  # 3 x (B, T, D)
         q, k, v = (z.view(B, T, self.n_head, D // self.n_head).transpose(1, 2) for z in (q, k, v))  # (B, H, T, Dh)
-        q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+        # RoPE in float32 (cos, sin), then back to v's dtype: SDPA needs one dtype, which a bfloat16
+        # model without autocast would otherwise break (autocast casts q and k so anyway).
+        q, k = _rope(q, cos, sin).to(v.dtype), _rope(k, cos, sin).to(v.dtype)
         if past is not None:
             k, v = torch.cat([past[0], k], dim=2), torch.cat([past[1], v], dim=2)  # (B, H, Tc+T, Dh)
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)  # (B, H, T, Dh)

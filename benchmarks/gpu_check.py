@@ -1,0 +1,376 @@
+"""One RL step of an 8B diffusion LM on one GPU: rollout, scoring, update; speed, memory and MFU.
+
+    python benchmarks/gpu_check.py                            # CUDA: LLaDA-8B's shape, LoRA, checkpointing
+    python benchmarks/gpu_check.py --train full --layers 8    # full fine-tuning of the first 8 layers' depth
+    python benchmarks/gpu_check.py --model PATH               # a real checkpoint (load_policy)
+    python benchmarks/gpu_check.py --size tiny --device cpu   # the same path at a tiny size (the test)
+
+The default model is the project's own bidirectional transformer (`TinyDiffusionLM`) at
+LLaDA-8B's shape (32 layers, width 4096, 32 heads, SwiGLU 12288, vocabulary 126,464, RoPE θ
+5e5, RMSNorm, no biases, untied head: 8,015,581,184 parameters), random bfloat16 weights;
+not LLaDA's modelling file. The step mirrors the trainer's with the library's components:
+`roll_out` (built-in engine, counter noise), `plan_views` + `score_views` for ℓ_old, one
+update (`score_views` with a graph, or `backward_views` under a view budget; `stabledrl_loss`;
+accelerate's backward; clipping; AdamW). Random prompts and rewards. One warm-up step, then
+`--repeats` timed ones. Peak memory: `torch.cuda.max_memory_allocated` (on CPU the live tensor
+bytes, `scale.LiveBytes`) beside `scale.predict_memory` for the same setting. MFU: model FLOPs
+(a forward 2·N_matmul per token plus attention's 4·nl·d per token and key; the update's
+backward 2× the forward in full fine-tuning, 1× with LoRA; recomputation not counted) over
+`--peak-tflops` (989: the H100 SXM's dense bf16 rate).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import scale  # noqa: E402
+
+from stabledrl.engines import RolloutRequest, roll_out  # noqa: E402
+from stabledrl.likelihood import backward_views, plan_views, score_views  # noqa: E402
+from stabledrl.models import TinyPolicy, add_lora  # noqa: E402
+from stabledrl.objectives import group_advantages, stabledrl_loss  # noqa: E402
+
+try:  # the objectives' batch record, where the library has one; else their keyword form
+    from stabledrl.objectives import ScoredBatch
+except ImportError:
+    ScoredBatch = None
+from stabledrl.sampling import row_generators  # noqa: E402
+from stabledrl.settings import LoraSettings, SamplingConfig  # noqa: E402
+from stabledrl.tokenizer import build_char_tokenizer  # noqa: E402
+
+GB = 1e9
+SIZES = {"llada-8b": "llada-8b", "tiny": "tiny"}
+
+
+class _Tokens:
+    """Counts the tokens fed to the model (forward pre-hook), for the FLOP count."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.count = 0
+        self.sq = 0  # Σ rows·T², for attention's FLOPs
+        model.register_forward_pre_hook(self._hook, with_kwargs=True)
+
+    def _hook(self, module, args, kwargs) -> None:
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        self.count += ids.numel()
+        self.sq += ids.size(0) * ids.size(1) ** 2
+
+
+def _inner(model: torch.nn.Module) -> torch.nn.Module:
+    """The `TinyDiffusionLM` (or HF model) under peft's and accelerate's wrappers."""
+    while True:
+        nxt = getattr(model, "module", None) or getattr(getattr(model, "base_model", None), "model", None)
+        if nxt is None or nxt is model:
+            return model
+        model = nxt
+
+
+def build(args) -> tuple[TinyPolicy, scale.Shape | None]:
+    """The policy: a random `TinyDiffusionLM` of the size's shape (depth `--layers`) in the
+    base dtype, or `--model`; LoRA adapters with `--train lora`; checkpointing on."""
+    dtype = torch.bfloat16 if args.train == "lora" else torch.float32  # full FT: float32 master weights
+    if args.model:
+        from stabledrl.models.policy import load_policy
+
+        policy = load_policy(args.model, device=args.device, dtype=dtype)
+        shape = _shape_of(policy.model.config)
+    else:
+        shape = scale.SHAPES[args.size]
+        if args.layers:
+            shape = dataclasses.replace(shape, num_hidden_layers=args.layers)
+        policy = TinyPolicy(scale.build_model(shape, args.device, dtype), build_char_tokenizer())
+    model = policy.model
+    if args.checkpointing:
+        if hasattr(model, "gradient_checkpointing") and isinstance(model.gradient_checkpointing, bool):
+            model.gradient_checkpointing = True  # TinyDiffusionLM: every block, also in eval mode
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.requires_grad_(args.train == "full")
+    if args.train == "lora":
+        add_lora(policy, LoraSettings(r=args.lora_r, alpha=2.0 * args.lora_r, dropout=0.0), seed=0)
+    policy.model.eval()
+    return policy, shape
+
+
+def _shape_of(cfg) -> scale.Shape | None:
+    """The memory model's shape of a checkpoint's config (HF names, or LLaDA's); None if unreadable."""
+    def get(*names):
+        return next((getattr(cfg, n) for n in names if getattr(cfg, n, None) is not None), None)
+    d, nl = get("hidden_size", "d_model"), get("num_hidden_layers", "n_layers")
+    H = get("num_attention_heads", "n_heads")
+    I, V = get("intermediate_size", "mlp_hidden_size"), get("embedding_size", "vocab_size")
+    if None in (d, nl, H, I, V):
+        return None
+    kv = get("num_key_value_heads", "n_kv_heads")
+    return scale.Shape(V, d, nl, H, I, num_key_value_heads=None if kv == H else kv,
+                       qkv_bias=bool(get("attention_bias", "include_bias")), qk_norm=any(t in str(get("model_type")) for t in ("qwen3", "sdar")))
+
+
+def _sync(cuda: bool) -> None:
+    if cuda:
+        torch.cuda.synchronize()
+
+
+def rl_step(ctx: dict[str, Any], step: int) -> dict[str, Any]:
+    """One step: rollout, ℓ_old, one update and the optimizer step; seconds, tokens and peaks per phase."""
+    a, policy, acc, opt, counter = ctx["args"], ctx["policy"], ctx["acc"], ctx["opt"], ctx["tokens"]
+    cuda = torch.device(a.device).type == "cuda"
+    ids, mask = ctx["prompt_ids"], ctx["prompt_mask"]
+    B, out = ids.size(0), {}
+
+    def phase(name: str, fn):
+        _sync(cuda)
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        if ctx.get("live") is not None:
+            ctx["live"].enter(name)
+        c0, s0, t0 = counter.count, counter.sq, time.perf_counter()
+        res = fn()
+        _sync(cuda)
+        live = ctx.get("live")
+        out[name] = {"seconds": time.perf_counter() - t0, "tokens": counter.count - c0, "tokens_sq": counter.sq - s0,
+                     "peak_bytes": torch.cuda.max_memory_allocated() if cuda else live and live.peaks[name]}
+        return res
+
+    sampling = SamplingConfig(gen_length=a.gen_length, steps=a.steps, block_length=a.block_length,
+                              temperature=a.temperature, noise=a.noise)
+    request = RolloutRequest(policy, ids, mask, a.gen_length, row_generators(f"gpu_check/{step}", 0, B), sampling,
+                             micro_batch=a.micro_batch)
+    with torch.no_grad():
+        roll = phase("rollout", lambda: roll_out(request))
+    comp, cmask = roll.completion_ids, roll.completion_mask  # (B, L)
+    opts = {"block_length": a.block_length, "p_prompt": 0.15} if a.estimator == "block_random" else {}
+    plan = plan_views(a.estimator, cmask, num_samples=a.views, generator=torch.Generator().manual_seed(step),
+                      prompt_ids=ids, prompt_mask=mask, bos_token_id=policy.tokenizer.bos_token_id, **opts)
+    kw = {"prompt_mask": mask, "reduction": "mean", "max_views_per_forward": a.max_views_per_forward}
+    with torch.no_grad():
+        old = phase("scoring", lambda: score_views(policy, plan, ids, comp, cmask, **kw).sequence)  # (B,)
+    rewards = torch.rand(B, generator=torch.Generator().manual_seed(1000 + step)).to(old.device)  # (B,)
+    adv = group_advantages(rewards, a.group_size)
+
+    def loss_of(logp):
+        if ScoredBatch is not None:  # objectives that take one ScoredBatch
+            return stabledrl_loss(ScoredBatch(logp, old, adv, a.group_size, cmask)).loss
+        return stabledrl_loss(logp, old, adv, group_size=a.group_size, completion_mask=cmask).loss
+
+    def update() -> None:
+        opt.zero_grad(set_to_none=True)
+        if a.max_views_per_forward:  # ∂loss/∂ℓ on a leaf, pushed back a micro-batch of views at a time
+            with torch.no_grad():
+                leaf = score_views(policy, plan, ids, comp, cmask, **kw).sequence.requires_grad_()
+            loss_of(leaf).backward()
+            backward_views(policy, plan, ids, comp, cmask, leaf.grad, backward=acc.backward, **kw)
+        else:
+            acc.backward(loss_of(score_views(policy, plan, ids, comp, cmask, **kw).sequence))
+
+    def optimize() -> None:
+        acc.clip_grad_norm_(ctx["params"], 0.2)
+        opt.step()
+
+    phase("update", update)
+    phase("optimizer", optimize)
+    out["counts"] = {"rows": B, "completion_slots": B * a.gen_length, "scored_slots": int(cmask.sum()),
+                     "views": plan.num_views, "forward_passes": roll.forward_passes}
+    return out
+
+
+def _resident(ctx: dict[str, Any]) -> list[torch.Tensor]:
+    """The tensors a step starts with: weights, buffers, gradients, AdamW's states, prompts."""
+    model = ctx["policy"].model
+    out = [*model.parameters(), *model.buffers()] + [p.grad for p in ctx["params"] if p.grad is not None]
+    out += [v for st in ctx["opt"].state.values() for v in st.values() if isinstance(v, torch.Tensor)]
+    return out + [ctx["prompt_ids"], ctx["prompt_mask"]]
+
+
+def flops_per_token(n_matmul: int, layers: int, width: int) -> tuple[int, int]:
+    """Forward FLOPs: (per token, the dense part 2·N_matmul; per token and key, attention's 4·nl·d)."""
+    return 2 * n_matmul, 4 * layers * width
+
+
+def footprint(args, shape: scale.Shape, lora_params: int, rows: int) -> scale.Footprint:
+    """The memory model's description of this run (one process, no sharding)."""
+    views = rows * args.views
+    return scale.Footprint(prompt_length=args.prompt_length, gen_length=args.gen_length,
+                           rows_per_call=min(rows, args.micro_batch or rows),
+                           views_per_forward=min(views, args.max_views_per_forward or views),
+                           lora_params=lora_params, weight_bytes=2 if args.train == "lora" else 4, autocast=True,
+                           foreach=True, checkpointing=args.checkpointing, noise=args.noise,
+                           block_length=args.block_length)
+
+
+def _args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--size", choices=sorted(SIZES), default="llada-8b", help="the random model's shape")
+    ap.add_argument("--model", help="a checkpoint directory instead (stabledrl.models.policy.load_policy)")
+    ap.add_argument("--layers", type=int, help="depth of the random model (default: the shape's)")
+    ap.add_argument("--train", choices=["lora", "full"], default="lora")
+    ap.add_argument("--lora-r", type=int, default=16)
+    ap.add_argument("--no-checkpointing", dest="checkpointing", action="store_false")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--rows", type=int, default=16, help="rollouts: one group of --group-size by default")
+    ap.add_argument("--group-size", type=int, default=16)
+    ap.add_argument("--prompt-length", type=int, default=256)
+    ap.add_argument("--gen-length", type=int, default=256)
+    ap.add_argument("--block-length", type=int, default=32)
+    ap.add_argument("--steps", type=int, default=128)
+    ap.add_argument("--temperature", type=float, default=0.9)
+    ap.add_argument("--noise", choices=["counter", "generator"], default="counter",
+                    help="the sampler's noise (generator: float64 Gumbel noise from CPU generators)")
+    ap.add_argument("--micro-batch", type=int, help="rollout rows per sampler call (default: all)")
+    ap.add_argument("--estimator", choices=["mc", "block_random"], default="block_random")
+    ap.add_argument("--views", type=int, default=2, help="noised views per rollout (K)")
+    ap.add_argument("--max-views-per-forward", type=int, help="view budget of scoring and the update")
+    ap.add_argument("--lr", type=float, default=1e-6)
+    ap.add_argument("--repeats", type=int, default=1, help="timed steps after one warm-up step")
+    ap.add_argument("--peak-tflops", type=float, default=989.0, help="the GPU's dense bf16 peak (H100 SXM: 989)")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--out", help="JSON output (default: print only)")
+    return ap.parse_args(argv)
+
+
+def _matmul_tflops() -> float:
+    """The bf16 rate this GPU reaches on an 8192³ product (median of 10 after 3 warm-ups)."""
+    x, y = (torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    times = []
+    for i in range(13):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        x @ y
+        e.record()
+        torch.cuda.synchronize()
+        if i >= 3:
+            times.append(s.elapsed_time(e) / 1e3)
+    return 2 * 8192**3 / statistics.median(times) / 1e12
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = _args(argv)
+    torch.set_num_threads(args.threads)
+    cuda = torch.device(args.device).type == "cuda"
+    if cuda and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no GPU is visible (use --size tiny --device cpu)")
+    if args.rows % args.group_size:
+        raise SystemExit(f"--rows ({args.rows}) must be a multiple of --group-size ({args.group_size})")
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+
+    t0 = time.perf_counter()
+    policy, shape = build(args)
+    build_seconds = time.perf_counter() - t0
+    inner = _inner(policy.model)
+    cfg = inner.config
+    base = [p for name, p in inner.named_parameters() if "lora_" not in name]  # the model without adapters
+    n_params = sum(p.numel() for p in base)
+    embed = inner.get_input_embeddings().weight.numel()
+    n_matmul = sum(p.numel() for p in base if p.dim() == 2) - embed  # the lookup makes no FLOPs
+    tokens = _Tokens(inner)
+    AcceleratorState._reset_state()
+    acc = Accelerator(cpu=not cuda, mixed_precision="bf16")
+    params = [p for p in policy.model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.1)
+    policy.model, opt = acc.prepare(policy.model, opt)
+    params = [p for p in policy.model.parameters() if p.requires_grad]
+    trainable = sum(p.numel() for p in params)
+    vocab = cfg.vocab_size
+    ids = torch.randint(5, min(vocab, len(policy.tokenizer)) if args.model else vocab,
+                        (args.rows, args.prompt_length), generator=torch.Generator().manual_seed(0))
+    ids[:, 0] = policy.tokenizer.bos_token_id if policy.tokenizer.bos_token_id is not None else ids[0, 0]
+    ids = ids.to(policy.device)
+    ctx = {"args": args, "policy": policy, "acc": acc, "opt": opt, "params": params, "tokens": tokens,
+           "prompt_ids": ids, "prompt_mask": torch.ones_like(ids)}
+    print(f"model: {'checkpoint ' + args.model if args.model else 'TinyDiffusionLM at ' + args.size + ' shape'}, "
+          f"{n_params:,} parameters ({cfg.num_hidden_layers} layers), train {args.train}: {trainable:,} "
+          f"trainable; built in {build_seconds:.1f} s", flush=True)
+    t0 = time.perf_counter()
+    rl_step(ctx, 0)  # warm-up: kernels, AdamW's states
+    warm = time.perf_counter() - t0
+    print(f"warm-up step: {warm:.1f} s", flush=True)
+    steps = [rl_step(ctx, 1 + r) for r in range(args.repeats)]
+    if not cuda:  # one more step with every live tensor counted (scale.LiveBytes: torch keeps no CPU statistics)
+        with scale.LiveBytes() as live:
+            for t in _resident(ctx):
+                live.add(t)
+            ctx["live"] = live
+            steps.append(rl_step(ctx, 1 + args.repeats))
+            ctx["live"] = None
+    phases = ("rollout", "scoring", "update", "optimizer")
+    med = {k: statistics.median(s[k]["seconds"] for s in steps) for k in phases}
+    last = steps[-1]
+    dense, attn = flops_per_token(n_matmul, cfg.num_hidden_layers, cfg.hidden_size)
+    backward = 2 if args.train == "full" else 1
+    flops = {k: dense * last[k]["tokens"] + attn * last[k]["tokens_sq"] for k in ("rollout", "scoring")}
+    flops["update"] = (1 + backward) * flops["scoring"]  # the same views; a view budget's no-grad pass not counted
+    mm = _matmul_tflops() if cuda else None
+    report: dict[str, Any] = {
+        "command": "python benchmarks/gpu_check.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        "machine": {"device": torch.cuda.get_device_name() if cuda else platform.processor() or platform.machine(),
+                    "gpu_bytes": torch.cuda.mem_get_info()[1] if cuda else None, "torch": torch.__version__,
+                    "cuda": torch.version.cuda, "platform": platform.platform(),
+                    "matmul_bf16_tflops_8192": mm},
+        "model": {"source": args.model or f"random TinyDiffusionLM, {args.size} shape (the project's bidirectional "
+                  "transformer, not LLaDA's modelling file)", "params": n_params, "matmul_params": n_matmul,
+                  "layers": cfg.num_hidden_layers, "hidden_size": cfg.hidden_size, "vocab_size": vocab,
+                  "train": args.train, "trainable": trainable, "checkpointing": args.checkpointing},
+        "settings": {k: v for k, v in vars(args).items() if k not in ("out",)},
+        "warmup_seconds": warm, "build_seconds": build_seconds,
+        "median_seconds": {**med, "step": statistics.median(sum(s[k]["seconds"] for k in phases) for s in steps)},
+        "counts": last["counts"],
+        "rollout_tokens_per_s": last["counts"]["completion_slots"] / med["rollout"],
+        "model_tflop": {k: v / 1e12 for k, v in flops.items()},
+        "mfu": {k: flops[k] / med[k] / (args.peak_tflops * 1e12) for k in flops} if cuda else None,
+        "peak_tflops": args.peak_tflops,
+        "steps": steps,
+    }
+    measured = {k: max(s[k]["peak_bytes"] or 0 for s in steps) for k in phases}
+    by = "torch.cuda.max_memory_allocated" if cuda else "LiveBytes (live tensor storages)"
+    report["memory"] = {"measured_by": by,
+                        "measured_phases": measured, "measured_peak": max(measured.values())}
+    if shape is not None:
+        lora_n = trainable if args.train == "lora" else 0
+        pred = scale.predict_memory(shape, footprint(args, shape, lora_n, args.rows))
+        mem = report.setdefault("memory", {})
+        mem.update(predicted_peak=pred["peak"], predicted_phases=pred["phases"], predicted_terms=pred["terms"])
+        mem["ratio_predicted_over_measured"] = pred["peak"] / mem["measured_peak"]
+    _print(report)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+        print(f"wrote {args.out}")
+    return report
+
+
+def _size(x: float) -> str:
+    return f"{x / GB:.2f} GB" if x >= 0.1 * GB else f"{x / 1e6:.3f} MB"
+
+
+def _print(r: dict[str, Any]) -> None:
+    s, m = r["median_seconds"], r.get("memory", {})
+    print(f"device: {r['machine']['device']}; bf16 matmul 8192³: {r['machine']['matmul_bf16_tflops_8192'] or 0:.0f} "
+          f"TFLOP/s; MFU against {r['peak_tflops']:.0f} TFLOP/s")
+    print(f"step {s['step']:.2f} s: rollout {s['rollout']:.2f} s ({r['rollout_tokens_per_s']:.0f} tokens/s), "
+          f"scoring {s['scoring']:.2f} s, update {s['update']:.2f} s, optimizer {s['optimizer']:.2f} s")
+    if r["mfu"]:
+        print("MFU: " + ", ".join(f"{k} {v:.1%}" for k, v in r["mfu"].items()))
+    if "measured_peak" in m:
+        print("peak memory measured: " + ", ".join(f"{k} {_size(v)}" for k, v in m["measured_phases"].items()))
+    if "predicted_peak" in m:
+        print("peak memory predicted: " + ", ".join(f"{k} {_size(v)}" for k, v in m["predicted_phases"].items()
+                                                     if k != "start"))
+    if "ratio_predicted_over_measured" in m:
+        print(f"peak: measured {_size(m['measured_peak'])}, predicted {_size(m['predicted_peak'])}, "
+              f"ratio {m['ratio_predicted_over_measured']:.3f}")
+
+
+if __name__ == "__main__":
+    main()

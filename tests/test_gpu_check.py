@@ -1,0 +1,57 @@
+"""benchmarks/gpu_check.py at a tiny size on CPU: one rollout, scoring pass and RL step, its
+token and FLOP counts by hand, and its peak memory against the memory model."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import gpu_check  # noqa: E402
+import scale  # noqa: E402
+
+# 4 rows in groups of 2, prompts of 8, 16 slots in blocks of 4, 8 steps: T = 24
+TINY = ["--size", "tiny", "--device", "cpu", "--rows", "4", "--group-size", "2", "--prompt-length", "8",
+        "--gen-length", "16", "--block-length", "4", "--steps", "8"]
+
+
+def test_one_step_on_cpu_counts_its_tokens_and_flops_and_meets_the_memory_model(tmp_path):
+    out = tmp_path / "check.json"
+    r = gpu_check.main(TINY + ["--out", str(out)])
+    assert json.loads(out.read_text())["counts"] == r["counts"]
+    assert r["counts"] == {"rows": 4, "completion_slots": 64, "scored_slots": r["counts"]["scored_slots"],
+                           "views": 8, "forward_passes": 8}  # K = 2 views a row; 8 steps, all rows in each
+    assert r["model"]["params"] == 43_168
+    assert r["model"]["trainable"] == scale.lora_param_count(scale.SHAPES["tiny"], 16)
+    step = r["steps"][0]
+    # every sampler call feeds the 4 rows' 24 tokens: 8 · 4 · 24 = 768; scoring and the update one pass of 8 views
+    assert (step["rollout"]["tokens"], step["scoring"]["tokens"], step["update"]["tokens"]) == (768, 192, 192)
+    # 2-D weights but the embedding: 2 · (4·32² + 3·32·96) + the head 256·32 = 34,816; attention
+    # 4 · 2 layers · 32 = 256 per token and key. Rollout: 2·34,816·768 + 256·(8·4·24²) = 58,195,968
+    assert r["model"]["matmul_params"] == 34_816
+    assert r["model_tflop"]["rollout"] * 1e12 == pytest.approx(58_195_968, rel=1e-12)
+    # LoRA's update: the forward and a backward through the activations only (2× the forward)
+    assert r["model_tflop"]["update"] == pytest.approx(2 * r["model_tflop"]["scoring"], rel=1e-12)
+    mem = r["memory"]
+    assert mem["measured_by"].startswith("LiveBytes") and mem["measured_peak"] > 0
+    assert 0.8 < mem["ratio_predicted_over_measured"] < 1.2
+
+
+def test_full_fine_tuning_with_micro_batches_and_a_view_budget():
+    r = gpu_check.main(TINY + ["--train", "full", "--micro-batch", "2", "--max-views-per-forward", "3",
+                               "--estimator", "mc"])
+    assert r["model"]["trainable"] == 43_168
+    # the backward 2× the forward; the view budget's no-grad pass for ∂loss/∂ℓ is not model FLOPs
+    assert r["model_tflop"]["update"] == pytest.approx(3 * r["model_tflop"]["scoring"], rel=1e-12)
+    assert r["steps"][0]["update"]["tokens"] == 2 * r["steps"][0]["scoring"]["tokens"]
+    assert 0.8 < r["memory"]["ratio_predicted_over_measured"] < 1.2
+
+
+def test_a_bfloat16_model_runs_without_autocast():
+    # RoPE in float32 made q and k float32 beside a bfloat16 v, which SDPA refuses (seen on an H100)
+    model = scale.build_model(scale.SHAPES["tiny"], "cpu", torch.bfloat16)
+    ids = torch.randint(5, 256, (2, 8), generator=torch.Generator().manual_seed(0))
+    logits = model(ids).logits
+    assert logits.dtype == torch.bfloat16 and torch.isfinite(logits).all()
