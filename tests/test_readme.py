@@ -22,9 +22,6 @@ MAX_LINES = 300
 # is listed here; `test_pending_files_are_still_missing` fails once it exists, so the list empties.
 PENDING = {
     "docs/extending.md",
-    "docs/logging.md",
-    "docs/lm-eval.md",
-    "docs/gpu-check.md",
 }
 # Numbers in README prose that are not measurements.
 NOT_FIGURES = {"3.10"}  # the Python version
