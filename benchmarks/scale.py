@@ -756,8 +756,8 @@ class Recipe:
 RECIPES = {
     # the StableDRL authors' GSM8K / MATH run (docs: /work/shared/real-models.md, "Published settings")
     "llada-8b-instruct-gsm8k-stabledrl": Recipe("llada-8b"),
-    "dream-7b-gsm8k-stabledrl": Recipe("dream-7b"),
-    "sdar-8b-gsm8k-stabledrl": Recipe("sdar-8b", block_size=4, block_length=4),
+    "dream-7b-instruct-gsm8k-stabledrl": Recipe("dream-7b"),
+    "sdar-8b-chat-gsm8k-stabledrl": Recipe("sdar-8b", block_size=4, block_length=4),
 }
 
 
