@@ -138,6 +138,8 @@ __all__ = [
     "ViewPlan",
     "LikelihoodEstimate",
     "plan_views",
+    "plan_for",
+    "check_method_fits",
     "score_views",
     "backward_views",
     "estimate",
@@ -702,6 +704,33 @@ def plan_views(
     return PLANNERS[method](inputs, **options)
 
 
+def check_method_fits(method: str, policy: Policy) -> None:
+    """A block model's likelihood is a sum of per-block terms: it takes ``blockwise`` (or
+    ``path``), and only it takes ``blockwise``."""
+    block = getattr(policy, "attention_kind", "full") == "block"
+    if method != "path" and block != (method == "blockwise"):
+        raise ValueError(f"estimator method {method!r} does not fit a {'block' if block else 'full'}-attention "
+                         "model: a block policy takes 'blockwise' (or 'path'), any other policy mc, sdmc, "
+                         "mean_field, coupled, block_random, exact (or path)")
+
+
+def plan_for(policy: Policy, method: Method, completion_mask: torch.Tensor, *, num_samples: int = 1,
+             generator: torch.Generator | None = None, prompt_ids: torch.Tensor | None = None,
+             prompt_mask: torch.Tensor | None = None, unmask_step: torch.Tensor | None = None,
+             **options) -> ViewPlan:
+    """`plan_views` for `policy`'s kind: its block size and prompt blocks, its BOS; the method
+    must fit the model (`check_method_fits`)."""
+    check_method_fits(method, policy)
+    block = getattr(policy, "attention_kind", "full") == "block"
+    return plan_views(
+        method, completion_mask, num_samples=num_samples, generator=generator, prompt_ids=prompt_ids,
+        prompt_mask=prompt_mask, bos_token_id=getattr(policy.tokenizer, "bos_token_id", None),
+        block_size=policy.block_size if method == "blockwise" or (method == "path" and block) else None,
+        prompt_attention=prompt_attention_of(policy) if block else "bidirectional",
+        unmask_step=unmask_step, **options,
+    )
+
+
 # --- scoring --------------------------------------------------------------------------
 
 
@@ -946,16 +975,8 @@ def estimate(
     per model — or pass generators in the same state.
     """
     _check_inputs(policy, prompt_ids, completion_ids, completion_mask, prompt_mask)
-    block = getattr(policy, "attention_kind", "full") == "block"
-    if method == "blockwise" and not block:
-        raise ValueError("method 'blockwise' needs a block policy (attention_kind 'block'); use mc, sdmc, "
-                         "mean_field or exact for full-attention models")
-    plan = plan_views(
-        method, completion_mask, num_samples=num_samples, generator=generator, prompt_ids=prompt_ids,
-        prompt_mask=prompt_mask, bos_token_id=getattr(policy.tokenizer, "bos_token_id", None),
-        block_size=policy.block_size if method == "blockwise" or (method == "path" and block) else None,
-        prompt_attention=prompt_attention_of(policy) if block else "bidirectional", unmask_step=unmask_step, **options,
-    )
+    plan = plan_for(policy, method, completion_mask, num_samples=num_samples, generator=generator,
+                    prompt_ids=prompt_ids, prompt_mask=prompt_mask, unmask_step=unmask_step, **options)
     if (method == "exact" or options.get("inner") == "exact") and max_views_per_forward is None:
         max_views_per_forward = 4096  # up to 2^16 views per sequence: never all at once
     return score_views(
