@@ -19,6 +19,7 @@ Shapes: P prompts per step, G group size, B' rows of the kept groups, L completi
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 from typing import Any
@@ -28,7 +29,7 @@ from tqdm.auto import tqdm
 
 from stabledrl.checkpoint import save_checkpoint
 from stabledrl.instruments import backward_measuring_agreement, first_half_loss, step_measuring_update
-from stabledrl.likelihood import backward_views, eubo, plan_for, score_views
+from stabledrl.likelihood import ViewPlan, backward_views, eubo, plan_for, score_views
 from stabledrl.objectives import ScoredBatch, group_advantages, objective_for
 from stabledrl.rollouts import RolloutBatch, concat_groups, drop_flat_groups, roll_groups
 from stabledrl.settings import MAX_MU, EstimatorConfig, ObjectiveConfig, TrainConfig  # noqa: F401 (re-exported)
@@ -41,104 +42,59 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True, task
     """Train; returns the run's summary (initial and final held-out evaluations, counters).
     `task`: a task object to use instead of cfg.task's."""
     run = set_up(cfg, resume=resume, task=task)
-    policy, shards, timer, G = run.policy, run.shards, run.timer, cfg.group_size
     objective = objective_for(cfg.objective)
     bar = tqdm(range(run.start, cfg.steps), initial=run.start, total=cfg.steps, desc=f"train {cfg.objective.name}",
                disable=not (progress and run.main))
     for step in bar:
-        timer.start()
-        policy.model.eval()  # the update too: no dropout, so ρ = 1 at θ = θ_old and every process agrees
+        run.timer.start()
+        run.policy.model.eval()  # the update too: no dropout, so ρ = 1 at θ = θ_old and every process agrees
 
-        # Prompts, G rollouts of each from θ_old, rewards; groups whose rewards tie carry no signal
-        with timer.phase("rollout"):
+        # Prompts, G rollouts of each from θ_old, their rewards; groups whose rewards tie carry no signal
+        with run.timer.phase("rollout"):
             first = _roll(run, run.task.generate(cfg.prompts_per_step, split="train", seed=cfg.seed * 1_000_003 + step),
-                          step, 0)
-            groups, zero, resampled = _groups_to_train_on(run, first, step)
+                          step, round_=0)
+            groups = _groups_to_train_on(run, first, step)
         row = {"step": step + 1, **_rollout_metrics(first), "groups_used": len(groups.problems),
                "lr": run.sched.get_last_lr()[0]}
-        run.counters["zero_variance_groups"] += zero
-        run.counters["resampled_groups"] += resampled
 
         if groups.problems:
-            advantages = group_advantages(groups.rewards.flatten(), G, cfg.objective.advantage_scale)  # (B',)
-            n = groups.completion_ids.size(0)  # B'
-            start, end = shards.bounds(n)  # this process's rows of the likelihoods
-            mine = groups.rows(start, end, run.device)
-
-            # The mask plan (seed slot 1), ℓ_old and ℓ_ref on it; the weights' own plan (slot 2)
-            with timer.phase("likelihood_old"), torch.no_grad():
-                plan_old = _plan(run, groups, step, 1, start, end)
-                old = _scores(run, policy, plan_old, mine, n)
-                ref = None
-                if run.reference is not None:
-                    with run.accelerator.autocast():  # a reference copy is not prepared: ℓ_old's precision
-                        ref = _scores(run, run.reference, plan_old, mine, n)
-                    row["drift_kl"] = _drift_kl(old, ref)
-                if cfg.objective.weight_masks:
-                    plan_weight = _plan(run, groups, step, 2, start, end)
-                    weight_old = _scores(run, policy, plan_weight, mine, n)
+            # Advantages; a mask plan, and on it ℓ_old and ℓ_ref, no grad
+            advantages = group_advantages(groups.rewards.flatten(), cfg.group_size, cfg.objective.advantage_scale)
+            with run.timer.phase("likelihood_old"), torch.no_grad():
+                old = _old_scores(run, groups, step, row)
 
             iterations = []
             for it in range(cfg.mu):
-                with timer.phase("update"):
-                    # Score ℓ_θ on ℓ_old's plan (shared masks) or a fresh one (slot 3 + it)
-                    plan = plan_old if cfg.masks == "shared" else _plan(run, groups, step, 3 + it, start, end)
-                    weights = {}
-                    if cfg.objective.weight_masks:  # before the first step, the weights' ℓ_θ is their ℓ_old
-                        with torch.no_grad():
-                            weights = {"weight_old_logp": weight_old, "weight_logp": weight_old if it == 0 else
-                                       _scores(run, policy, plan_weight, mine, n)}
+                with run.timer.phase("update"):
+                    # Score ℓ_θ on ℓ_old's masks (shared) or fresh ones (independent)
+                    plan = old.plan if cfg.masks == "shared" else _plan(run, groups, step, 3 + it, old.share)
                     run.opt.zero_grad(set_to_none=True)
-                    logp, eubo_ = _theta_scores(run, plan, mine, n, old if it == 0 and cfg.masks == "shared" else None)
-                    batch = ScoredBatch(logp, old, advantages, groups.completion_mask, G, ref_logp=ref, eubo=eubo_,
-                                        **weights)
+                    batch = _scored_batch(run, groups, old, plan, advantages, first_iteration=it == 0)
 
-                    # Objective, backward, clip
+                    # Objective, backward, clip, then step (a non-finite loss or gradient is skipped)
                     out = objective(batch)
-                    finite, grad_norm = bool(torch.isfinite(out.loss)), float("nan")
-                    it_row = {**out.metrics, "loss": float(out.loss.detach())}
+                    it_row = {**out.metrics, "loss": float(out.loss.detach()), "grad_norm": float("nan")}
+                    finite = bool(torch.isfinite(out.loss))
                     if finite:
-                        with timer.phase("backward", until_gpu_done=True):
-                            if cfg.grad_agreement and it == 0 and len(groups.problems) >= 2:
-                                part = first_half_loss(objective, batch, token_weighted=cfg.objective.token_weighted)
-                                row["grad_agreement"] = backward_measuring_agreement(
-                                    out.loss, part, run.params, run.accelerator.backward)
-                            else:
-                                _backward(run, out.loss, logp, plan, mine, start, end)
-                        norm = run.accelerator.clip_grad_norm_(run.params, cfg.grad_clip)
-                        grad_norm = float("nan") if norm is None else float(norm)  # DeepSpeed may report none
-                        finite = norm is None or math.isfinite(grad_norm)
-                    it_row["grad_norm"] = grad_norm
-
-                    # Step, or skip: a non-finite loss or gradient never reaches the weights
-                    if not finite:
-                        run.opt.zero_grad(set_to_none=True)
-                        run.counters["skipped_steps"] += 1
-                    elif cfg.update_norm:
-                        it_row["update_norm"] = step_measuring_update(run.opt, run.params)
-                    else:
-                        run.opt.step()
-                    if cfg.update_norm and not finite:
-                        it_row["update_norm"] = 0.0
+                        with run.timer.phase("backward", until_gpu_done=True):
+                            _backward(run, out.loss, batch, plan, old.share, objective, row, first_iteration=it == 0)
+                        finite = _clip(run, it_row)
+                    it_row.update(_step_or_skip(run, finite))
                 iterations.append(it_row)
             row.update(_over_iterations(iterations))
         run.sched.step()
 
         # Log, evaluate, save
-        row.update(run.counters)
-        row.update(timer.row())
+        row.update({**run.counters, **run.timer.row()})
         done = step + 1
         if cfg.eval_every and done % cfg.eval_every == 0 and done != cfg.steps:
-            res = run.evaluate()
-            row.update(eval_accuracy=res["accuracy"], eval_reward=res["mean_reward"])
+            row.update(run.evaluate_row())
         run.check_collapse(row)
         if done % cfg.log_every == 0 or "eval_accuracy" in row:
             run.log(row)
         if done % cfg.save_every == 0 or done == cfg.steps:
             _save_checkpoint(run, done)
-        bar.set_postfix(reward=f"{row['reward_mean']:.3f}", gnorm=f"{row.get('grad_norm', 0):.2g}",
-                        ratio_max=f"{row.get('ratio_max', 1):.3g}", skipped=run.counters["skipped_steps"],
-                        **({"COLLAPSE": ",".join(run.monitor.reasons)} if run.monitor.collapsed else {}))
+        bar.set_postfix(_progress(run, row))
     bar.close()
     return run.finish()
 
@@ -150,28 +106,30 @@ run_train = train
 # --- The phases' helpers, in the order the step calls them ---------------------------------
 
 
-def _roll(run: Run, problems: list, step: int, round_: int) -> RolloutBatch:
+def _roll(run: Run, problems: list, step: int, *, round_: int) -> RolloutBatch:
     cfg = run.cfg
     return roll_groups(run.policy, run.task, problems, group_size=cfg.group_size, sampling=cfg.rollout,
                        gen_length=cfg.rollout.gen_length or run.task.completion_length,
                        tag=f"{cfg.seed}/{step}/{round_}", shards=run.shards)
 
 
-def _groups_to_train_on(run: Run, first: RolloutBatch, step: int) -> tuple[RolloutBatch, int, int]:
+def _groups_to_train_on(run: Run, first: RolloutBatch, step: int) -> RolloutBatch:
     """The groups of the first round, all (keep) or those whose rewards differ (skip), and
-    (resample) those of up to `max_resample_rounds` rounds of fresh problems refilling the step;
-    with the number of groups whose rewards all tie, and of groups rolled out in extra rounds."""
+    (resample) those of up to `max_resample_rounds` rounds of fresh problems refilling the step.
+    Counts the groups whose rewards all tie, and the groups rolled out in extra rounds."""
     cfg = run.cfg
-    zero, resampled = int(first.flat().sum()), 0
+    run.counters["zero_variance_groups"] += int(first.flat().sum())
     parts = [first if cfg.zero_variance_groups == "keep" else drop_flat_groups(first)]
     for r in range(cfg.max_resample_rounds if cfg.zero_variance_groups == "resample" else 0):
         missing = cfg.prompts_per_step - sum(len(p.problems) for p in parts)
         if missing <= 0:
             break
-        extra = _roll(run, run.task.generate(missing, split="train", seed=_resample_seed(cfg.seed, step, r)), step, r + 1)
-        zero, resampled = zero + int(extra.flat().sum()), resampled + missing
+        extra = _roll(run, run.task.generate(missing, split="train", seed=_resample_seed(cfg.seed, step, r)), step,
+                      round_=r + 1)
+        run.counters["zero_variance_groups"] += int(extra.flat().sum())
+        run.counters["resampled_groups"] += missing
         parts.append(drop_flat_groups(extra))
-    return concat_groups(parts, run.policy.pad_token_id), zero, resampled
+    return concat_groups(parts, run.policy.pad_token_id)
 
 
 def _resample_seed(seed: int, step: int, round_: int) -> int:
@@ -188,75 +146,141 @@ def _rollout_metrics(first: RolloutBatch) -> dict[str, float]:
             "entropy": float(first.entropy.mean()), "zero_variance_fraction": float(first.flat().float().mean())}
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class Share:
+    """This process's rows of the kept groups: rows [start, end) of B', on its device."""
+
+    rows: RolloutBatch
+    start: int
+    end: int
+    n: int  # B'
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class OldScores:
+    """A step's likelihoods under θ_old (and the initial policy), no graph: what its inner iterations share."""
+
+    share: Share
+    plan: ViewPlan  # ℓ_old's mask plan (seed slot 1), this process's rows
+    logp: torch.Tensor  # ℓ_old of all B' rows: (B',), or (B', L) per-token terms
+    ref_logp: torch.Tensor | None  # ℓ under the initial policy on the same plan, when there is a reference
+    weight_plan: ViewPlan | None = None  # the weights' own plan (seed slot 2), when the objective reads it ...
+    weight_logp: torch.Tensor | None = None  # ... and ℓ_old on it
+
+
 _SEED_SLOTS = MAX_MU + 3  # per step: 0 unused (rollouts draw per row), 1 ℓ_old's plan, 2 the weights', 3.. inner iterations'
 
 
-def _plan(run: Run, groups: RolloutBatch, step: int, slot: int, start: int, end: int):
+def _plan(run: Run, groups: RolloutBatch, step: int, slot: int, share: Share) -> ViewPlan:
     """The mask plan of a seed slot of a step, drawn for all B' rows (the same on every
-    process), for this process's rows start:end."""
+    process), for this process's share of them."""
     if not 0 <= slot < _SEED_SLOTS:
         raise ValueError(f"seed slot {slot} out of range")
     est = run.cfg.estimator
     generator = torch.Generator().manual_seed(run.cfg.seed * 1_000_003 + step * _SEED_SLOTS + slot)
     return plan_for(run.policy, est.method, groups.completion_mask, num_samples=est.num_samples, generator=generator,
                     prompt_ids=groups.prompt_ids, prompt_mask=groups.prompt_mask,
-                    unmask_step=groups.unmask_step if est.method == "path" else None, **est.options).rows(start, end)
+                    unmask_step=groups.unmask_step if est.method == "path" else None,
+                    **est.options).rows(share.start, share.end)
 
 
-def _own_scores(run: Run, policy, plan, mine: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """ℓ of this process's rows under `policy`: (share,) or, for an objective of per-token
-    terms, (share, L); and SPG's EUBO on the same views when the objective reads it."""
-    beta = run.cfg.objective.eubo_beta
-    est = score_views(policy, plan, mine.prompt_ids, mine.completion_ids, mine.completion_mask,
-                      prompt_mask=mine.prompt_mask, reduction=run.cfg.estimator.reduction,
-                      max_views_per_forward=run.cfg.estimator.max_views_per_forward, keep_views=beta is not None)
+def _old_scores(run: Run, groups: RolloutBatch, step: int, row: dict[str, Any]) -> OldScores:
+    """ℓ_old on the plan of seed slot 1, ℓ_ref on the same plan (and the drift KL(π_old ‖ π_init)
+    into `row`), and the weights' ℓ_old on their own plan when the objective reads them."""
+    n = groups.completion_ids.size(0)
+    start, end = run.shards.bounds(n)
+    share = Share(groups.rows(start, end, run.device), start, end, n)
+    plan = _plan(run, groups, step, 1, share)
+    logp, ref = _scores(run, run.policy, plan, share), None
+    if run.reference is not None:
+        with run.accelerator.autocast():  # a reference copy is not prepared: ℓ_old's precision
+            ref = _scores(run, run.reference, plan, share)
+        gap = logp - ref  # KL(π_old ‖ π_init) ≈ the mean over π_old's samples of ℓ_old − ℓ_init
+        row["drift_kl"] = float((gap.sum(-1) if gap.dim() == 2 else gap).mean())
+    if not run.cfg.objective.weight_masks:
+        return OldScores(share, plan, logp, ref)
+    weight_plan = _plan(run, groups, step, 2, share)
+    return OldScores(share, plan, logp, ref, weight_plan, _scores(run, run.policy, weight_plan, share))
+
+
+def _own_scores(run: Run, policy, plan: ViewPlan, rows: RolloutBatch, *,
+                eubo_beta: float | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """ℓ of this process's rows under `policy`: (share,), or (share, L) for an objective of
+    per-token terms; with `eubo_beta`, SPG's EUBO on the same views too."""
+    est = score_views(policy, plan, rows.prompt_ids, rows.completion_ids, rows.completion_mask,
+                      prompt_mask=rows.prompt_mask, reduction=run.cfg.estimator.reduction,
+                      max_views_per_forward=run.cfg.estimator.max_views_per_forward, keep_views=eubo_beta is not None)
     logp = est.token if run.cfg.objective.token_terms else est.sequence
-    return logp, None if beta is None else eubo(plan, est.views, mine.completion_mask, beta=beta)
+    return logp, None if eubo_beta is None else eubo(plan, est.views, rows.completion_mask, beta=eubo_beta)
 
 
-def _scores(run: Run, policy, plan, mine: RolloutBatch, n: int) -> torch.Tensor:
-    """ℓ under `policy` of all n rows (each process scores its own), no graph."""
+def _scores(run: Run, policy, plan: ViewPlan, share: Share) -> torch.Tensor:
+    """ℓ under `policy` of all B' rows (each process scores its own), no graph."""
     with torch.no_grad():
-        est = score_views(policy, plan, mine.prompt_ids, mine.completion_ids, mine.completion_mask,
-                          prompt_mask=mine.prompt_mask, reduction=run.cfg.estimator.reduction,
-                          max_views_per_forward=run.cfg.estimator.max_views_per_forward)
-    logp = est.token if run.cfg.objective.token_terms else est.sequence
-    return run.shards.gather(logp, n).cpu()
+        logp, _ = _own_scores(run, policy, plan, share.rows)
+    return run.shards.gather(logp, share.n).cpu()
 
 
-def _drift_kl(old: torch.Tensor, ref: torch.Tensor) -> float:
-    """KL(π_old ‖ π_init) ≈ the mean over π_old's own samples of ℓ_old − ℓ_init."""
-    gap = old - ref  # (B',) or per-token terms (B', L)
-    return float((gap.sum(-1) if gap.dim() == 2 else gap).mean())
+def _scored_batch(run: Run, groups: RolloutBatch, old: OldScores, plan: ViewPlan, advantages: torch.Tensor, *,
+                  first_iteration: bool) -> ScoredBatch:
+    """ℓ_θ of all B' rows on `plan`, only this process's carrying a graph, beside the step's
+    ℓ_old, ℓ_ref and the weights' ℓ. With a view budget ℓ_θ is a leaf scored without a graph
+    (at θ = θ_old on ℓ_old's plan it is ℓ_old, not scored again), and `_backward` pushes
+    ∂loss/∂ℓ back view batch by view batch: the update never holds more than one micro-batch's graph."""
+    cfg, share = run.cfg, old.share
+    weights = {}
+    if cfg.objective.weight_masks:  # before the first step, the weights' ℓ_θ is their ℓ_old
+        weights = {"weight_old_logp": old.weight_logp, "weight_logp": old.weight_logp if first_iteration else
+                   _scores(run, run.policy, old.weight_plan, share)}
+    if cfg.estimator.max_views_per_forward is not None:
+        same = first_iteration and cfg.masks == "shared"
+        logp, eubo_ = (old.logp.clone() if same else _scores(run, run.policy, plan, share)).requires_grad_(), None
+    else:
+        logp, eubo_ = _own_scores(run, run.policy, plan, share.rows, eubo_beta=cfg.objective.eubo_beta)
+        logp = run.shards.gather_keeping_graph(logp, share.n).cpu()
+        eubo_ = None if eubo_ is None else run.shards.gather_keeping_graph(eubo_, share.n).cpu()
+    return ScoredBatch(logp, old.logp, advantages, groups.completion_mask, cfg.group_size, ref_logp=old.ref_logp,
+                       eubo=eubo_, **weights)
 
 
-def _theta_scores(run: Run, plan, mine: RolloutBatch, n: int,
-                  old: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """ℓ_θ (and the EUBO) of all n rows, only this process's carrying a graph. With a view
-    budget none does: ℓ_θ is a leaf scored without a graph (`old`: θ is θ_old on ℓ_old's
-    plan, so it is ℓ_old, not scored again), and `_backward` pushes ∂loss/∂ℓ back view batch
-    by view batch, so the update never holds more than one micro-batch's graph."""
-    if run.cfg.estimator.max_views_per_forward is not None:
-        logp = old.clone() if old is not None else _scores(run, run.policy, plan, mine, n)
-        return logp.requires_grad_(), None
-    logp, eubo_ = _own_scores(run, run.policy, plan, mine)  # (share,) with a graph, on the device
-    gather = run.shards.gather_keeping_graph
-    return gather(logp, n).cpu(), None if eubo_ is None else gather(eubo_, n).cpu()
-
-
-def _backward(run: Run, loss: torch.Tensor, logp: torch.Tensor, plan, mine: RolloutBatch, start: int,
-              end: int) -> None:
-    """∇loss into the parameters' .grad, × N: DDP averages the processes' gradients, and
-    their sum is the gradient of the loss."""
+def _backward(run: Run, loss: torch.Tensor, batch: ScoredBatch, plan: ViewPlan, share: Share, objective,
+              row: dict[str, Any], *, first_iteration: bool) -> None:
+    """∇loss into the parameters' .grad, × N: DDP averages the processes' gradients, and the
+    loss's gradient is their sum. With grad_agreement (first iteration), in two halves whose
+    cosine goes into `row`; with a view budget, view batch by view batch."""
     acc, est, world = run.accelerator, run.cfg.estimator, run.shards.world
-    if est.max_views_per_forward is None:
+    if run.cfg.grad_agreement and first_iteration and batch.advantages.size(0) >= 2 * batch.group_size:
+        part = first_half_loss(objective, batch, token_weighted=run.cfg.objective.token_weighted)
+        row["grad_agreement"] = backward_measuring_agreement(loss, part, run.params, acc.backward)
+    elif est.max_views_per_forward is None:
         acc.backward(loss * world)
-        return
-    loss.backward()  # ℓ_θ is a leaf: ∂loss/∂ℓ, then back through the views a batch at a time
-    backward_views(run.policy, plan, mine.prompt_ids, mine.completion_ids, mine.completion_mask,
-                   logp.grad[start:end] * world, prompt_mask=mine.prompt_mask, reduction=est.reduction,
-                   max_views_per_forward=est.max_views_per_forward, backward=acc.backward,
-                   no_sync=lambda: acc.no_sync(run.policy.model))
+    else:
+        loss.backward()  # ℓ_θ is a leaf: ∂loss/∂ℓ, then back through the views a batch at a time
+        rows = share.rows
+        backward_views(run.policy, plan, rows.prompt_ids, rows.completion_ids, rows.completion_mask,
+                       batch.logp.grad[share.start:share.end] * world, prompt_mask=rows.prompt_mask,
+                       reduction=est.reduction, max_views_per_forward=est.max_views_per_forward,
+                       backward=acc.backward, no_sync=lambda: acc.no_sync(run.policy.model))
+
+
+def _clip(run: Run, it_row: dict[str, Any]) -> bool:
+    """Clip the gradient's norm; log the norm before clipping; whether it is finite."""
+    norm = run.accelerator.clip_grad_norm_(run.params, run.cfg.grad_clip)
+    it_row["grad_norm"] = float("nan") if norm is None else float(norm)  # DeepSpeed clips inside, may report none
+    return norm is None or math.isfinite(it_row["grad_norm"])
+
+
+def _step_or_skip(run: Run, finite: bool) -> dict[str, float]:
+    """The optimizer step, or (not finite) the gradient dropped and the step counted as skipped;
+    with update_norm, the norm of the change in the weights."""
+    if not finite:
+        run.opt.zero_grad(set_to_none=True)
+        run.counters["skipped_steps"] += 1
+        return {"update_norm": 0.0} if run.cfg.update_norm else {}
+    if run.cfg.update_norm:
+        return {"update_norm": step_measuring_update(run.opt, run.params)}
+    run.opt.step()
+    return {}
 
 
 def _over_iterations(rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -266,6 +290,12 @@ def _over_iterations(rows: list[dict[str, Any]]) -> dict[str, Any]:
     out["grad_norm_max"] = max((r["grad_norm"] for r in rows), key=lambda v: (math.isnan(v), v))
     return out
 
+
+
+def _progress(run: Run, row: dict[str, Any]) -> dict[str, str]:
+    collapse = {"COLLAPSE": ",".join(run.monitor.reasons)} if run.monitor.collapsed else {}
+    return {"reward": f"{row['reward_mean']:.3f}", "gnorm": f"{row.get('grad_norm', 0):.2g}",
+            "ratio_max": f"{row.get('ratio_max', 1):.3g}", "skipped": run.counters["skipped_steps"], **collapse}
 
 
 def _save_checkpoint(run: Run, done: int) -> Path:

@@ -78,6 +78,11 @@ class Run:
         full = self.shards.gather(scores, n).double().mean(0)
         return {"accuracy": float(full[0]), "mean_reward": float(full[1])}
 
+    def evaluate_row(self) -> dict[str, float]:
+        """The held-out evaluation as a metrics row's keys."""
+        res = self.evaluate()
+        return {"eval_accuracy": res["accuracy"], "eval_reward": res["mean_reward"]}
+
     def check_collapse(self, row: dict[str, Any]) -> None:
         """Feed the row to the collapse monitor; write `collapse` into it; say so once per reason."""
         new = self.monitor.update(row)
