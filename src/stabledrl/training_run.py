@@ -34,7 +34,7 @@ from stabledrl.settings import TrainConfig
 from stabledrl.shards import Shards
 from stabledrl.tasks import get_task
 
-__all__ = ["Run", "set_up", "GatheredPolicy"]
+__all__ = ["Run", "set_up", "check_processes", "GatheredPolicy"]
 
 
 @dataclasses.dataclass
@@ -128,11 +128,7 @@ def set_up(cfg: TrainConfig, *, resume: bool = False, task: Any = None) -> Run:
     before a run directory exists."""
     accelerator = _accelerator(cfg)
     shards = Shards(accelerator)
-    if shards.world > 1:  # every process needs a row of every batch (DDP needs a backward on each)
-        check(cfg.group_size >= shards.world, f"group_size ({cfg.group_size}) must be >= the number of processes "
-              f"({shards.world}): a step may keep a single group, and every process needs a row of it")
-        check(cfg.eval_n >= shards.world, f"eval_n ({cfg.eval_n}) must be >= the number of processes ({shards.world})")
-        check(not cfg.grad_agreement, "grad_agreement runs in one process only")
+    check_processes(cfg, shards.world)
     task = get_task(cfg.task.name, **cfg.task.options) if task is None else task
     # One process may name its device; with several, each process uses the one accelerate gives it.
     device = accelerator.device if cfg.model.device == "auto" or shards.world > 1 else cfg.model.device
@@ -168,6 +164,15 @@ def set_up(cfg: TrainConfig, *, resume: bool = False, task: Any = None) -> Run:
             rewind_metrics(run.out / "metrics.jsonl", ckpt)
     _open_logs(run)
     return run
+
+
+def check_processes(cfg: TrainConfig, world: int) -> None:
+    """Every process needs a row of every batch (DDP needs a backward on each)."""
+    if world > 1:
+        check(cfg.group_size >= world, f"group_size ({cfg.group_size}) must be >= the number of processes "
+              f"({world}): a step may keep a single group, and every process needs a row of it")
+        check(cfg.eval_n >= world, f"eval_n ({cfg.eval_n}) must be >= the number of processes ({world})")
+        check(not cfg.grad_agreement, "grad_agreement runs in one process only")
 
 
 def _accelerator(cfg: TrainConfig):
