@@ -493,13 +493,13 @@ def rl_step(run: _Run, step: int, clock: _Clock) -> dict[str, int]:
             if two_pass:  # ∂loss/∂ℓ on a leaf, pushed back one micro-batch of views at a time
                 with torch.no_grad():
                     leaf = score(policy, pl).requires_grad_()
-                res = objective(ScoredBatch(leaf, old, advantages, ocmask, G, ref_logp=ref, **w_kw))
+                res = objective(ScoredBatch(leaf, old, advantages, G, ocmask, ref_logp=ref, **w_kw))
                 res.loss.backward()
                 backward_views(policy, pl, run.prompt_ids, comp, cmask, leaf.grad.to(comp.device),
                                prompt_mask=run.prompt_mask, reduction=e.reduction,
                                max_views_per_forward=e.max_views_per_forward, backward=acc.backward)
             else:
-                res = objective(ScoredBatch(score(policy, pl), old, advantages, ocmask, G, ref_logp=ref, **w_kw))
+                res = objective(ScoredBatch(score(policy, pl), old, advantages, G, ocmask, ref_logp=ref, **w_kw))
                 acc.backward(res.loss)
             trained += pl.num_views
         with clock("optimizer"):

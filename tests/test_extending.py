@@ -52,6 +52,6 @@ def test_the_documented_objective_trains_as_the_page_says(tmp_path, monkeypatch)
     assert namespace["summary"]["skipped_steps"] == 0
     # The function by hand: A = (1, −1, 2, 0), ℓ = (−1, −2, −3, −4): −0.5 · (−1 + 2 − 6 + 0)/4 = 0.625
     logp = torch.tensor([-1.0, -2.0, -3.0, -4.0])
-    out = fn(section, ScoredBatch(logp, logp, torch.tensor([1.0, -1.0, 2.0, 0.0]), torch.ones(4, 3), 2))
+    out = fn(section, ScoredBatch(logp, logp, torch.tensor([1.0, -1.0, 2.0, 0.0]), 2, torch.ones(4, 3)))
     assert out.loss.item() == pytest.approx(0.625, abs=1e-7)
     assert out.metrics["logp_mean"] == pytest.approx(-2.5, abs=1e-7)

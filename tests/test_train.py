@@ -225,7 +225,7 @@ def test_batch_token_mean_reaches_the_objective_and_splits_by_tokens_for_grad_ag
     mask = torch.tensor([[1, 1, 1], [1, 0, 0], [1, 0, 0], [1, 0, 0]])
     adv = torch.tensor([1.0, -1.0, 0.5, -1.5])
     logp = torch.zeros(4, 3)
-    batch = ScoredBatch(logp, logp, adv, mask, 2)
+    batch = ScoredBatch(logp, logp, adv, 2, mask)
     res = objective_for(cfg.objective)(batch)
     # −(3·1 − 1 + 0.5 − 1.5)/6 = −1/6 (sequence_mean would give −(1 − 1 + 0.5 − 1.5)/4 = 0.25)
     assert res.loss.item() == pytest.approx(-1 / 6, abs=1e-6)
@@ -621,7 +621,7 @@ def test_every_objective_name_the_config_accepts_has_a_function_in_the_registry(
         # SPG: ELBO = EUBO = 1, so its sandwich is 1 and, lengths equal, its −mean_g Σ_i A_i ℓ̃_i / G is GRPO's
         ones = torch.ones(4)
         eubo = ones if cfg.objective.eubo_beta is not None else None
-        batch = ScoredBatch(ones, ones, torch.tensor([1.0, -1.0, 3.0, -1.0]), torch.ones(4, 3), 2, eubo=eubo)
+        batch = ScoredBatch(ones, ones, torch.tensor([1.0, -1.0, 3.0, -1.0]), 2, torch.ones(4, 3), eubo=eubo)
         res = objective_for(cfg.objective)(batch)
         assert res.loss.item() == pytest.approx({"wd1": 0.0}.get(name, -0.5), abs=1e-7), name
 

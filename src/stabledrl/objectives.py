@@ -52,6 +52,37 @@ class LossOutput:
     """Diagnostics of this step (ratio spread, bypass fraction, ESS, ...)."""
 
 
+@dataclass(frozen=True, eq=False)
+class ScoredBatch:
+    """What an objective sees of a step: the likelihood estimates of the kept groups' B rows
+    and their advantages. Only `logp` (and `eubo`) carry a graph; the rest are constants."""
+
+    logp: torch.Tensor
+    """ℓ_θ: (B,) sequence estimates (for the ELBO estimators the ELBO), or (B, L) per-token terms."""
+    old_logp: torch.Tensor
+    """ℓ_old, the same estimate under the policy that wrote the rollouts, on the same masks."""
+    advantages: torch.Tensor
+    """(B,) group advantages."""
+    group_size: int
+    """G."""
+    completion_mask: torch.Tensor | None = None
+    """(B, L) the scored slots (what token ratios, length normalisation and SPG read)."""
+    ref_logp: torch.Tensor | None = None
+    """ℓ under the initial policy, on ℓ_old's masks (when the config's `needs_reference` or drift_kl)."""
+    weight_logp: torch.Tensor | None = None
+    """ℓ_θ on a separate mask draw, for weights (when the config's `weight_masks`), no graph ..."""
+    weight_old_logp: torch.Tensor | None = None
+    """... and ℓ_old on that draw."""
+    eubo: torch.Tensor | None = None
+    """(B,) SPG's EUBO of θ on the views of `logp` (when the config's `eubo_beta` is set)."""
+
+    def first_rows(self, n: int) -> "ScoredBatch":
+        """The batch of its first n rows (whole groups)."""
+        cut = {f.name: getattr(self, f.name)[:n] for f in fields(self)
+               if isinstance(getattr(self, f.name), torch.Tensor)}
+        return replace(self, **cut)
+
+
 def _groups(x: torch.Tensor, group_size: int) -> torch.Tensor:
     if group_size < 1 or x.size(0) % group_size:
         raise ValueError(f"batch of {x.size(0)} rows is not a whole number of groups of {group_size}")
@@ -150,23 +181,13 @@ def _ratio_metrics(log_rho: torch.Tensor, adv: torch.Tensor, eps: float, complet
     }
 
 
-def grpo_loss(
-    logp: torch.Tensor,
-    old_logp: torch.Tensor,
-    advantages: torch.Tensor,
-    *,
-    group_size: int,
-    clip_eps: float = 0.2,
-    ratio_level: RatioLevel = "sequence",
-    completion_mask: torch.Tensor | None = None,
-    ref_logp: torch.Tensor | None = None,
-    beta: float = 0.0,
-    token_aggregation: TokenAggregation = "sequence_mean",
-) -> LossOutput:
-    """GRPO with conditional clipping and fixed 1/G normalisation (module docstring).
-
-    `token_aggregation` (token ratios only; the KL term too): how per-token terms become
-    the loss, see `aggregate_tokens`."""
+def grpo_loss(batch: ScoredBatch, *, clip_eps: float = 0.2, ratio_level: RatioLevel = "sequence", beta: float = 0.0,
+              token_aggregation: TokenAggregation = "sequence_mean") -> LossOutput:
+    """GRPO with conditional clipping and fixed 1/G normalisation (docs/methods.md, "GRPO"),
+    plus β·KL_k3 to `batch.ref_logp` when β > 0. `token_aggregation` (token ratios only; the
+    KL term too): how per-token terms become the loss, see `aggregate_tokens`."""
+    logp, old_logp, advantages, group_size = batch.logp, batch.old_logp, batch.advantages, batch.group_size
+    completion_mask, ref_logp = batch.completion_mask, batch.ref_logp
     _groups(advantages, group_size)  # shape check
     log_rho = _clamped(log_ratios(logp, old_logp, ratio_level, completion_mask))  # (B,) or (B, L)
     if token_aggregation != "sequence_mean" and log_rho.dim() != 2:
@@ -190,28 +211,19 @@ def grpo_loss(
     return LossOutput(loss, metrics)
 
 
-def stabledrl_loss(
-    logp: torch.Tensor,
-    old_logp: torch.Tensor,
-    advantages: torch.Tensor,
-    *,
-    group_size: int,
-    clip: Literal["upper", "two_sided"] = "upper",
-    clip_max: float = 5.0,
-    clip_eps: float = 0.2,
-    weight_logp: torch.Tensor | None = None,
-    weight_old_logp: torch.Tensor | None = None,
-    ratio_level: Literal["sequence", "sequence_normalized"] = "sequence",
-    completion_mask: torch.Tensor | None = None,
-) -> LossOutput:
-    """StableDRL: unconditional clipping + group self-normalisation (module docstring).
+def stabledrl_loss(batch: ScoredBatch, *, clip: Literal["upper", "two_sided"] = "upper", clip_max: float = 5.0,
+                   clip_eps: float = 0.2,
+                   ratio_level: Literal["sequence", "sequence_normalized"] = "sequence") -> LossOutput:
+    """StableDRL: unconditional clipping + group self-normalisation (docs/methods.md, "StableDRL").
 
-    `weight_logp` / `weight_old_logp`: optional estimates from a *separate* mask draw, used
+    `batch.weight_logp` / `weight_old_logp`: optional estimates from a *separate* mask draw, used
     only for the weights, so that w_i and ∇ℓ_i do not share the same mask noise
     (docs/methods.md, "Open questions"); by default the weights use `logp` itself.
 
     The log-ratios are not clamped: the softmax subtracts each group's largest clipped
     log-ratio, so the weights are right however negative the log-ratios are."""
+    logp, old_logp, advantages, group_size = batch.logp, batch.old_logp, batch.advantages, batch.group_size
+    weight_logp, weight_old_logp, completion_mask = batch.weight_logp, batch.weight_old_logp, batch.completion_mask
     if clip not in ("upper", "two_sided"):
         raise ValueError(f"clip must be 'upper' or 'two_sided', got {clip!r}")
     if (weight_logp is None) != (weight_old_logp is None):
@@ -232,21 +244,14 @@ def stabledrl_loss(
     return LossOutput(loss, metrics)
 
 
-def wd1_loss(
-    logp: torch.Tensor,
-    old_logp: torch.Tensor,
-    advantages: torch.Tensor,
-    *,
-    group_size: int,
-    psi: float = 1.0,
-    clip_eps: float = 0.2,
-    ratio_level: Literal["sequence", "sequence_normalized"] = "sequence",
-    completion_mask: torch.Tensor | None = None,
-) -> LossOutput:
-    """wd1: loss = mean over groups of Σ_i (softmax(−ψA)_i − softmax(ψA)_i) ℓ_i (module
-    docstring). `old_logp` enters only the ratio diagnostics, which are logged as for the
+def wd1_loss(batch: ScoredBatch, *, psi: float = 1.0, clip_eps: float = 0.2,
+             ratio_level: Literal["sequence", "sequence_normalized"] = "sequence") -> LossOutput:
+    """wd1: loss = mean over groups of Σ_i (softmax(−ψA)_i − softmax(ψA)_i) ℓ_i (docs/methods.md,
+    "wd1"). `batch.old_logp` enters only the ratio diagnostics, which are logged as for the
     other objectives (they show how far θ has moved, not a term of the loss; `clip_eps`
     is the band of their clip_fraction)."""
+    logp, old_logp, advantages, group_size = batch.logp, batch.old_logp, batch.advantages, batch.group_size
+    completion_mask = batch.completion_mask
     if psi <= 0:
         raise ValueError(f"psi must be positive, got {psi}")
     adv = _groups(advantages.detach(), group_size)  # (num_groups, G)
@@ -267,19 +272,12 @@ def spg_likelihood(elbo: torch.Tensor, eubo: torch.Tensor, advantages: torch.Ten
     return torch.where(advantages.detach() > 0, elbo, omega * eubo + (1 - omega) * elbo)
 
 
-def spg_loss(
-    elbo: torch.Tensor,
-    eubo: torch.Tensor,
-    old_elbo: torch.Tensor,
-    advantages: torch.Tensor,
-    *,
-    group_size: int,
-    completion_mask: torch.Tensor,
-    omega: float = 0.5,
-    clip_eps: float = 0.2,
-) -> LossOutput:
-    """SPG: mean over groups of −Σ_i (n_i / Σ_j n_j) A_i ℓ̃_i, ℓ̃ = `spg_likelihood` (module
-    docstring). No ratio: `old_elbo` enters only the ratio diagnostics (ELBO_θ − ELBO_old)."""
+def spg_loss(batch: ScoredBatch, *, omega: float = 0.5, clip_eps: float = 0.2) -> LossOutput:
+    """SPG: mean over groups of −Σ_i (n_i / Σ_j n_j) A_i ℓ̃_i, ℓ̃ = `spg_likelihood` of the ELBO
+    `batch.logp` and `batch.eubo` (docs/methods.md, "SPG"). No ratio: `batch.old_logp`, the
+    old ELBO, enters only the ratio diagnostics (ELBO_θ − ELBO_old)."""
+    elbo, eubo, old_elbo, advantages = batch.logp, batch.eubo, batch.old_logp, batch.advantages
+    group_size, completion_mask = batch.group_size, batch.completion_mask
     sandwich = spg_likelihood(elbo, eubo, advantages, omega=omega)
     n = _groups(completion_mask.sum(-1).to(sandwich.dtype), group_size)  # (num_groups, G)
     share = n / n.sum(1, keepdim=True)
@@ -290,61 +288,24 @@ def spg_loss(
     return LossOutput(loss, metrics)
 
 
-@dataclass(frozen=True, eq=False)
-class ScoredBatch:
-    """What an objective sees of a step: the likelihood estimates of the kept groups' B rows
-    and their advantages. Only `logp` (and `eubo`) carry a graph; the rest are constants."""
-
-    logp: torch.Tensor
-    """ℓ_θ: (B,) sequence estimates (for the ELBO estimators the ELBO), or (B, L) per-token terms."""
-    old_logp: torch.Tensor
-    """ℓ_old, the same estimate under the policy that wrote the rollouts, on the same masks."""
-    advantages: torch.Tensor
-    """(B,) group advantages."""
-    completion_mask: torch.Tensor
-    """(B, L) the scored slots."""
-    group_size: int
-    """G."""
-    ref_logp: torch.Tensor | None = None
-    """ℓ under the initial policy, on ℓ_old's masks (when the config's `needs_reference` or drift_kl)."""
-    weight_logp: torch.Tensor | None = None
-    """ℓ_θ on a separate mask draw, for weights (when the config's `weight_masks`), no graph ..."""
-    weight_old_logp: torch.Tensor | None = None
-    """... and ℓ_old on that draw."""
-    eubo: torch.Tensor | None = None
-    """(B,) SPG's EUBO of θ on the views of `logp` (when the config's `eubo_beta` is set)."""
-
-    def first_rows(self, n: int) -> "ScoredBatch":
-        """The batch of its first n rows (whole groups)."""
-        cut = {f.name: getattr(self, f.name)[:n] for f in fields(self)
-               if isinstance(getattr(self, f.name), torch.Tensor)}
-        return replace(self, **cut)
-
-
 def _grpo(cfg: Any, b: ScoredBatch) -> LossOutput:
-    return grpo_loss(b.logp, b.old_logp, b.advantages, group_size=b.group_size, clip_eps=cfg.clip_eps,
-                     ratio_level=cfg.ratio_level, completion_mask=b.completion_mask,
-                     ref_logp=b.ref_logp if cfg.beta else None, beta=cfg.beta, token_aggregation=cfg.token_aggregation)
+    return grpo_loss(b, clip_eps=cfg.clip_eps, ratio_level=cfg.ratio_level, beta=cfg.beta,
+                     token_aggregation=cfg.token_aggregation)
 
 
 def _stabledrl(cfg: Any, b: ScoredBatch) -> LossOutput:
-    logp, weight_logp, weight_old_logp = b.logp, b.weight_logp, b.weight_old_logp
     if cfg.likelihood == "spg":  # the authors' StableDRL: weights from the ELBO, the sandwich in the gradient
-        weight_logp, weight_old_logp = b.logp, b.old_logp
-        logp = spg_likelihood(b.logp, b.eubo, b.advantages, omega=cfg.spg_omega)
-    return stabledrl_loss(logp, b.old_logp, b.advantages, group_size=b.group_size, clip=cfg.clip,
-                          clip_max=cfg.clip_max, clip_eps=cfg.clip_eps, ratio_level=cfg.ratio_level,
-                          completion_mask=b.completion_mask, weight_logp=weight_logp, weight_old_logp=weight_old_logp)
+        sandwich = spg_likelihood(b.logp, b.eubo, b.advantages, omega=cfg.spg_omega)
+        b = replace(b, logp=sandwich, weight_logp=b.logp, weight_old_logp=b.old_logp)
+    return stabledrl_loss(b, clip=cfg.clip, clip_max=cfg.clip_max, clip_eps=cfg.clip_eps, ratio_level=cfg.ratio_level)
 
 
 def _wd1(cfg: Any, b: ScoredBatch) -> LossOutput:
-    return wd1_loss(b.logp, b.old_logp, b.advantages, group_size=b.group_size, psi=cfg.psi, clip_eps=cfg.clip_eps,
-                    ratio_level=cfg.ratio_level, completion_mask=b.completion_mask)
+    return wd1_loss(b, psi=cfg.psi, clip_eps=cfg.clip_eps, ratio_level=cfg.ratio_level)
 
 
 def _spg(cfg: Any, b: ScoredBatch) -> LossOutput:
-    return spg_loss(b.logp, b.eubo, b.old_logp, b.advantages, group_size=b.group_size,
-                    completion_mask=b.completion_mask, omega=cfg.spg_omega, clip_eps=cfg.clip_eps)
+    return spg_loss(b, omega=cfg.spg_omega, clip_eps=cfg.clip_eps)
 
 
 OBJECTIVES: dict[str, Callable[[Any, ScoredBatch], LossOutput]] = {

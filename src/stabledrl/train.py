@@ -239,7 +239,7 @@ def _scored_batch(run: Run, groups: RolloutBatch, old: OldScores, plan: ViewPlan
         logp, eubo_ = _own_scores(run, run.policy, plan, share.rows, eubo_beta=cfg.objective.eubo_beta)
         logp = run.shards.gather_keeping_graph(logp, share.n).cpu()
         eubo_ = None if eubo_ is None else run.shards.gather_keeping_graph(eubo_, share.n).cpu()
-    return ScoredBatch(logp, old.logp, advantages, groups.completion_mask, cfg.group_size, ref_logp=old.ref_logp,
+    return ScoredBatch(logp, old.logp, advantages, cfg.group_size, groups.completion_mask, ref_logp=old.ref_logp,
                        eubo=eubo_, **weights)
 
 
