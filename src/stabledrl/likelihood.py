@@ -26,6 +26,7 @@ import inspect
 import itertools
 import math
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any, Callable, ContextManager, Literal
 
 import numpy as np
@@ -123,7 +124,7 @@ class LikelihoodEstimate:
     """Noised views scored, i.e. forward passes of one sequence each."""
     views: torch.Tensor | None = None
     """(Nv, L) each view's unweighted log p(y_i | view) on the slots it masks and scores, 0
-    elsewhere (`score_views(..., keep_views=True)`; what `eubo` reads); None by default."""
+    elsewhere (what `eubo` reads)."""
 
 
 def gauss_legendre(n: int) -> tuple[np.ndarray, np.ndarray]:
@@ -624,20 +625,19 @@ def check_method_fits(method: str, policy: Policy) -> None:
                          "mean_field, coupled, block_random, exact (or path)")
 
 
-def plan_for(policy: Policy, method: Method, completion_mask: torch.Tensor, *, num_samples: int = 1,
-             generator: torch.Generator | None = None, prompt_ids: torch.Tensor | None = None,
-             prompt_mask: torch.Tensor | None = None, unmask_step: torch.Tensor | None = None,
-             **options) -> ViewPlan:
-    """`plan_views` for `policy`'s kind: its block size and prompt blocks, its BOS; the method
-    must fit the model (`check_method_fits`)."""
+def plan_for(policy: Policy, method: Method, rows: Any, *, generator: torch.Generator | None = None,
+             num_samples: int = 1, **options) -> ViewPlan:
+    """`plan_views` for `policy`'s kind (its block size and prompt blocks, its BOS) and for
+    `rows`, anything with `completion_mask`, `prompt_ids`, `prompt_mask` and, for ``path``,
+    `unmask_step`; the method must fit the model (`check_method_fits`)."""
     check_method_fits(method, policy)
     block = getattr(policy, "attention_kind", "full") == "block"
     return plan_views(
-        method, completion_mask, num_samples=num_samples, generator=generator, prompt_ids=prompt_ids,
-        prompt_mask=prompt_mask, bos_token_id=getattr(policy.tokenizer, "bos_token_id", None),
+        method, rows.completion_mask, num_samples=num_samples, generator=generator, prompt_ids=rows.prompt_ids,
+        prompt_mask=rows.prompt_mask, bos_token_id=getattr(policy.tokenizer, "bos_token_id", None),
         block_size=policy.block_size if method == "blockwise" or (method == "path" and block) else None,
         prompt_attention=prompt_attention_of(policy) if block else "bidirectional",
-        unmask_step=unmask_step, **options,
+        unmask_step=rows.unmask_step if method == "path" else None, **options,
     )
 
 
@@ -694,7 +694,7 @@ def _view_terms(
 
 def eubo(plan: ViewPlan, view_logp: torch.Tensor, completion_mask: torch.Tensor, *, beta: float) -> torch.Tensor:
     """SPG's evidence upper bound per token (Wang et al. 2025; docs/methods.md, "spg"), from
-    the (Nv, L) log-probabilities of a plan's views (`score_views(..., keep_views=True)`):
+    the (Nv, L) log-probabilities of a plan's views (`LikelihoodEstimate.views` of `score_views`):
 
         a_i = (1/K_b) Σ_v p_v(y_i)^β m_vi / t_v,   EUBO_b = (1/β) · mean over {i : a_i > 0} of log a_i,
 
@@ -802,12 +802,11 @@ def score_views(
     prompt_mask: torch.Tensor | None = None,
     reduction: Literal["sum", "mean"] = "sum",
     max_views_per_forward: int | None = None,
-    keep_views: bool = False,
 ) -> LikelihoodEstimate:
     """Score a plan under `policy`. Differentiable unless called under `torch.no_grad()`;
     with gradients, every micro-batch's graph is kept until backward (use
-    `backward_views` to bound memory in training). `keep_views`: also return each view's
-    log-probabilities (`LikelihoodEstimate.views`, for `eubo`)."""
+    `backward_views` to bound memory in training). Each view's log-probabilities come
+    with the estimate (`LikelihoodEstimate.views`, for `eubo`)."""
     scored, pm = _check_scoring(policy, plan, prompt_ids, completion_ids, completion_mask, prompt_mask, reduction)
     B, L = completion_ids.shape
     token = torch.zeros((B, L), device=completion_ids.device)
@@ -815,10 +814,8 @@ def score_views(
     for idx in _chunks(plan.num_views, max_views_per_forward):
         terms, b, logp = _view_terms(policy, plan, idx, prompt_ids, pm, completion_ids, scored)
         token = token.index_add(0, b, terms)
-        if keep_views:
-            kept.append(logp)
-    views = torch.cat(kept) if keep_views else None
-    return LikelihoodEstimate(_reduce(token, scored, reduction), token, plan.num_views, views)
+        kept.append(logp)
+    return LikelihoodEstimate(_reduce(token, scored, reduction), token, plan.num_views, torch.cat(kept))
 
 
 def backward_views(
@@ -885,8 +882,9 @@ def estimate(
     per model — or pass generators in the same state.
     """
     _check_inputs(policy, prompt_ids, completion_ids, completion_mask, prompt_mask)
-    plan = plan_for(policy, method, completion_mask, num_samples=num_samples, generator=generator,
-                    prompt_ids=prompt_ids, prompt_mask=prompt_mask, unmask_step=unmask_step, **options)
+    rows = SimpleNamespace(completion_mask=completion_mask, prompt_ids=prompt_ids, prompt_mask=prompt_mask,
+                           unmask_step=unmask_step)
+    plan = plan_for(policy, method, rows, generator=generator, num_samples=num_samples, **options)
     if (method == "exact" or options.get("inner") == "exact") and max_views_per_forward is None:
         max_views_per_forward = 4096  # up to 2^16 views per sequence: never all at once
     return score_views(

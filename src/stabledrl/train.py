@@ -178,9 +178,7 @@ def _plan(run: Run, groups: RolloutBatch, step: int, slot: int, share: Share) ->
         raise ValueError(f"seed slot {slot} out of range")
     est = run.cfg.estimator
     generator = torch.Generator().manual_seed(run.cfg.seed * 1_000_003 + step * _SEED_SLOTS + slot)
-    return plan_for(run.policy, est.method, groups.completion_mask, num_samples=est.num_samples, generator=generator,
-                    prompt_ids=groups.prompt_ids, prompt_mask=groups.prompt_mask,
-                    unmask_step=groups.unmask_step if est.method == "path" else None,
+    return plan_for(run.policy, est.method, groups, generator=generator, num_samples=est.num_samples,
                     **est.options).rows(share.start, share.end)
 
 
@@ -209,7 +207,7 @@ def _own_scores(run: Run, policy, plan: ViewPlan, rows: RolloutBatch, *,
     per-token terms; with `eubo_beta`, SPG's EUBO on the same views too."""
     est = score_views(policy, plan, rows.prompt_ids, rows.completion_ids, rows.completion_mask,
                       prompt_mask=rows.prompt_mask, reduction=run.cfg.estimator.reduction,
-                      max_views_per_forward=run.cfg.estimator.max_views_per_forward, keep_views=eubo_beta is not None)
+                      max_views_per_forward=run.cfg.estimator.max_views_per_forward)
     logp = est.token if run.cfg.objective.token_terms else est.sequence
     return logp, None if eubo_beta is None else eubo(plan, est.views, rows.completion_mask, beta=eubo_beta)
 
