@@ -31,8 +31,8 @@ ApproxCache = Literal["none", "prefix", "dual"]
 """Fast-dLLM's approximate caches of the full-attention sampler (`SamplingConfig.approx_cache`)."""
 
 MAX_MU = 13
-"""Inner iterations per step at most: `stabledrl.train` seeds 16 streams per step, 3 of them
-for other draws (see its `_seeded`)."""
+"""Inner iterations per step at most: `stabledrl.train` seeds 16 mask streams per step, 3 of
+them for other draws (its `_SEED_SLOTS`)."""
 
 
 @dataclass
