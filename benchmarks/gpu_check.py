@@ -39,12 +39,7 @@ import scale  # noqa: E402
 from stabledrl.engines import RolloutRequest, roll_out  # noqa: E402
 from stabledrl.likelihood import backward_views, plan_views, score_views  # noqa: E402
 from stabledrl.models import TinyPolicy, add_lora  # noqa: E402
-from stabledrl.objectives import group_advantages, stabledrl_loss  # noqa: E402
-
-try:  # the objectives' batch record, where the library has one; else their keyword form
-    from stabledrl.objectives import ScoredBatch
-except ImportError:
-    ScoredBatch = None
+from stabledrl.objectives import ScoredBatch, group_advantages, stabledrl_loss  # noqa: E402
 from stabledrl.sampling import row_generators  # noqa: E402
 from stabledrl.settings import LoraSettings, SamplingConfig  # noqa: E402
 from stabledrl.tokenizer import build_char_tokenizer  # noqa: E402
@@ -160,9 +155,7 @@ def rl_step(ctx: dict[str, Any], step: int) -> dict[str, Any]:
     adv = group_advantages(rewards, a.group_size)
 
     def loss_of(logp):
-        if ScoredBatch is not None:  # objectives that take one ScoredBatch
-            return stabledrl_loss(ScoredBatch(logp, old, adv, a.group_size, cmask)).loss
-        return stabledrl_loss(logp, old, adv, group_size=a.group_size, completion_mask=cmask).loss
+        return stabledrl_loss(ScoredBatch(logp, old, adv, a.group_size, cmask)).loss
 
     def update() -> None:
         opt.zero_grad(set_to_none=True)

@@ -36,8 +36,8 @@ import torch
 
 from stabledrl.config import load_config
 from stabledrl.diagnostics import flat_grad_cosine
-from stabledrl.objectives import grpo_loss, group_advantages, stabledrl_loss
-from stabledrl.train import TrainConfig, _plan, _score, collect_groups, set_up
+from stabledrl.objectives import ScoredBatch, grpo_loss, group_advantages, stabledrl_loss
+from stabledrl.train import Share, TrainConfig, _groups_to_train_on, _own_scores, _plan, _roll, set_up
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -57,22 +57,24 @@ def _norm(g: list[torch.Tensor]) -> float:
 
 def measure_batch(run, step: int, *, draws: int, reference_draws: int) -> dict:
     cfg = run.cfg
-    groups = collect_groups(run, step).groups
+    problems = run.task.generate(cfg.prompts_per_step, split="train", seed=cfg.seed * 1_000_003 + step)
+    groups = _groups_to_train_on(run, _roll(run, problems, step, round_=0), step)
+    n = groups.completion_ids.size(0)
+    share = Share(groups, 0, n, n)  # one process: all rows
     G = cfg.group_size
     adv = group_advantages(groups.rewards.flatten(), G, cfg.objective.advantage_scale)
     policy = run.policy
 
     def plan(k: int):  # mask draw k of this batch (seeds apart from the trainer's slots)
-        return _plan(dataclasses.replace(cfg, seed=10_000 + k), groups, step, 1, policy)
+        return _plan(dataclasses.replace(run, cfg=dataclasses.replace(cfg, seed=10_000 + k)), groups, step, 1, share)
 
     def logp(k: int, grad: bool) -> torch.Tensor:
         with torch.set_grad_enabled(grad):
-            return _score(cfg, policy, plan(k), groups)
+            return _own_scores(run, policy, plan(k), groups)[0]
 
     def stabledrl(k_new: int, old: torch.Tensor | None = None):  # ℓ_old = ℓ_θ's own value: ρ = 1, uniform weights
         ell = logp(k_new, True)
-        return stabledrl_loss(ell, ell.detach() if old is None else old, adv, group_size=G, clip=cfg.objective.clip,
-                              clip_max=cfg.objective.clip_max, clip_eps=cfg.objective.clip_eps)
+        return stabledrl_loss(ScoredBatch(ell, ell.detach() if old is None else old, adv, G), clip=cfg.objective.clip, clip_max=cfg.objective.clip_max, clip_eps=cfg.objective.clip_eps)
 
     ref = None
     for k in range(reference_draws):
@@ -85,8 +87,7 @@ def measure_batch(run, step: int, *, draws: int, reference_draws: int) -> dict:
         old = logp(2 * k, False)  # ℓ_old on draw 2k; ℓ_θ on draw 2k+1 (independent)
         indep = stabledrl(2 * k + 1, old)
         grads = {"shared": _grad(run, stabledrl(2 * k).loss), "stabledrl-independent": _grad(run, indep.loss),
-                 "grpo-independent": _grad(run, grpo_loss(logp(2 * k + 1, True), old, adv, group_size=G,
-                                                          clip_eps=cfg.objective.clip_eps).loss)}
+                 "grpo-independent": _grad(run, grpo_loss(ScoredBatch(logp(2 * k + 1, True), old, adv, G), clip_eps=cfg.objective.clip_eps).loss)}
         for name, g in grads.items():
             rows[name].append({"cos_reference": flat_grad_cosine(g, ref), "norm": _norm(g)})
             sums[name] = g if sums[name] is None else [a + b for a, b in zip(sums[name], g)]

@@ -401,7 +401,6 @@ def views_per_row(cfg: TrainConfig) -> int:
 def footprint(cfg: TrainConfig, prompt_length: int, *, lora_params: int = 0, weight_bytes: int = 4,
               shards: int = 1, optimizer_chunk: int | None = None, foreach: bool = False) -> Footprint:
     """The footprint of one process of `shards` running `cfg` (its share of the P·G rows)."""
-    from stabledrl.train import _needs_reference
 
     rows = -(-cfg.prompts_per_step * cfg.group_size // shards)
     views = rows * views_per_row(cfg)
@@ -410,7 +409,7 @@ def footprint(cfg: TrainConfig, prompt_length: int, *, lora_params: int = 0, wei
                      rows_per_call=min(rows, cfg.rollout.micro_batch or rows),
                      views_per_forward=min(views, budget or views),
                      lora_params=lora_params, weight_bytes=weight_bytes, autocast=cfg.mixed_precision == "bf16",
-                     reference=cfg.lora is None and _needs_reference(cfg), shards=shards,
+                     reference=cfg.lora is None and (cfg.drift_kl or cfg.objective.needs_reference), shards=shards,
                      optimizer_chunk=optimizer_chunk, foreach=foreach)
 
 
@@ -516,7 +515,9 @@ class _Run:
 
 def rl_step(run: _Run, step: int, clock: _Clock) -> dict[str, int]:
     """One step of the trainer (stabledrl.train, one process) on random prompts and rewards."""
-    from stabledrl.train import Rollouts, _plan, _score, build_objective
+    from stabledrl.objectives import ScoredBatch, objective_for
+    from stabledrl.rollouts import RolloutBatch
+    from stabledrl.train import Share, _own_scores, _plan
 
     cfg, policy, acc = run.cfg, run.policy, run.accelerator
     B, G, L = run.prompt_ids.size(0), cfg.group_size, cfg.rollout.gen_length
@@ -526,16 +527,16 @@ def rl_step(run: _Run, step: int, clock: _Clock) -> dict[str, int]:
         roll = generate_micro_batched(RolloutRequest(policy, run.prompt_ids, run.prompt_mask, L, gens, cfg.rollout,
                                                      micro_batch=cfg.rollout.micro_batch))
     comp, cmask = roll.completion_ids, roll.completion_mask  # (B, L)
-    batch = Rollouts(run.prompt_ids, run.prompt_mask, comp, cmask, roll.unmask_step)
-    objective = build_objective(cfg)
+    batch = RolloutBatch(run.prompt_ids, run.prompt_mask, comp, cmask, roll.unmask_step)
+    objective = objective_for(cfg.objective)
     rewards = torch.rand(B, generator=torch.Generator().manual_seed(cfg.seed * 1_000_003 + step))  # (B,)
     advantages = group_advantages(rewards, G, cfg.objective.advantage_scale)  # (B,)
 
     def plan(slot: int):  # the trainer's plan of seed slot `slot`
-        return _plan(cfg, batch, step, slot, policy)
+        return _plan(run, batch, step, slot, Share(batch, 0, B, B))
 
     def score(pol, pl) -> torch.Tensor:  # (B,) or (B, L), on the CPU as in the trainer
-        return _score(cfg, pol, pl, batch).cpu()
+        return _own_scores(run, pol, pl, batch)[0].cpu()
 
     ocmask = cmask.cpu()  # the objective's completion mask, beside the CPU ℓ
 
@@ -549,7 +550,7 @@ def rl_step(run: _Run, step: int, clock: _Clock) -> dict[str, int]:
             with acc.autocast():  # a reference copy is not prepared: the precision of ℓ_old
                 ref = score(run.reference, plan_old)
             scored += plan_old.num_views
-        if cfg.objective.separate_weight_masks:
+        if cfg.objective.weight_masks:
             plan_w = plan(2)
             w_old = score(policy, plan_w)
             scored += plan_w.num_views
@@ -559,20 +560,20 @@ def rl_step(run: _Run, step: int, clock: _Clock) -> dict[str, int]:
         pl = plan_old if cfg.masks == "shared" else plan(3 + it)
         with clock("update"):
             w_kw = {}
-            if cfg.objective.separate_weight_masks:
+            if cfg.objective.weight_masks:
                 with torch.no_grad():
                     w_kw = {"weight_logp": score(policy, plan_w), "weight_old_logp": w_old}
             run.opt.zero_grad(set_to_none=True)
             if two_pass:  # ∂loss/∂ℓ on a leaf, pushed back one micro-batch of views at a time
                 with torch.no_grad():
                     leaf = score(policy, pl).requires_grad_()
-                res = objective(leaf, old, advantages, completion_mask=ocmask, ref_logp=ref, **w_kw)
+                res = objective(ScoredBatch(leaf, old, advantages, G, ocmask, ref_logp=ref, **w_kw))
                 res.loss.backward()
                 backward_views(policy, pl, run.prompt_ids, comp, cmask, leaf.grad.to(comp.device),
                                prompt_mask=run.prompt_mask, reduction=e.reduction,
                                max_views_per_forward=e.max_views_per_forward, backward=acc.backward)
             else:
-                res = objective(score(policy, pl), old, advantages, completion_mask=ocmask, ref_logp=ref, **w_kw)
+                res = objective(ScoredBatch(score(policy, pl), old, advantages, G, ocmask, ref_logp=ref, **w_kw))
                 acc.backward(res.loss)
             trained += pl.num_views
         with clock("optimizer"):
@@ -600,7 +601,7 @@ def run_mode(shape_name: str, pre: Preset, mode: str, device: str, *, repeats: i
              lora_base_dtype: torch.dtype = torch.float32) -> dict[str, Any]:
     """Build the model, run one warm-up step and `repeats` timed steps (and, on CPU, one more
     under `LiveBytes`); return the figures and the memory model's prediction."""
-    from stabledrl.train import _needs_reference, _optimizer
+    from stabledrl.training_run import _optimizer
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState
 
@@ -624,7 +625,7 @@ def run_mode(shape_name: str, pre: Preset, mode: str, device: str, *, repeats: i
     if mode == "lora":  # as the trainer: the base model with the adapters off, no second copy
         add_lora(policy, cfg.lora, seed=cfg.seed)
         reference = base_policy(policy)
-    elif _needs_reference(cfg):  # the trainer loads a second copy of the initial model
+    elif (cfg.drift_kl or cfg.objective.needs_reference):  # the trainer loads a second copy of the initial model
         reference = TinyPolicy(copy.deepcopy(policy.model).requires_grad_(False), policy.tokenizer)
     AcceleratorState._reset_state()
     acc = Accelerator(cpu=not cuda, mixed_precision=cfg.mixed_precision)

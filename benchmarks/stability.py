@@ -30,7 +30,8 @@ from pathlib import Path
 from stabledrl.checkpoint import finished_summary
 from stabledrl.config import load_config
 from stabledrl.report import load_metrics, plot_runs
-from stabledrl.train import OBJECTIVES, TrainConfig, run_train
+from stabledrl.objectives import OBJECTIVES
+from stabledrl.train import TrainConfig, run_train
 
 
 def spikes(norms: list[float], factor: float = 5.0, window: int = 10) -> int:

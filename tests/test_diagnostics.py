@@ -9,7 +9,10 @@ from stabledrl.config import load_config
 from stabledrl.diagnostics import CollapseMonitor, flat_grad_cosine
 from stabledrl.likelihood import plan_views, score_views
 from stabledrl.objectives import group_advantages, stabledrl_loss
-from stabledrl.train import Rollouts, TrainConfig, _backward_in_halves, _first_half_loss, build_objective, run_train
+from stabledrl.instruments import backward_measuring_agreement, first_half_loss
+from stabledrl.objectives import ScoredBatch, objective_for
+from stabledrl.rollouts import RolloutBatch
+from stabledrl.train import TrainConfig, run_train
 from tests.conftest import make_tiny_policy
 
 
@@ -57,7 +60,7 @@ def test_gradient_agreement_equals_the_cosine_of_separately_computed_half_gradie
     params = list(policy.model.parameters())
     G, groups, P, L = 3, 4, 5, 6
     B = G * groups
-    batch = Rollouts(torch.randint(5, 20, (B, P)), torch.ones(B, P, dtype=torch.long),
+    batch = RolloutBatch(torch.randint(5, 20, (B, P)), torch.ones(B, P, dtype=torch.long),
                      torch.randint(5, 20, (B, L)), torch.ones(B, L, dtype=torch.bool), torch.zeros(B, L, dtype=torch.long))
     rewards = torch.tensor([1.0, 0, 0, 0.5, 1, 0, 0, 0, 1, 0.2, 0.3, 1])
     adv = group_advantages(rewards, G, "none")
@@ -74,7 +77,7 @@ def test_gradient_agreement_equals_the_cosine_of_separately_computed_half_gradie
     # Independent: each half's loss from its own forward, gradients by autograd.grad, cosine in numpy.
     halves = []
     for lo, hi in [(0, B // 2), (B // 2, B)]:
-        loss = stabledrl_loss(ell(slice(lo, hi)), old[lo:hi], adv[lo:hi], group_size=G).loss * 0.5  # 2 of 4 groups
+        loss = stabledrl_loss(ScoredBatch(ell(slice(lo, hi)), old[lo:hi], adv[lo:hi], G)).loss * 0.5  # 2 of 4 groups
         grads = torch.autograd.grad(loss, params, allow_unused=True)
         halves.append(np.concatenate([np.zeros(p.numel()) if g is None else g.double().flatten().numpy()
                                       for g, p in zip(grads, params)]))
@@ -82,10 +85,11 @@ def test_gradient_agreement_equals_the_cosine_of_separately_computed_half_gradie
     expected = float(a @ b / np.sqrt((a @ a) * (b @ b)))
     # The trainer's way: one forward of all rows, the first half's part, two backward passes.
     full = ell(slice(0, B))
-    res = stabledrl_loss(full, old, adv, group_size=G)
-    part = _first_half_loss(cfg, full, old, adv, batch, None, {}, groups, objective=build_objective(cfg))
+    res = stabledrl_loss(ScoredBatch(full, old, adv, G))
+    part = first_half_loss(objective_for(cfg.objective), ScoredBatch(full, old, adv, G, batch.completion_mask),
+                           token_weighted=False)
     policy.model.zero_grad(set_to_none=True)
-    got = _backward_in_halves(res.loss, part, params, lambda x, **kw: x.backward(**kw))
+    got = backward_measuring_agreement(res.loss, part, params, lambda x, **kw: x.backward(**kw))
     assert -0.99 < expected < 0.99  # a real angle, not a degenerate case
     assert got == pytest.approx(expected, abs=1e-4)
     # and the parameters hold the whole gradient afterwards

@@ -27,7 +27,8 @@ from safetensors.torch import load_file
 
 from stabledrl.config import ConfigError, load_config
 from stabledrl.models.policy import load_policy
-from stabledrl.train import TrainConfig, _check_processes, run_train
+from stabledrl.train import TrainConfig, run_train
+from stabledrl.training_run import check_processes
 from tests.conftest import make_tiny_policy, metric_rows
 
 FSDP_CONFIG = Path(__file__).parents[1] / "configs" / "accelerate" / "fsdp.yaml"
@@ -164,11 +165,11 @@ def test_each_process_needs_a_row_of_every_group():
     # A step may keep one group; with group_size 2 and 3 processes one process would have
     # no row and DDP would wait for its backward forever: refused at start-up instead.
     cfg = load_config(TrainConfig, None, ["group_size=2", "eval_n=8"])
-    _check_processes(cfg, 2)
+    check_processes(cfg, 2)
     with pytest.raises(ConfigError, match="group_size"):
-        _check_processes(cfg, 3)
+        check_processes(cfg, 3)
     with pytest.raises(ConfigError, match="eval_n"):
-        _check_processes(load_config(TrainConfig, None, ["eval_n=2"]), 3)
+        check_processes(load_config(TrainConfig, None, ["eval_n=2"]), 3)
 
 
 def _resume_overrides(init_model, out) -> list[str]:

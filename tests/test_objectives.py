@@ -3,8 +3,8 @@ import math
 import pytest
 import torch
 
-from stabledrl.objectives import (aggregate_tokens, grpo_loss, group_advantages, kl_k3, log_ratios, spg_likelihood,
-                                  spg_loss, stabledrl_loss, wd1_loss)
+from stabledrl.objectives import (ScoredBatch, aggregate_tokens, grpo_loss, group_advantages, kl_k3, log_ratios,
+                                  spg_likelihood, spg_loss, stabledrl_loss, wd1_loss)
 
 
 def test_group_advantages_by_hand():
@@ -26,7 +26,7 @@ def test_grpo_with_g1_and_no_clipping_is_reinforce():
     # At θ = θ_old, ρ = 1 and ∇ρ = ∇ℓ: the GRPO gradient is −(1/B) Σ A_i ∇ℓ_i.
     logp = torch.tensor([-3.0, -1.5, -7.0], requires_grad=True)
     adv = torch.tensor([0.7, -0.2, 1.3])
-    grpo_loss(logp, logp.detach().clone(), adv, group_size=1, clip_eps=1e9).loss.backward()
+    grpo_loss(ScoredBatch(logp, logp.detach().clone(), adv, 1), clip_eps=1e9).loss.backward()
     ref = logp.detach().clone().requires_grad_()
     (-(adv * ref).mean()).backward()
     assert torch.allclose(logp.grad, ref.grad)
@@ -38,7 +38,7 @@ def test_grpo_arithmetic_and_the_bypass():
     old = torch.zeros(4)
     logp = torch.log(torch.tensor([1.0, 1.5, 10.0, 0.5])).requires_grad_()
     adv = torch.tensor([1.0, 1.0, -1.0, -1.0])
-    out = grpo_loss(logp, old, adv, group_size=4, clip_eps=eps)
+    out = grpo_loss(ScoredBatch(logp, old, adv, 4), clip_eps=eps)
     # per-sample min(ρA, clip(ρ)A): 1, min(1.5, 1.2) = 1.2, min(−10, −1.2) = −10 (bypass), min(−0.5, −0.8) = −0.8
     assert out.loss.item() == pytest.approx(-(1 + 1.2 - 10 - 0.8) / 4)
     out.loss.backward()
@@ -55,10 +55,10 @@ def test_grpo_gradient_grows_with_rho_while_stabledrl_stays_bounded(rho):
     adv = torch.tensor([1.0, 1.0, -1.0, -1.0])
     log_rho = torch.tensor([0.0, 0.0, math.log(rho), 0.0])
     g = log_rho.clone().requires_grad_()
-    grpo_loss(g, old, adv, group_size=4).loss.backward()
+    grpo_loss(ScoredBatch(g, old, adv, 4)).loss.backward()
     assert g.grad[2].item() == pytest.approx(rho / 4, rel=1e-5)  # grows linearly with ρ
     s = log_rho.clone().requires_grad_()
-    stabledrl_loss(s, old, adv, group_size=4).loss.backward()
+    stabledrl_loss(ScoredBatch(s, old, adv, 4)).loss.backward()
     # |∂loss/∂ℓ_i| = w_i |A_i| ≤ max |A| = 1, whatever ρ is
     assert s.grad.abs().max() <= 1.0
     # upper clip c = 5: ρ̃ = (1, 1, 5, 1), w = ρ̃/8; the bypassed sample's weight is 5/8
@@ -71,7 +71,7 @@ def test_stabledrl_weights_are_a_softmax_of_clipped_log_ratios_summing_to_one():
     logp = torch.randn(3 * G, requires_grad=True)
     old = logp.detach() + torch.randn(3 * G)
     ones = torch.ones(3 * G)  # with A = 1 the gradient is −w / num_groups
-    stabledrl_loss(logp, old, ones, group_size=G, clip="two_sided", clip_eps=0.2).loss.backward()
+    stabledrl_loss(ScoredBatch(logp, old, ones, G), clip="two_sided", clip_eps=0.2).loss.backward()
     w = -logp.grad.view(3, G) * 3
     assert torch.allclose(w.sum(1), torch.ones(3))
     rho = (logp.detach() - old).exp().clamp(0.8, 1.2).view(3, G)
@@ -86,7 +86,7 @@ def test_stabledrl_gradient_equals_the_weighted_sum_of_per_sample_gradients():
     theta = torch.randn(D, requires_grad=True)
     old = (x @ theta).detach() + 0.3 * torch.randn(2 * G)
     adv = group_advantages(torch.rand(2 * G), G)
-    stabledrl_loss(x @ theta, old, adv, group_size=G, clip="upper", clip_max=1.1).loss.backward()
+    stabledrl_loss(ScoredBatch(x @ theta, old, adv, G), clip="upper", clip_max=1.1).loss.backward()
     rho = ((x @ theta).detach() - old).exp().clamp(max=1.1).view(2, G)
     w = (rho / rho.sum(1, keepdim=True)).flatten()
     expected = -(w[:, None] * adv[:, None] * x).sum(0) / 2
@@ -98,8 +98,7 @@ def test_separate_weight_draw_changes_only_the_weights():
     old = torch.tensor([-1.0, -2.0])
     adv = torch.tensor([1.0, -1.0])
     # weights from another draw: log ρ = (log 3, 0) -> w = (3/4, 1/4)
-    out = stabledrl_loss(logp, old, adv, group_size=2, weight_logp=torch.tensor([math.log(3), 0.0]),
-                         weight_old_logp=torch.zeros(2))
+    out = stabledrl_loss(ScoredBatch(logp, old, adv, 2, weight_logp=torch.tensor([math.log(3), 0.0]), weight_old_logp=torch.zeros(2)))
     out.loss.backward()
     assert logp.grad.tolist() == pytest.approx([-3 / 4, 1 / 4], abs=1e-6)  # float32 exp(log 3)
     assert out.metrics["ess"] == pytest.approx(1 / (9 / 16 + 1 / 16), rel=1e-5)
@@ -112,7 +111,7 @@ def test_ratio_levels_and_overflow():
     # log_ratios does not clamp; GRPO clamps a log-ratio of ±1000 to ±80 so exp() stays finite in float32
     assert log_ratios(torch.tensor([1000.0, -1000.0]), torch.zeros(2), "sequence").tolist() == [1000.0, -1000.0]
     big = torch.tensor([1000.0, -1000.0], requires_grad=True)
-    out = grpo_loss(big, torch.zeros(2), torch.tensor([1.0, -1.0]), group_size=2, clip_eps=0.2)
+    out = grpo_loss(ScoredBatch(big, torch.zeros(2), torch.tensor([1.0, -1.0]), 2), clip_eps=0.2)
     # min(e^80, 1.2)·1 = 1.2 and min(−e^−80, −0.8) = −0.8: loss −(1.2 − 0.8)/2 = −0.2, all finite
     assert out.loss.item() == pytest.approx(-0.2, rel=1e-6)
     assert math.isfinite(out.metrics["ratio_max"])
@@ -120,8 +119,7 @@ def test_ratio_levels_and_overflow():
     assert torch.isfinite(big.grad).all()
     # token level: per-token ratios, min/clip per token, averaged over each sequence's scored tokens
     logp = torch.log(torch.tensor([[2.0, 1.0, 1.0, 9.0], [1.0, 1.0, 9.0, 9.0]]))
-    out = grpo_loss(logp, torch.zeros(2, 4), torch.tensor([1.0, -1.0]), group_size=2, ratio_level="token",
-                    completion_mask=mask, clip_eps=0.2)
+    out = grpo_loss(ScoredBatch(logp, torch.zeros(2, 4), torch.tensor([1.0, -1.0]), 2, mask), ratio_level="token", clip_eps=0.2)
     # row 0 (A=+1): min(2, 1.2), 1, 1 -> mean 3.2/3; row 1 (A=−1): −1, −1 -> −1; loss = −(3.2/3 − 1)/2
     # = −0.0333: float32 terms of size 1 leave ~3e-8 of rounding, at the edge of the default rel 1e-6
     assert out.loss.item() == pytest.approx(-(3.2 / 3 - 1) / 2, abs=1e-6)
@@ -131,8 +129,7 @@ def test_kl_k3_by_hand():
     # d = ref − θ; k3 = e^d − d − 1: 0 at d = 0; at d = log 2: 2 − 0.6931 − 1 = 0.3069
     v = kl_k3(torch.tensor([0.0, 0.0]), torch.tensor([0.0, math.log(2)]))
     assert v.tolist() == pytest.approx([0.0, 1 - math.log(2)])
-    out = grpo_loss(torch.zeros(2), torch.zeros(2), torch.zeros(2), group_size=2,
-                    ref_logp=torch.tensor([0.0, math.log(2)]), beta=0.04)
+    out = grpo_loss(ScoredBatch(torch.zeros(2), torch.zeros(2), torch.zeros(2), 2, ref_logp=torch.tensor([0.0, math.log(2)])), beta=0.04)
     assert out.loss.item() == pytest.approx(0.04 * (1 - math.log(2)) / 2)
 
 
@@ -153,7 +150,7 @@ def test_stabledrl_weights_are_not_changed_by_a_clamp_of_very_negative_log_ratio
     G = len(log_rho)
     logp = torch.tensor(log_rho, requires_grad=True)  # old log-probs 0: log ρ = ℓ_θ
     ones = torch.ones(G)  # with A = 1 (one group) the gradient is −w
-    out = stabledrl_loss(logp, torch.zeros(G), ones, group_size=G)
+    out = stabledrl_loss(ScoredBatch(logp, torch.zeros(G), ones, G))
     out.loss.backward()
     w = (-logp.grad).tolist()
     expected = _float64_softmax(log_rho)
@@ -186,8 +183,7 @@ def test_grpo_token_aggregation_by_hand_with_unequal_lengths():
     for how, expected in [("sequence_mean", -((1.5 + 1 + 0.25) / 3 + (-3)) / 2),  # −(0.91667 − 3)/2 = 1.04167
                           ("batch_token_mean", -(1.5 + 1 + 0.25 - 3) / 4)]:  # −(−0.25)/4 = 0.0625
         logp = rho.log().requires_grad_()
-        out = grpo_loss(logp, torch.zeros(2, 4), adv, group_size=2, ratio_level="token", completion_mask=mask,
-                        clip_eps=0.5, token_aggregation=how)
+        out = grpo_loss(ScoredBatch(logp, torch.zeros(2, 4), adv, 2, mask), ratio_level="token", clip_eps=0.5, token_aggregation=how)
         assert out.loss.item() == pytest.approx(expected, abs=1e-6)
         out.loss.backward()
         grads[how] = logp.grad
@@ -201,12 +197,11 @@ def test_grpo_token_aggregation_by_hand_with_unequal_lengths():
     ref = torch.zeros(2, 4)
     ref[1, 0] = math.log(2)
     for how, kl in [("sequence_mean", (0 + (1 - math.log(2))) / 2), ("batch_token_mean", (1 - math.log(2)) / 4)]:
-        out = grpo_loss(torch.zeros(2, 4), torch.zeros(2, 4), torch.zeros(2), group_size=2, ratio_level="token",
-                        completion_mask=mask, ref_logp=ref, beta=0.04, token_aggregation=how)
+        out = grpo_loss(ScoredBatch(torch.zeros(2, 4), torch.zeros(2, 4), torch.zeros(2), 2, mask, ref_logp=ref), ratio_level="token", beta=0.04, token_aggregation=how)
         assert out.loss.item() == pytest.approx(0.04 * kl, rel=1e-6)
         assert out.metrics["kl_ref"] == pytest.approx(kl, rel=1e-6)
     with pytest.raises(ValueError, match="token ratios"):
-        grpo_loss(torch.zeros(2), torch.zeros(2), adv, group_size=2, token_aggregation="batch_token_mean")
+        grpo_loss(ScoredBatch(torch.zeros(2), torch.zeros(2), adv, 2), token_aggregation="batch_token_mean")
 
 
 def test_wd1_arithmetic_by_hand():
@@ -216,17 +211,17 @@ def test_wd1_arithmetic_by_hand():
     # Group 2 ties (A = 0): w⁺ = w⁻ = ½, its term is 0 whatever ℓ. Loss: the mean, −0.2310586.
     logp = torch.tensor([-2.0, -3.0, -1.0, -7.0], requires_grad=True)
     adv = torch.tensor([0.5, -0.5, 0.0, 0.0])
-    out = wd1_loss(logp, torch.zeros(4), adv, group_size=2)
+    out = wd1_loss(ScoredBatch(logp, torch.zeros(4), adv, 2))
     assert out.loss.item() == pytest.approx(-0.5 * math.tanh(0.5), rel=1e-6)
     out.loss.backward()
     t = math.tanh(0.5) / 2  # ∂loss/∂ℓ = (w⁻ − w⁺) / number of groups
     assert logp.grad.tolist() == pytest.approx([-t, t, 0.0, 0.0], rel=1e-6, abs=1e-7)
     # ψ = 2 doubles the argument of tanh; no old policy enters the loss, only the diagnostics.
-    two = wd1_loss(logp.detach(), torch.full((4,), -50.0), adv, group_size=2, psi=2.0)
+    two = wd1_loss(ScoredBatch(logp.detach(), torch.full((4,), -50.0), adv, 2), psi=2.0)
     assert two.loss.item() == pytest.approx(-0.5 * math.tanh(1.0), rel=1e-6)
     assert two.metrics["ratio_max"] > 1e10  # log ρ = ℓ + 50, reported
     with pytest.raises(ValueError, match="psi"):
-        wd1_loss(logp, logp, adv, group_size=2, psi=0.0)
+        wd1_loss(ScoredBatch(logp, logp, adv, 2), psi=0.0)
 
 
 def test_spg_loss_arithmetic_by_hand():
@@ -240,7 +235,7 @@ def test_spg_loss_arithmetic_by_hand():
     eubo_ = torch.tensor([-9.0, -1.0, -1.0, -1.0], requires_grad=True)
     adv = torch.tensor([1.0, -1.0, 0.0, 0.0])
     mask = torch.tensor([[1, 1, 0, 0, 0, 0], [1] * 6, [1] * 6, [1] * 6]).bool()
-    out = spg_loss(elbo, eubo_, torch.zeros(4), adv, group_size=2, completion_mask=mask)
+    out = spg_loss(ScoredBatch(elbo, torch.zeros(4), adv, 2, mask, eubo=eubo_))
     assert out.loss.item() == pytest.approx(-0.5, abs=1e-7)
     out.loss.backward()
     assert elbo.grad.tolist() == pytest.approx([-0.125, 0.1875, 0.0, 0.0], abs=1e-7)
@@ -260,7 +255,7 @@ def test_stabledrl_on_spg_weights_come_from_the_elbo_and_the_gradient_from_the_s
     eubo_ = torch.tensor([5.0, -1.0], requires_grad=True)
     adv = torch.tensor([1.0, -1.0])
     sandwich = spg_likelihood(elbo, eubo_, adv)
-    out = stabledrl_loss(sandwich, old, adv, group_size=2, weight_logp=elbo, weight_old_logp=old)
+    out = stabledrl_loss(ScoredBatch(sandwich, old, adv, 2, weight_logp=elbo, weight_old_logp=old))
     assert out.loss.item() == pytest.approx(0.0, abs=1e-6)
     assert out.metrics["ess"] == pytest.approx(1 / (4 / 9 + 1 / 9), rel=1e-6)
     out.loss.backward()  # only EUBO_2 (A ≤ 0) reaches the gradient: −w_2·A_2·0.5 = 1/6

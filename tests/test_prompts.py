@@ -18,7 +18,8 @@ from stabledrl.models import ModelConfig, TinyPolicy, load_policy
 from stabledrl.sampling import SamplingConfig, generate
 from stabledrl.tasks import get_task
 from stabledrl.tokenizer import CHARS, SPECIAL_TOKENS, build_char_tokenizer
-from stabledrl.train import TrainConfig, _roll_groups
+from stabledrl.rollouts import roll_groups
+from stabledrl.train import TrainConfig
 from tests.conftest import make_tiny_policy
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -131,7 +132,8 @@ def test_evaluation_and_rollouts_feed_the_model_the_prompt_text_of_the_policy_se
     assert ((policy.inputs[0][:, :P] == policy.tokenizer.convert_tokens_to_ids("<|assistant|>")).any(1)
             == chat).all()
     policy.inputs.clear()
-    groups = _roll_groups(TrainConfig(group_size=2), policy, task, problems[:2], "t", 11, _OneProcess())
+    groups = roll_groups(policy, task, problems[:2], group_size=2, sampling=TrainConfig().rollout, gen_length=11, tag="t",
+                         shards=_OneProcess())
     assert torch.equal(groups.prompt_ids, expected[:2].repeat_interleave(2, 0)[:, -groups.prompt_ids.size(1):])
     assert torch.equal(policy.inputs[0][:, :groups.prompt_ids.size(1)], groups.prompt_ids)
 

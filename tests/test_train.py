@@ -6,8 +6,11 @@ import torch
 from safetensors.torch import load_file
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+import stabledrl.instruments as instruments
 import stabledrl.train as train_mod
+import stabledrl.training_run as training_run
 from stabledrl.config import ConfigError, load_config
+from stabledrl.objectives import OBJECTIVES, ScoredBatch, objective_for
 from stabledrl.tasks import get_task
 from stabledrl.train import TrainConfig, run_train
 from tests.conftest import make_tiny_policy, metric_rows
@@ -38,17 +41,34 @@ def _changed_weights_and_step_rows(init_model, run_dir) -> list[dict]:
     return [r for r in rows if "loss" in r]
 
 
-def _train(run) -> dict:
-    """What `run_train` does after `set_up`: every step, then the final evaluation and save."""
-    for step in range(run.start, run.cfg.steps):
-        train_mod.train_step(run, step)
-    return train_mod.finish(run)
+class _Killed(Exception):
+    """The process dies here."""
 
 
-def _abandon(run) -> None:
-    """A process killed here: its logs are closed (by the OS), nothing else happens."""
-    run.metrics_file.close()
-    run.tb.close()
+def _capturing_set_up(monkeypatch, runs: list, then=lambda run: None) -> None:
+    """`train` keeps the runs it sets up in `runs` (and calls `then` on each before its first step)."""
+    real = train_mod.set_up
+
+    def set_up(*args, **kwargs):
+        runs.append(real(*args, **kwargs))
+        then(runs[-1])
+        return runs[-1]
+
+    monkeypatch.setattr(train_mod, "set_up", set_up)
+
+
+def _saves_then_dies_at(monkeypatch, step: int, saved: list) -> None:
+    """The checkpoint of `step` is written, then the process dies; `saved` lists the steps saved."""
+    real = train_mod.save_checkpoint
+
+    def save(run_dir, done, *args, **kwargs):
+        saved.append(done)
+        out = real(run_dir, done, *args, **kwargs)
+        if done == step:
+            raise _Killed
+        return out
+
+    monkeypatch.setattr(train_mod, "save_checkpoint", save)
 
 
 def _losses(path):
@@ -70,7 +90,7 @@ def _losses(path):
 def test_a_short_run_changes_parameters_and_logs_every_diagnostic(init_model, tmp_path, objective, estimator):
     # keep: a step whose groups all tie still logs its loss row
     cfg = _cfg(init_model, tmp_path / "run", steps=2, objective=objective, estimator=estimator, masks="independent",
-               zero_variance_groups="keep")
+               zero_variance_groups="keep", update_norm=True)
     summary = run_train(cfg, progress=False)
     step_rows = _changed_weights_and_step_rows(init_model, tmp_path / "run")
     assert len(step_rows) == 2
@@ -92,15 +112,17 @@ def test_a_short_run_changes_parameters_and_logs_every_diagnostic(init_model, tm
 
 
 @pytest.mark.parametrize("lora", [None, {"r": 4}])
-def test_resume_continues_exactly(init_model, tmp_path, lora):
+def test_resume_continues_exactly(init_model, tmp_path, lora, monkeypatch):
     full = _cfg(init_model, tmp_path / "full", lora=lora)
     run_train(full, progress=False)
 
     crash = _cfg(init_model, tmp_path / "crash", lora=lora)
-    run = train_mod.set_up(crash)
-    ends = [train_mod.train_step(run, step).end for step in range(2)]
-    assert [e.checkpoint is not None for e in ends] == [False, True]
-    _abandon(run)  # stopped right after the step-2 checkpoint
+    saved = []
+    with monkeypatch.context() as m:
+        _saves_then_dies_at(m, 2, saved)
+        with pytest.raises(_Killed):  # stopped right after the step-2 checkpoint
+            run_train(crash, progress=False)
+    assert saved == [2]  # none at step 1
     run_train(crash, resume=True, progress=False)
     assert _losses(tmp_path / "crash" / "metrics.jsonl") == _losses(tmp_path / "full" / "metrics.jsonl")
     weights = "adapter_model.safetensors" if lora else "model.safetensors"  # LoRA runs save the adapters
@@ -110,17 +132,16 @@ def test_resume_continues_exactly(init_model, tmp_path, lora):
 
 
 @pytest.mark.filterwarnings("ignore:Detected call of")  # no optimizer step ran: intended
-def test_a_non_finite_loss_is_skipped_and_never_reaches_the_weights(init_model, tmp_path):
-    run = train_mod.set_up(_cfg(init_model, tmp_path / "nan", steps=2))
-    real = run.objective
+def test_a_non_finite_loss_is_skipped_and_never_reaches_the_weights(init_model, tmp_path, monkeypatch):
+    real = OBJECTIVES["stabledrl"]
 
-    def poisoned(*a, **k):
-        out = real(*a, **k)
+    def poisoned(cfg, batch):
+        out = real(cfg, batch)
         out.loss = out.loss * float("nan")
         return out
 
-    run.objective = poisoned
-    summary = _train(run)
+    monkeypatch.setitem(OBJECTIVES, "stabledrl", poisoned)
+    summary = run_train(_cfg(init_model, tmp_path / "nan", steps=2), progress=False)
     assert summary["skipped_steps"] == 4  # 2 steps x mu 2
     before = load_file(init_model / "model.safetensors")
     after = load_file(tmp_path / "nan" / "final" / "model.safetensors")
@@ -177,22 +198,24 @@ def test_config_cross_checks():
         load_config(TrainConfig, {"objective": {"name": "grpo", "token_aggregation": "batch_token_mean"}})
     with pytest.raises(ConfigError, match="estimator.options.weight must be count or time"):
         load_config(TrainConfig, {"estimator": {"method": "sdmc", "options": {"weight": "inverse_t"}}})
-    with pytest.raises(ConfigError, match="psi is a wd1 option"):
-        load_config(TrainConfig, {"objective": {"name": "stabledrl", "psi": 2.0}})
-    with pytest.raises(ConfigError, match="clip and clip_max are stabledrl options"):
-        load_config(TrainConfig, {"objective": {"name": "wd1", "clip_max": 3.0}})
-    with pytest.raises(ConfigError, match="wd1 has no KL term"):
-        load_config(TrainConfig, {"objective": {"name": "wd1", "beta": 0.1}})
-    with pytest.raises(ConfigError, match="likelihood is a stabledrl option"):
-        load_config(TrainConfig, {"objective": {"name": "grpo", "likelihood": "spg"}})
-    with pytest.raises(ConfigError, match="spg_beta and spg_omega are options of spg"):
-        load_config(TrainConfig, {"objective": {"name": "stabledrl", "spg_omega": 0.3}})
+    # another objective's option is not a key of this objective's section
+    for name, key, value in [("stabledrl", "psi", 2.0), ("wd1", "clip_max", 3.0), ("wd1", "beta", 0.1),
+                             ("grpo", "likelihood", "spg"), ("grpo", "spg_omega", 0.3),
+                             ("spg", "ratio_level", "sequence_normalized")]:
+        with pytest.raises(ConfigError, match=f"unknown config key objective.{key}; section 'objective' accepts"):
+            load_config(TrainConfig, {"objective": {"name": name, key: value}})
+    with pytest.raises(ConfigError, match="name: 'ppo' is none of stabledrl, grpo, wd1, spg"):
+        load_config(TrainConfig, {"objective": {"name": "ppo"}})
     with pytest.raises(ConfigError, match="spg_omega must be in"):
         load_config(TrainConfig, {"objective": {"name": "spg", "spg_omega": 1.5}})
     with pytest.raises(ConfigError, match="EUBO is not linear"):
         load_config(TrainConfig, {"objective": {"name": "spg"}, "estimator": {"max_views_per_forward": 4}})
     with pytest.raises(ConfigError, match="per-sequence likelihood"):
-        load_config(TrainConfig, {"objective": {"name": "spg", "ratio_level": "sequence_normalized"}})
+        load_config(TrainConfig, {"objective": {"name": "stabledrl", "likelihood": "spg",
+                                                "ratio_level": "sequence_normalized"}})
+    with pytest.raises(ConfigError, match="not SPG's sandwich"):
+        load_config(TrainConfig, {"objective": {"name": "stabledrl", "likelihood": "spg",
+                                                "separate_weight_masks": True}})
 
 
 def test_batch_token_mean_reaches_the_objective_and_splits_by_tokens_for_grad_agreement():
@@ -200,17 +223,15 @@ def test_batch_token_mean_reaches_the_objective_and_splits_by_tokens_for_grad_ag
     cfg = load_config(TrainConfig, {"group_size": 2, "objective": {"name": "grpo", "ratio_level": "token",
                                                                    "token_aggregation": "batch_token_mean"}})
     mask = torch.tensor([[1, 1, 1], [1, 0, 0], [1, 0, 0], [1, 0, 0]])
-    batch = train_mod.Rollouts(torch.ones(4, 2, dtype=torch.long), torch.ones(4, 2, dtype=torch.long),
-                               torch.full((4, 3), 5), mask, torch.zeros(4, 3, dtype=torch.long))
     adv = torch.tensor([1.0, -1.0, 0.5, -1.5])
     logp = torch.zeros(4, 3)
-    res = train_mod.build_objective(cfg)(logp, logp, adv, completion_mask=batch.completion_mask, ref_logp=None)
+    batch = ScoredBatch(logp, logp, adv, 2, mask)
+    res = objective_for(cfg.objective)(batch)
     # −(3·1 − 1 + 0.5 − 1.5)/6 = −1/6 (sequence_mean would give −(1 − 1 + 0.5 − 1.5)/4 = 0.25)
     assert res.loss.item() == pytest.approx(-1 / 6, abs=1e-6)
     # the first group's share: its tokens over all the batch's, −(3 − 1)/6 = −1/3
     # (a mean over groups would give −(2/4)·(1/2) = −0.25)
-    part = train_mod._first_half_loss(cfg, logp, logp, adv, batch, None, {}, num_groups=2,
-                                      objective=train_mod.build_objective(cfg))
+    part = instruments.first_half_loss(objective_for(cfg.objective), batch, token_weighted=cfg.objective.token_weighted)
     assert part.item() == pytest.approx(-1 / 3, abs=1e-6)
 
 
@@ -283,18 +304,20 @@ class _RuledTask:
 
 @pytest.mark.parametrize("mode, rounds", [("keep", 0), ("skip", 0), ("resample", 3)])
 @pytest.mark.filterwarnings("ignore:Detected call of")  # a step with no group left runs no optimizer step
-def test_zero_variance_groups_are_kept_skipped_or_resampled(init_model, tmp_path, mode, rounds):
+def test_zero_variance_groups_are_kept_skipped_or_resampled(init_model, tmp_path, mode, rounds, monkeypatch):
     task = _RuledTask()
     P = 6
     cfg = _cfg(init_model, tmp_path / mode, steps=2, prompts_per_step=P, group_size=2, mu=1, save_every=5,
                task={"name": "countdown"}, zero_variance_groups=mode, max_resample_rounds=rounds)
-    run = train_mod.set_up(cfg, task=task)
-    seen = []  # the advantages of the groups that reach the objective (score_groups), step by step
-    for step in range(cfg.steps):
-        res = train_mod.train_step(run, step)
-        if res.scored is not None:  # what reached the objective: each used group's advantages
-            seen.append(res.scored.advantages.view(-1, cfg.group_size))
-    summary = train_mod.finish(run)
+    seen = []  # the advantages of the groups that reach the objective, step by step (mu = 1: one call a step)
+    real = OBJECTIVES["stabledrl"]
+
+    def recording(obj_cfg, batch):  # what reached the objective: each used group's advantages
+        seen.append(batch.advantages.view(-1, cfg.group_size))
+        return real(obj_cfg, batch)
+
+    monkeypatch.setitem(OBJECTIVES, "stabledrl", recording)
+    summary = run_train(cfg, task=task, progress=False)
     rows = [json.loads(x) for x in (tmp_path / mode / "metrics.jsonl").read_text().splitlines() if '"loss"' in x
             or '"groups_used"' in x]
     assert len(rows) == 2
@@ -324,27 +347,26 @@ def test_zero_variance_groups_are_kept_skipped_or_resampled(init_model, tmp_path
         assert resampled > 0 and rows[0]["groups_used"] > sum(map(task.informative, task.generate(P, seed=0)))
 
 
-def test_without_the_drift_diagnostic_no_reference_copy_is_loaded(init_model, tmp_path):
-    run = train_mod.set_up(_cfg(init_model, tmp_path / "a", steps=1, drift_kl=False, zero_variance_groups="keep"))
-    assert run.reference is None  # the policy only
-    _train(run)
+def test_without_the_drift_diagnostic_no_reference_copy_is_loaded(init_model, tmp_path, monkeypatch):
+    runs = []
+    _capturing_set_up(monkeypatch, runs)
+    run_train(_cfg(init_model, tmp_path / "a", steps=1, drift_kl=False, zero_variance_groups="keep"), progress=False)
+    assert runs[-1].reference is None  # the policy only
     rows = [json.loads(x) for x in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
     assert "loss" in rows[1] and "drift_kl" not in rows[1]
     # A KL term needs the reference whatever the diagnostic says: a second copy, frozen.
-    run = train_mod.set_up(_cfg(init_model, tmp_path / "b", steps=1, drift_kl=False,
-                                objective={"name": "grpo", "beta": 0.1}, zero_variance_groups="keep"))
+    run_train(_cfg(init_model, tmp_path / "b", steps=1, drift_kl=False, objective={"name": "grpo", "beta": 0.1},
+                   zero_variance_groups="keep"), progress=False)
+    run = runs[-1]
     assert run.reference is not None and run.reference.model is not run.policy.model
     assert not any(p.requires_grad for p in run.reference.model.parameters())
-    _train(run)
     rows = [json.loads(x) for x in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
     assert "kl_ref" in rows[1]
     # With LoRA the reference is the base model (adapters off): no copy, and not scored unless read.
-    run = train_mod.set_up(_cfg(init_model, tmp_path / "c", steps=1, drift_kl=False, lora={"r": 4}))
-    assert run.reference is None
-    _abandon(run)
-    run = train_mod.set_up(_cfg(init_model, tmp_path / "d", steps=1, lora={"r": 4}))
-    assert run.reference is not None and run.reference.model is run.policy.model
-    _abandon(run)
+    run_train(_cfg(init_model, tmp_path / "c", steps=1, drift_kl=False, lora={"r": 4}), progress=False)
+    assert runs[-1].reference is None
+    run_train(_cfg(init_model, tmp_path / "d", steps=1, lora={"r": 4}), progress=False)
+    assert runs[-1].reference is not None and runs[-1].reference.model is runs[-1].policy.model
 
 
 def test_a_run_on_the_code_task_carries_on_through_sandboxed_failures(init_model, tmp_path):
@@ -367,18 +389,27 @@ def test_a_run_on_the_code_task_carries_on_through_sandboxed_failures(init_model
     assert (tmp_path / "run" / "final" / "model.safetensors").is_file()
 
 
-def test_a_run_killed_before_its_first_checkpoint_or_in_its_final_save_reruns_cleanly(init_model, tmp_path):
+def test_a_run_killed_before_its_first_checkpoint_or_in_its_final_save_reruns_cleanly(init_model, tmp_path,
+                                                                                       monkeypatch):
     run = tmp_path / "run"
     cfg = _cfg(init_model, run, steps=2, mu=1)
-    killed = train_mod.set_up(cfg)
-    assert train_mod.train_step(killed, 0).end.checkpoint is None
-    _abandon(killed)  # killed before the first checkpoint (step 2)
-    killed = train_mod.set_up(cfg)  # the same command again, killed at the end: in the final save
-    for step in range(2):
-        train_mod.train_step(killed, step)
-    train_mod._final_evaluation(killed)  # the final row is logged, then the save begins ...
-    (run / ".tmp-final-x1").mkdir()  # ... and dies, leaving its temporary folder
-    _abandon(killed)
+
+    def dies(*args, **kwargs):
+        raise _Killed
+
+    with monkeypatch.context() as m:
+        m.setattr(train_mod, "save_checkpoint", dies)
+        with pytest.raises(_Killed):  # killed before the first checkpoint (step 2) is written
+            run_train(cfg, progress=False)
+
+    def dies_in_the_final_save(run_dir, policy):  # the final row is logged, then the save begins ...
+        (run / ".tmp-final-x1").mkdir()  # ... and dies, leaving its temporary folder
+        raise _Killed
+
+    with monkeypatch.context() as m:  # the same command again, killed at the end: in the final save
+        m.setattr(training_run, "save_final", dies_in_the_final_save)
+        with pytest.raises(_Killed):
+            run_train(cfg, progress=False)
     run_train(cfg, resume=True, progress=False)
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     # step 0 (initial evaluation), steps 1 and 2, the final evaluation: each once
@@ -387,7 +418,8 @@ def test_a_run_killed_before_its_first_checkpoint_or_in_its_final_save_reruns_cl
     assert not [p.name for p in run.iterdir() if p.name.startswith(".")]
 
 
-def test_micro_batched_rollouts_and_evaluation_and_a_chunked_optimizer_step_change_nothing(init_model, tmp_path):
+def test_micro_batched_rollouts_and_evaluation_and_a_chunked_optimizer_step_change_nothing(init_model, tmp_path,
+                                                                                            monkeypatch):
     # Run A samples a step's 8 rollouts and the 5 held-out problems in one call each and
     # steps all parameters at once; run B samples 3 rows at a time, evaluates 2 at a time and
     # steps the parameters in chunks of at most 3,000 elements. The tokens are the same (each
@@ -396,12 +428,12 @@ def test_micro_batched_rollouts_and_evaluation_and_a_chunked_optimizer_step_chan
     # linear in the gradient, keeps that difference at rounding size (AdamW's g/sqrt(v)
     # would not); the chunked AdamW step itself is checked bit for bit below.
     kw = dict(steps=2, mu=1, eval_n=5, eval_every=1, drift_kl=False, zero_variance_groups="keep",
-              optimizer="sgd", lr=0.1)
+              optimizer="sgd", lr=0.1, update_norm=True)
     run_train(_cfg(init_model, tmp_path / "a", **kw), progress=False)
-    run = train_mod.set_up(_cfg(init_model, tmp_path / "b", rollout={"temperature": 1.0, "micro_batch": 3},
-                                eval_sampling={"micro_batch": 2}, **kw))
-    run.update_chunk = 3000
-    _train(run)
+    with monkeypatch.context() as m:
+        m.setattr(instruments, "UPDATE_CHUNK", 3000)
+        run_train(_cfg(init_model, tmp_path / "b", rollout={"temperature": 1.0, "micro_batch": 3},
+                       eval_sampling={"micro_batch": 2}, **kw), progress=False)
     a = load_file(tmp_path / "a" / "final" / "model.safetensors")
     b = load_file(tmp_path / "b" / "final" / "model.safetensors")
     init = load_file(init_model / "model.safetensors")
@@ -438,7 +470,7 @@ def test_the_optimizer_steps_in_chunks_and_reports_the_norm_of_the_change():
         lambda o, a, k: stepped.append(sum(p.numel() for g in o.param_groups for p in g["params"]
                                            if p.grad is not None)) if o is opt else None)
     try:
-        norm = train_mod._step_measuring_update(opt, params, chunk_size=5000)
+        norm = instruments.step_measuring_update(opt, params, chunk_size=5000)
     finally:
         hook.remove()
     largest = max(p.numel() for p in params)  # 8,192 (gate_up): a chunk of its own
@@ -453,12 +485,11 @@ def test_the_optimizer_steps_in_chunks_and_reports_the_norm_of_the_change():
     assert norm == pytest.approx(expected, rel=1e-5)
 
 
-def test_the_logged_update_norm_is_the_norm_of_the_change_of_the_weights(init_model, tmp_path):
+def test_the_logged_update_norm_is_the_norm_of_the_change_of_the_weights(init_model, tmp_path, monkeypatch):
     # One step, μ = 1: the logged update_norm is ‖θ_final − θ_init‖, here with the step in chunks.
-    run = train_mod.set_up(_cfg(init_model, tmp_path / "r", steps=1, mu=1, drift_kl=False,
-                                zero_variance_groups="keep"))
-    run.update_chunk = 4000
-    _train(run)
+    monkeypatch.setattr(instruments, "UPDATE_CHUNK", 4000)
+    run_train(_cfg(init_model, tmp_path / "r", steps=1, mu=1, drift_kl=False, zero_variance_groups="keep",
+                   update_norm=True), progress=False)
     row = next(r for r in metric_rows(tmp_path / "r") if "update_norm" in r)
     before = load_file(init_model / "model.safetensors")
     after = load_file(tmp_path / "r" / "final" / "model.safetensors")
@@ -467,17 +498,20 @@ def test_the_logged_update_norm_is_the_norm_of_the_change_of_the_weights(init_mo
     assert row["update_norm"] == pytest.approx(expected, rel=1e-5)
 
 
-def test_bf16_mixed_precision_computes_in_bf16_and_keeps_a_1e_6_step(init_model, tmp_path):
+def test_bf16_mixed_precision_computes_in_bf16_and_keeps_a_1e_6_step(init_model, tmp_path, monkeypatch):
     # mixed_precision: bf16 with float32 weights (the recommended precision): the matmuls of
     # the policy and of its reference copy run in bfloat16 (so the drift from the reference
     # is exactly 0 at the first step, as in float32), and one AdamW step at lr 1e-6 (≈ 1e-6
     # on every weight whose gradient is not ~0) changes every element of every matrix.
     dtypes = set()
-    run = train_mod.set_up(_cfg(init_model, tmp_path / "r", steps=1, mu=1, lr=1e-6, mixed_precision="bf16",
-                                zero_variance_groups="keep"))
-    for model in (run.policy.model, run.reference.model):  # the reference: a second copy
-        model.blocks[0].qkv.register_forward_hook(lambda m, i, o: dtypes.add(o.dtype))
-    _train(run)
+
+    def watch(run):
+        for model in (run.policy.model, run.reference.model):  # the reference: a second copy
+            model.blocks[0].qkv.register_forward_hook(lambda m, i, o: dtypes.add(o.dtype))
+
+    _capturing_set_up(monkeypatch, [], then=watch)
+    run_train(_cfg(init_model, tmp_path / "r", steps=1, mu=1, lr=1e-6, mixed_precision="bf16",
+                   zero_variance_groups="keep"), progress=False)
     assert dtypes == {torch.bfloat16}
     assert next(r for r in metric_rows(tmp_path / "r") if "drift_kl" in r)["drift_kl"] == 0.0
     before = load_file(init_model / "model.safetensors")
@@ -538,9 +572,9 @@ def test_the_forward_clock_reads_gpu_time_from_events_with_one_synchronisation()
             return end.t - self.t
 
     model = _Sleepy(clock_ms, 250.0)
-    clock = train_mod._ForwardClock(model, model, event=FakeEvent)
+    clock = instruments.ForwardClock(model, model, event=FakeEvent)
     assert not clock.cuda  # a CPU model: host time, no events
-    clock._cuda = True  # as for a model on a GPU
+    clock.cuda = True  # as for a model on a GPU
     for _ in range(3):
         model(torch.zeros(1))
         clock_ms[0] += 1000.0  # host work between forwards is not counted
@@ -558,7 +592,7 @@ def test_on_a_gpu_the_forward_clock_counts_the_kernels_time():
 
     model = torch.nn.Sequential(*[torch.nn.Linear(4096, 4096) for _ in range(8)]).cuda()
     x = torch.randn(4096, 4096, device="cuda")
-    clock = train_mod._ForwardClock(model)
+    clock = instruments.ForwardClock(model)
     assert clock.cuda
     with torch.no_grad():
         model(x)  # warm-up
@@ -572,22 +606,23 @@ def test_on_a_gpu_the_forward_clock_counts_the_kernels_time():
     assert 0.5 * wall <= clock.seconds <= 1.05 * wall  # host gaps between forwards are not counted
 
 
-def test_every_objective_name_the_config_accepts_has_a_builder_in_the_registry():
+def test_every_objective_name_the_config_accepts_has_a_function_in_the_registry():
     import typing
 
     from stabledrl.settings import ObjectiveConfig
 
-    names = typing.get_args(typing.get_type_hints(ObjectiveConfig)["name"])
-    assert set(train_mod.OBJECTIVES) == set(names)
+    names = [c.name for c in typing.get_args(ObjectiveConfig)]
+    assert set(OBJECTIVES) == set(names)
     for name in names:
         cfg = load_config(TrainConfig, {"group_size": 2, "objective": {"name": name}})
         # ℓ = ℓ_old = 1, so ρ = 1: GRPO's −mean(ρ·A) = −(1 − 1 + 3 − 1)/4 = −0.5, and StableDRL's
         # surrogate −mean_g Σ_i w_i·A_i·ℓ_i with w_i = 1/G = 1/2 is −((1 − 1)/2 + (3 − 1)/2)/2 = −0.5;
         # wd1's coefficients softmax(−A) − softmax(A) sum to 0 in a group, so a constant ℓ gives 0
         # SPG: ELBO = EUBO = 1, so its sandwich is 1 and, lengths equal, its −mean_g Σ_i A_i ℓ̃_i / G is GRPO's
-        logp = torch.ones(4, 2) if cfg.objective.sandwich else torch.ones(4)
-        res = train_mod.build_objective(cfg)(logp, logp, torch.tensor([1.0, -1.0, 3.0, -1.0]),
-                                             completion_mask=torch.ones(4, 3), ref_logp=None)
+        ones = torch.ones(4)
+        eubo = ones if cfg.objective.eubo_beta is not None else None
+        batch = ScoredBatch(ones, ones, torch.tensor([1.0, -1.0, 3.0, -1.0]), 2, torch.ones(4, 3), eubo=eubo)
+        res = objective_for(cfg.objective)(batch)
         assert res.loss.item() == pytest.approx({"wd1": 0.0}.get(name, -0.5), abs=1e-7), name
 
 

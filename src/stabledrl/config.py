@@ -88,8 +88,12 @@ def load_config(cls: type[C], source: str | Path | Mapping[str, Any] | None = No
         _expand_shorthands(cls, data)
     _reject_unknown(cls, data, "")
     _start_from_field_defaults(cls, data)
+    config = dacite.Config(strict=True, type_hooks={float: _to_float})
+    for union in _tagged_unions(cls):  # built as the member its `name` picks: its own errors, not "no match"
+        config.type_hooks[union] = lambda d, u=union: d if not isinstance(d, Mapping) else dacite.from_dict(
+            _section(u, d), d, config=config)
     try:
-        return dacite.from_dict(cls, data, config=dacite.Config(strict=True, type_hooks={float: _to_float}))
+        return dacite.from_dict(cls, data, config=config)
     except dacite.WrongTypeError as e:
         raise ConfigError(f"config field {e.field_path!r}: expected {_type_name(e.field_type)}, got {e.value!r}") from None
     except dacite.MissingValueError as e:
@@ -138,7 +142,7 @@ def _expand_shorthands(cls: Any, data: Any) -> None:
             words = [w for w in (("yes", "on") if value else ("no", "off")) if w in typing.get_args(hints[key])]
             if words and value not in typing.get_args(hints[key]):
                 data[key] = value = words[0]
-        sub = _section(hints.get(key))
+        sub = _section(hints.get(key), value)
         if dataclasses.is_dataclass(sub):
             short = getattr(sub, "__shorthand__", None)
             if short is not None and not isinstance(value, Mapping):
@@ -154,11 +158,11 @@ def _start_from_field_defaults(cls: Any, data: Any) -> None:
         return
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
-        sub, value = _section(hints[f.name]), data.get(f.name)
+        sub, value = _section(hints[f.name], data.get(f.name)), data.get(f.name)
         if not (dataclasses.is_dataclass(sub) and isinstance(value, dict)):
             continue
         default = f.default_factory() if f.default_factory is not dataclasses.MISSING else None
-        if dataclasses.is_dataclass(default):
+        if dataclasses.is_dataclass(default) and isinstance(default, sub):
             for g in dataclasses.fields(sub):
                 own = (g.default if g.default is not dataclasses.MISSING else
                        g.default_factory() if g.default_factory is not dataclasses.MISSING else dataclasses.MISSING)
@@ -183,16 +187,39 @@ def _reject_unknown(cls: Any, data: Any, path: str) -> None:
             raise ConfigError(f"config field {field_path!r}: expected {_type_name(hints[key])}, got {value!r}")
         if typing.get_origin(hints[key]) is list and not isinstance(value, list):  # dacite would iterate a string
             raise ConfigError(f"config field {field_path!r}: expected a list, got {value!r}; write [{value!r}]")
-        _reject_unknown(_section(hints[key]), value, field_path)
+        _reject_unknown(_section(hints[key], value, field_path), value, field_path)
 
 
-def _section(t: Any) -> Any:
-    """The dataclass of an optional section (``LoraSettings | None`` -> LoraSettings), else t."""
+def _section(t: Any, value: Any = None, path: str = "") -> Any:
+    """The dataclass of an optional section (``LoraSettings | None`` -> LoraSettings), or of a union of
+    sections the member whose `name` default is the value's ``name`` (none given: the first), else t."""
     if typing.get_origin(t) in (typing.Union, types.UnionType):
         classes = [a for a in typing.get_args(t) if dataclasses.is_dataclass(a)]
         if len(classes) == 1:
             return classes[0]
+        if classes and isinstance(value, Mapping):
+            names = [getattr(c, "name", None) for c in classes]
+            wanted = value.get("name", names[0])
+            if wanted not in names:
+                raise ConfigError(f"config field {path + '.' if path else ''}name: {wanted!r} is none of "
+                                  f"{', '.join(map(str, names))}")
+            return classes[names.index(wanted)]
     return t
+
+
+def _tagged_unions(cls: Any) -> set:
+    """The unions of several config sections (chosen by `name`) among the fields of cls and its sections."""
+    found: set = set()
+    if dataclasses.is_dataclass(cls):
+        for t in typing.get_type_hints(cls).values():
+            if typing.get_origin(t) in (typing.Union, types.UnionType):
+                classes = [a for a in typing.get_args(t) if dataclasses.is_dataclass(a)]
+                found |= {t} if len(classes) > 1 else set()
+                for c in classes:
+                    found |= _tagged_unions(c)
+            elif dataclasses.is_dataclass(t):
+                found |= _tagged_unions(t)
+    return found
 
 
 def _is_number(t: Any) -> bool:

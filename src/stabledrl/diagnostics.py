@@ -13,13 +13,11 @@ has fallen far below its own best or its gradient norm keeps spiking:
   or were skipped (a non-finite loss or gradient: `skipped_steps` grew). A NaN norm of a
   step that was not skipped (DeepSpeed may report none) is no spike.
 
-The flag is sticky once raised (a collapsed run that recovers a little is still one to
-look at) and names its reasons. It is a diagnostic, not a stopping rule.
+The flag is sticky once raised and names its reasons; a diagnostic, not a stopping rule.
 
-`flat_grad_cosine` computes the trainer's `grad_agreement`: the cosine between the policy
-gradients of two disjoint halves of a step's groups. Near 1 the halves agree on a
-direction (the step generalises across prompts); near 0 the step's update is mostly about
-its own prompts (the batch is too small to learn from). See README, "RL that learns".
+`flat_grad_cosine` computes the trainer's `grad_agreement`, the cosine between the gradients
+of two halves of a step's groups: near 0 the batch is too small to learn from (README, "RL
+that learns").
 """
 
 from __future__ import annotations

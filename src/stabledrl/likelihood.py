@@ -1,108 +1,18 @@
-"""Likelihood estimators for diffusion LMs: mc, sdmc, exact, mean_field, blockwise, path, coupled, block_random
-(docs/methods.md, "Likelihood estimators", with where they part from the papers).
+"""Likelihood estimators for diffusion LMs: mc, sdmc, exact, mean_field, blockwise, path, coupled,
+block_random (docs/methods.md, "Likelihood estimators": each method, and where it parts from
+the papers).
 
 A dLLM's log π(y|q) is intractable; RL needs an estimate ℓ(y). Every estimator here is
-model-agnostic: it decides *which noised views* of each completion to score (a
-`ViewPlan`: which slots are replaced by the mask token, with what weight) and asks the
-policy only for logits. Splitting the plan from its evaluation is what gives common
-random numbers: one plan, drawn once from a `torch.Generator`, can be scored under θ,
-θ_old and a reference, so their difference carries no mask noise. Nothing here touches
-the global RNG.
+model-agnostic: it decides *which noised views* of each completion to score (a `ViewPlan`:
+which slots are replaced by the mask token, with what weight) and asks the policy only for
+logits. Splitting the plan from its evaluation gives common random numbers: one plan, drawn
+once from a `torch.Generator`, can be scored under θ, θ_old and a reference, so their
+difference carries no mask noise. Nothing here touches the global RNG.
 
-For every method the estimate is a weighted sum over views v of
-
-    Σ_{i masked in v} log p_θ(y_i | x_v, q),
-
-written into a per-token (B, L) tensor (slot i collects the terms where it was masked)
-and summed over the scored slots into a per-sequence (B,) estimate (`reduction="sum"`,
-a log-likelihood) or divided by the scored length (`"mean"`).
-
-Only scored slots (up to and including the first EOS) are ever counted, and the ELBO
-methods mask only them: the PAD after EOS stays visible (``path`` masks it until the step
-that committed the EOS, as the sampler did). So ℓ estimates log p(y, its length | q) as the rollout
-wrote it, and the easy PAD slots do not inflate it (docs/methods.md, "Design notes"). θ, θ_old and the
-reference all see the same convention, so ratios are consistent.
-
-Methods (n = the number of scored slots of a sequence, K = `num_samples`):
-
-- ``mc``: double Monte Carlo estimate of the masked-diffusion ELBO
-  (LLaDA, Nie et al. 2025, Eq. 3 / Eq. 12). Per view, ``masking="count"`` draws
-  k ~ U{1..n} and masks exactly k slots, weight n/k (exact-count form, bounded
-  weights); ``masking="bernoulli"`` draws t ~ U(0,1] and masks each slot with
-  probability t, weight 1/t (unbounded variance as t → 0: prefer "count").
-  ``stratified=True`` spreads the K draws of k or t over strata;
-  ``antithetic=True`` (bernoulli only) pairs each mask at t with its complement at
-  1 − t, each weighted by its own 1/t (coupled-GRPO, Gong et al. 2025).
-  Unbiased for the ELBO in every variant.
-- ``sdmc``: GDPO's semi-deterministic Monte Carlo (Rojas et al. 2025): t at the N
-  Gauss–Legendre nodes t_j of (0,1) with weights w_j; at each node K masks of exactly
-  k_j = max(1, ⌊t_j n + ½⌋) slots; ℓ = Σ_j w_j c_j mean_K(·). The node's factor c_j is
-  ``weight="count"`` (default): n/k_j, the inverse of the fraction actually masked, so
-  that a context-free model's estimate is exactly its log-likelihood at every n; or
-  ``weight="time"``: 1/t_j, as GDPO and NeMo-RL write it. The two agree as n → ∞ and
-  differ for short completions (c_time / c_count = k_j / (t_j n): 0.63 and 1.18 at n = 3
-  with 2 nodes); docs/methods.md, "sdmc". Deviation: when K ≥ C(n, k_j) the node
-  enumerates its C(n, k_j) subsets once each (its exact value, with fewer forward
-  passes) instead of sampling K with repeats.
-- ``exact``: the ELBO itself, by enumerating all 2^n − 1 non-empty masks (subset S
-  weighted (|S|−1)!(n−|S|)!/n!, the exact-count form's probability times n/|S|).
-  Deterministic; for n ≤ 16 only — a reference for tests and benchmarks.
-- ``mean_field``: diffu-GRPO's one-step estimate (d1, Zhao et al. 2025): every
-  completion slot masked, each real prompt token (not BOS) masked i.i.d. with
-  probability ``p_prompt``; one view per sequence; ℓ = Σ_i log p(y_i | q̃, all masked).
-  Biased — it is the baseline. ``prompt_columns="all"`` lets every prompt column be
-  masked, BOS and left padding included, as d1's code does (its model is given no
-  attention mask; ours hide the padding, so there only BOS changes).
-- ``blockwise``: for block-diffusion models (BD3-LM, Arriola et al. 2025; StableDRL's
-  block extension): ℓ(y) = Σ_j ELBO_j(y_j | y_<j, q), each block's term an ELBO of that
-  block's scored slots given the clean earlier blocks. A view noises every block at once
-  (``inner="mc"``: k_j ~ U{1..n_j} slots of block j, weight n_j/k_j, optionally
-  stratified across the K views; ``inner="sdmc"``: the Gauss–Legendre node t of the
-  view, k_j = max(1, ⌊t n_j + ½⌋), weight w n_j/k_j; ``inner="exact"``: every subset
-  of every block, the reference) and is scored in one pass over [q ; y ; ỹ] under the
-  staircase mask (`stabledrl.models.attention`): noisy block j sees only the prompt, the
-  clean blocks < j and itself, so all blocks' terms come from the same forward pass.
-  Each block's slots carry their block's weight. The blocks are the model's
-  (its ``prompt_attention``): under ``sequence_blocks`` (SDAR, TraDo) a row's first block
-  holds its prompt's tail and only S − r slots, so the plan needs the prompt mask and the
-  convention (`plan_views`), and `score_views` refuses a plan drawn for other blocks.
-
-- ``coupled``: DiffuCoder's coupled sampling (coupled-GRPO, Gong et al. 2025): per sample
-  a level t ~ U(0.2, 0.8) and three views, the whole completion masked, the scored slots
-  with u_i < t masked, and the complement; slot i's term is
-  ½ log p(y_i | all masked) + ½ log p(y_i | its view) / t (or / (1 − t)). Every scored
-  slot is masked, and counted, in exactly one of the two coupled views. Not an ELBO: for a
-  context-free model its expectation is 1.5 times the log-likelihood. Deviations from the
-  authors' code: t is drawn per row (theirs: one per batch), and the coupled views mask
-  only scored slots (theirs: the PAD after EOS too).
-- ``block_random``: SPG's masks (Wang et al. 2025), as the authors' StableDRL trains with
-  them: per view a block j of ``block_length`` completion slots is chosen (the first K
-  entries of a random order of the ⌈L / block_length⌉ blocks, each taken modulo the number
-  of blocks that hold scored slots, so the K views of a row fall in K different draws and
-  the wrap-around makes the choice non-uniform), k ~ U{1..m} of the block's m scored
-  slots are masked, and so is every slot after them; each earlier completion slot and
-  each real prompt token is masked with probability ``p_prompt``. Every masked scored slot
-  counts, with weight 1/(K·c_v), c_v their number in view v: the estimate is a per-token
-  mean (SPG's ELBO), not a sum, so use it with ``reduction: sum``. As in the authors'
-  code the PAD after EOS is masked (every other ELBO method here leaves it visible), and a
-  mask is drawn for every real prompt token, BOS included. Deviation: blocks are
-  ⌈L / block_length⌉ where theirs are ⌊L / block_length⌋ (equal when it divides L).
-  `eubo` turns the same views into SPG's upper bound.
-- ``path``: the log-probability of the rollout along its sampler's own decoding path
-  (the trajectory likelihood of TraceRL, Wang et al. 2025): Σ over the sampler's steps s of
-  Σ_{i committed at s} log p_θ(y_i | x_s, q), x_s the completion as it stood before step s
-  (slots committed before s revealed, the rest masked). It needs the rollout's
-  `unmask_step` (`GenerationOutput.unmask_step`) and is deterministic given it: one view
-  per step for full-attention models; for block models view j holds the j-th step of
-  every block at once (a noisy block sees only the clean earlier blocks, which the
-  sampler had finished), in one staircase pass per view. Not an ELBO: it scores the
-  order the sampler chose, not every order. One approximation: a slot committed before a
-  later-committed EOS turned it into PAD shows as PAD from its own step on (the sampler
-  showed its token until the EOS).
-
-The full-attention methods refuse block models and ``blockwise`` refuses full-attention
-ones: a wrong pairing would score a likelihood the model does not define. ``path`` takes
-both (with ``block_size`` for block models).
+The estimate is a weighted sum over views v of Σ_{i masked in v} log p_θ(y_i | x_v, q),
+written into a per-token (B, L) tensor and summed over the scored slots (up to and including
+the first EOS) into a (B,) estimate (`reduction="sum"`) or divided by the scored length
+(`"mean"`). A block model takes ``blockwise`` (or ``path``), and only it takes ``blockwise``.
 
 Shapes: B batch, P prompt columns, L completion slots, V vocabulary, Nv views,
 K samples, N quadrature nodes.
@@ -116,6 +26,7 @@ import inspect
 import itertools
 import math
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any, Callable, ContextManager, Literal
 
 import numpy as np
@@ -138,6 +49,8 @@ __all__ = [
     "ViewPlan",
     "LikelihoodEstimate",
     "plan_views",
+    "plan_for",
+    "check_method_fits",
     "score_views",
     "backward_views",
     "estimate",
@@ -211,7 +124,7 @@ class LikelihoodEstimate:
     """Noised views scored, i.e. forward passes of one sequence each."""
     views: torch.Tensor | None = None
     """(Nv, L) each view's unweighted log p(y_i | view) on the slots it masks and scores, 0
-    elsewhere (`score_views(..., keep_views=True)`; what `eubo` reads); None by default."""
+    elsewhere (what `eubo` reads)."""
 
 
 def gauss_legendre(n: int) -> tuple[np.ndarray, np.ndarray]:
@@ -702,6 +615,32 @@ def plan_views(
     return PLANNERS[method](inputs, **options)
 
 
+def check_method_fits(method: str, policy: Policy) -> None:
+    """A block model's likelihood is a sum of per-block terms: it takes ``blockwise`` (or
+    ``path``), and only it takes ``blockwise``."""
+    block = getattr(policy, "attention_kind", "full") == "block"
+    if method != "path" and block != (method == "blockwise"):
+        raise ValueError(f"estimator method {method!r} does not fit a {'block' if block else 'full'}-attention "
+                         "model: a block policy takes 'blockwise' (or 'path'), any other policy mc, sdmc, "
+                         "mean_field, coupled, block_random, exact (or path)")
+
+
+def plan_for(policy: Policy, method: Method, rows: Any, *, generator: torch.Generator | None = None,
+             num_samples: int = 1, **options) -> ViewPlan:
+    """`plan_views` for `policy`'s kind (its block size and prompt blocks, its BOS) and for
+    `rows`, anything with `completion_mask`, `prompt_ids`, `prompt_mask` and, for ``path``,
+    `unmask_step`; the method must fit the model (`check_method_fits`)."""
+    check_method_fits(method, policy)
+    block = getattr(policy, "attention_kind", "full") == "block"
+    return plan_views(
+        method, rows.completion_mask, num_samples=num_samples, generator=generator, prompt_ids=rows.prompt_ids,
+        prompt_mask=rows.prompt_mask, bos_token_id=getattr(policy.tokenizer, "bos_token_id", None),
+        block_size=policy.block_size if method == "blockwise" or (method == "path" and block) else None,
+        prompt_attention=prompt_attention_of(policy) if block else "bidirectional",
+        unmask_step=rows.unmask_step if method == "path" else None, **options,
+    )
+
+
 # --- scoring --------------------------------------------------------------------------
 
 
@@ -755,7 +694,7 @@ def _view_terms(
 
 def eubo(plan: ViewPlan, view_logp: torch.Tensor, completion_mask: torch.Tensor, *, beta: float) -> torch.Tensor:
     """SPG's evidence upper bound per token (Wang et al. 2025; docs/methods.md, "spg"), from
-    the (Nv, L) log-probabilities of a plan's views (`score_views(..., keep_views=True)`):
+    the (Nv, L) log-probabilities of a plan's views (`LikelihoodEstimate.views` of `score_views`):
 
         a_i = (1/K_b) Σ_v p_v(y_i)^β m_vi / t_v,   EUBO_b = (1/β) · mean over {i : a_i > 0} of log a_i,
 
@@ -863,12 +802,11 @@ def score_views(
     prompt_mask: torch.Tensor | None = None,
     reduction: Literal["sum", "mean"] = "sum",
     max_views_per_forward: int | None = None,
-    keep_views: bool = False,
 ) -> LikelihoodEstimate:
     """Score a plan under `policy`. Differentiable unless called under `torch.no_grad()`;
     with gradients, every micro-batch's graph is kept until backward (use
-    `backward_views` to bound memory in training). `keep_views`: also return each view's
-    log-probabilities (`LikelihoodEstimate.views`, for `eubo`)."""
+    `backward_views` to bound memory in training). Each view's log-probabilities come
+    with the estimate (`LikelihoodEstimate.views`, for `eubo`)."""
     scored, pm = _check_scoring(policy, plan, prompt_ids, completion_ids, completion_mask, prompt_mask, reduction)
     B, L = completion_ids.shape
     token = torch.zeros((B, L), device=completion_ids.device)
@@ -876,10 +814,8 @@ def score_views(
     for idx in _chunks(plan.num_views, max_views_per_forward):
         terms, b, logp = _view_terms(policy, plan, idx, prompt_ids, pm, completion_ids, scored)
         token = token.index_add(0, b, terms)
-        if keep_views:
-            kept.append(logp)
-    views = torch.cat(kept) if keep_views else None
-    return LikelihoodEstimate(_reduce(token, scored, reduction), token, plan.num_views, views)
+        kept.append(logp)
+    return LikelihoodEstimate(_reduce(token, scored, reduction), token, plan.num_views, torch.cat(kept))
 
 
 def backward_views(
@@ -946,16 +882,9 @@ def estimate(
     per model — or pass generators in the same state.
     """
     _check_inputs(policy, prompt_ids, completion_ids, completion_mask, prompt_mask)
-    block = getattr(policy, "attention_kind", "full") == "block"
-    if method == "blockwise" and not block:
-        raise ValueError("method 'blockwise' needs a block policy (attention_kind 'block'); use mc, sdmc, "
-                         "mean_field or exact for full-attention models")
-    plan = plan_views(
-        method, completion_mask, num_samples=num_samples, generator=generator, prompt_ids=prompt_ids,
-        prompt_mask=prompt_mask, bos_token_id=getattr(policy.tokenizer, "bos_token_id", None),
-        block_size=policy.block_size if method == "blockwise" or (method == "path" and block) else None,
-        prompt_attention=prompt_attention_of(policy) if block else "bidirectional", unmask_step=unmask_step, **options,
-    )
+    rows = SimpleNamespace(completion_mask=completion_mask, prompt_ids=prompt_ids, prompt_mask=prompt_mask,
+                           unmask_step=unmask_step)
+    plan = plan_for(policy, method, rows, generator=generator, num_samples=num_samples, **options)
     if (method == "exact" or options.get("inner") == "exact") and max_views_per_forward is None:
         max_views_per_forward = 4096  # up to 2^16 views per sequence: never all at once
     return score_views(

@@ -1,62 +1,32 @@
 """RL objectives for diffusion LMs: GRPO, StableDRL, wd1 and SPG, as pure tensor functions
-(docs/methods.md, "Objectives", with where they part from the papers).
+(docs/methods.md, "Objectives": the equations, and where they part from the papers).
 
-Every objective takes likelihood estimates (`stabledrl.likelihood`), not a model, and
-returns a `LossOutput(loss, metrics)`. Batches are laid out group by group: rows
-[g·G, (g+1)·G) are the G completions of prompt g.
-
-- `group_advantages`: A_i = r_i − mean_group(r) (StableDRL / d1 code), or divided by
-  (std_group + 1e-4) (original GRPO, Shao et al. 2024).
-- `grpo_loss`: −(1/G) Σ_i min(ρ_i A_i, clip(ρ_i, 1−ε, 1+ε) A_i) [+ β KL_k3], averaged over
-  groups (Shao et al. 2024, Eq. 3). *Conditional* clipping: when A_i < 0 and ρ_i ≫ 1+ε the
-  min picks the unclipped ρ_i A_i — the bypass through which estimation noise becomes a
-  gradient spike (StableDRL, Zhong et al. 2026, §3). With token ratios the per-token
-  terms are aggregated by `aggregate_tokens`: ``sequence_mean`` (mean over each
-  completion's scored tokens, then over completions) or ``batch_token_mean`` (one mean
-  over every scored token of the batch, d1's diffu-GRPO).
-- `stabledrl_loss`: ρ̃_i = clip_u(ρ_i) *unconditionally* (upper: min(ρ, c); two_sided:
-  clip(ρ, 1−ε, 1+ε)), self-normalized weights w_i = ρ̃_i / Σ_{j∈group} ρ̃_j computed as a
-  softmax of the clipped log-ratios and detached, loss = −Σ_i w_i A_i ℓ_θ(y_i), averaged
-  over groups. Its gradient Σ_i w_i A_i ∇ℓ_i lies in the convex hull of the per-sample
-  A_i ∇ℓ_i (Zhong et al. 2026, §4).
-- `wd1_loss`: ratio-free weighted likelihood (wd1, Tang et al. 2025): per group
-  w⁺ = softmax(ψ A) and w⁻ = softmax(−ψ A) over the G completions, loss = Σ_i (w⁻_i − w⁺_i)
-  ℓ_θ(y_i), averaged over groups. It raises the likelihood of the better completions of a
-  group and lowers that of the worse ones with no old policy and no ratio, so estimation
-  noise in ℓ_old cannot reach it; ℓ_θ's own noise still does, through the gradient.
-  Deviation: the authors' code takes the softmax over the rows of one process's batch;
-  here over each group, so that several processes compute the update of one.
-
-- `spg_likelihood` and `spg_loss`: SPG (Wang et al. 2025) sandwiches the intractable
-  log-likelihood between bounds: ℓ̃_i = ELBO_i where A_i > 0 (raising a lower bound raises
-  the likelihood) and ω·EUBO_i + (1 − ω)·ELBO_i where A_i ≤ 0 (lowering an upper bound
-  lowers it); `stabledrl.likelihood.eubo` computes the EUBO. `spg_loss` is SPG's own
-  policy gradient, no ratio: per group −Σ_i (n_i / Σ_j n_j) A_i ℓ̃_i, n_i the scored
-  length, averaged over groups (the authors' loss over a process's batch of one group).
-  The authors' StableDRL is `stabledrl_loss` with ℓ̃ in the gradient and the ELBO in the
-  weights (`objective.likelihood: spg`).
+Every loss takes likelihood estimates (`stabledrl.likelihood`), not a model, and returns a
+`LossOutput(loss, metrics)`. Rows are laid out group by group: rows [g·G, (g+1)·G) are the
+G completions of prompt g. The loop hands an objective one `ScoredBatch`; `OBJECTIVES` maps
+each `objective.name` to a function (its config section, the batch) -> LossOutput
+(docs/extending.md: adding your own).
 
 Ratios: ``sequence`` ρ = exp(ℓ_θ − ℓ_old); ``sequence_normalized`` exp((ℓ_θ − ℓ_old)/|y|)
-(GSPO / GDPO); ``token`` per-token ratios (diffu-GRPO, with mean_field's per-token terms).
-`log_ratios` returns log ρ unclamped. StableDRL's weights need no clamp: the softmax
-subtracts each group's largest log-ratio, so a group whose log-ratios all lie near −100
-still gets its correct weights. Deviation, deliberate, in GRPO only (where ρ itself is
-exponentiated): log ρ is clamped to ±80 before exp() so a float32 ratio never overflows
-to inf (e^88.7 does); ρ = e^80 is already a spike the diagnostics report, and the lower
-bound moves ρ by less than e^-80. The ratio diagnostics use the same clamp.
+(GSPO / GDPO); ``token`` per-token ratios. `log_ratios` returns log ρ unclamped; GRPO, where
+ρ itself is exponentiated, clamps log ρ to ±80 so a float32 ratio never overflows, and the
+ratio diagnostics use the same clamp. StableDRL's softmax needs no clamp.
 
 Shapes: B = num_groups · G rows, L completion slots.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Literal
+from dataclasses import dataclass, field, fields, replace
+from typing import Any, Callable, Literal
 
 import torch
 
 __all__ = [
     "LossOutput",
+    "ScoredBatch",
+    "OBJECTIVES",
+    "objective_for",
     "group_advantages",
     "log_ratios",
     "grpo_loss",
@@ -80,6 +50,37 @@ class LossOutput:
     """Scalar to minimise."""
     metrics: dict[str, float] = field(default_factory=dict)
     """Diagnostics of this step (ratio spread, bypass fraction, ESS, ...)."""
+
+
+@dataclass(frozen=True, eq=False)
+class ScoredBatch:
+    """What an objective sees of a step: the likelihood estimates of the kept groups' B rows
+    and their advantages. Only `logp` (and `eubo`) carry a graph; the rest are constants."""
+
+    logp: torch.Tensor
+    """ℓ_θ: (B,) sequence estimates (for the ELBO estimators the ELBO), or (B, L) per-token terms."""
+    old_logp: torch.Tensor
+    """ℓ_old, the same estimate under the policy that wrote the rollouts, on the same masks."""
+    advantages: torch.Tensor
+    """(B,) group advantages."""
+    group_size: int
+    """G."""
+    completion_mask: torch.Tensor | None = None
+    """(B, L) the scored slots (what token ratios, length normalisation and SPG read)."""
+    ref_logp: torch.Tensor | None = None
+    """ℓ under the initial policy, on ℓ_old's masks (when the config's `needs_reference` or drift_kl)."""
+    weight_logp: torch.Tensor | None = None
+    """ℓ_θ on a separate mask draw, for weights (when the config's `weight_masks`), no graph ..."""
+    weight_old_logp: torch.Tensor | None = None
+    """... and ℓ_old on that draw."""
+    eubo: torch.Tensor | None = None
+    """(B,) SPG's EUBO of θ on the views of `logp` (when the config's `eubo_beta` is set)."""
+
+    def first_rows(self, n: int) -> "ScoredBatch":
+        """The batch of its first n rows (whole groups)."""
+        cut = {f.name: getattr(self, f.name)[:n] for f in fields(self)
+               if isinstance(getattr(self, f.name), torch.Tensor)}
+        return replace(self, **cut)
 
 
 def _groups(x: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -180,23 +181,13 @@ def _ratio_metrics(log_rho: torch.Tensor, adv: torch.Tensor, eps: float, complet
     }
 
 
-def grpo_loss(
-    logp: torch.Tensor,
-    old_logp: torch.Tensor,
-    advantages: torch.Tensor,
-    *,
-    group_size: int,
-    clip_eps: float = 0.2,
-    ratio_level: RatioLevel = "sequence",
-    completion_mask: torch.Tensor | None = None,
-    ref_logp: torch.Tensor | None = None,
-    beta: float = 0.0,
-    token_aggregation: TokenAggregation = "sequence_mean",
-) -> LossOutput:
-    """GRPO with conditional clipping and fixed 1/G normalisation (module docstring).
-
-    `token_aggregation` (token ratios only; the KL term too): how per-token terms become
-    the loss, see `aggregate_tokens`."""
+def grpo_loss(batch: ScoredBatch, *, clip_eps: float = 0.2, ratio_level: RatioLevel = "sequence", beta: float = 0.0,
+              token_aggregation: TokenAggregation = "sequence_mean") -> LossOutput:
+    """GRPO with conditional clipping and fixed 1/G normalisation (docs/methods.md, "GRPO"),
+    plus β·KL_k3 to `batch.ref_logp` when β > 0. `token_aggregation` (token ratios only; the
+    KL term too): how per-token terms become the loss, see `aggregate_tokens`."""
+    logp, old_logp, advantages, group_size = batch.logp, batch.old_logp, batch.advantages, batch.group_size
+    completion_mask, ref_logp = batch.completion_mask, batch.ref_logp
     _groups(advantages, group_size)  # shape check
     log_rho = _clamped(log_ratios(logp, old_logp, ratio_level, completion_mask))  # (B,) or (B, L)
     if token_aggregation != "sequence_mean" and log_rho.dim() != 2:
@@ -220,28 +211,19 @@ def grpo_loss(
     return LossOutput(loss, metrics)
 
 
-def stabledrl_loss(
-    logp: torch.Tensor,
-    old_logp: torch.Tensor,
-    advantages: torch.Tensor,
-    *,
-    group_size: int,
-    clip: Literal["upper", "two_sided"] = "upper",
-    clip_max: float = 5.0,
-    clip_eps: float = 0.2,
-    weight_logp: torch.Tensor | None = None,
-    weight_old_logp: torch.Tensor | None = None,
-    ratio_level: Literal["sequence", "sequence_normalized"] = "sequence",
-    completion_mask: torch.Tensor | None = None,
-) -> LossOutput:
-    """StableDRL: unconditional clipping + group self-normalisation (module docstring).
+def stabledrl_loss(batch: ScoredBatch, *, clip: Literal["upper", "two_sided"] = "upper", clip_max: float = 5.0,
+                   clip_eps: float = 0.2,
+                   ratio_level: Literal["sequence", "sequence_normalized"] = "sequence") -> LossOutput:
+    """StableDRL: unconditional clipping + group self-normalisation (docs/methods.md, "StableDRL").
 
-    `weight_logp` / `weight_old_logp`: optional estimates from a *separate* mask draw, used
+    `batch.weight_logp` / `weight_old_logp`: optional estimates from a *separate* mask draw, used
     only for the weights, so that w_i and ∇ℓ_i do not share the same mask noise
     (docs/methods.md, "Open questions"); by default the weights use `logp` itself.
 
     The log-ratios are not clamped: the softmax subtracts each group's largest clipped
     log-ratio, so the weights are right however negative the log-ratios are."""
+    logp, old_logp, advantages, group_size = batch.logp, batch.old_logp, batch.advantages, batch.group_size
+    weight_logp, weight_old_logp, completion_mask = batch.weight_logp, batch.weight_old_logp, batch.completion_mask
     if clip not in ("upper", "two_sided"):
         raise ValueError(f"clip must be 'upper' or 'two_sided', got {clip!r}")
     if (weight_logp is None) != (weight_old_logp is None):
@@ -262,21 +244,14 @@ def stabledrl_loss(
     return LossOutput(loss, metrics)
 
 
-def wd1_loss(
-    logp: torch.Tensor,
-    old_logp: torch.Tensor,
-    advantages: torch.Tensor,
-    *,
-    group_size: int,
-    psi: float = 1.0,
-    clip_eps: float = 0.2,
-    ratio_level: Literal["sequence", "sequence_normalized"] = "sequence",
-    completion_mask: torch.Tensor | None = None,
-) -> LossOutput:
-    """wd1: loss = mean over groups of Σ_i (softmax(−ψA)_i − softmax(ψA)_i) ℓ_i (module
-    docstring). `old_logp` enters only the ratio diagnostics, which are logged as for the
+def wd1_loss(batch: ScoredBatch, *, psi: float = 1.0, clip_eps: float = 0.2,
+             ratio_level: Literal["sequence", "sequence_normalized"] = "sequence") -> LossOutput:
+    """wd1: loss = mean over groups of Σ_i (softmax(−ψA)_i − softmax(ψA)_i) ℓ_i (docs/methods.md,
+    "wd1"). `batch.old_logp` enters only the ratio diagnostics, which are logged as for the
     other objectives (they show how far θ has moved, not a term of the loss; `clip_eps`
     is the band of their clip_fraction)."""
+    logp, old_logp, advantages, group_size = batch.logp, batch.old_logp, batch.advantages, batch.group_size
+    completion_mask = batch.completion_mask
     if psi <= 0:
         raise ValueError(f"psi must be positive, got {psi}")
     adv = _groups(advantages.detach(), group_size)  # (num_groups, G)
@@ -297,19 +272,12 @@ def spg_likelihood(elbo: torch.Tensor, eubo: torch.Tensor, advantages: torch.Ten
     return torch.where(advantages.detach() > 0, elbo, omega * eubo + (1 - omega) * elbo)
 
 
-def spg_loss(
-    elbo: torch.Tensor,
-    eubo: torch.Tensor,
-    old_elbo: torch.Tensor,
-    advantages: torch.Tensor,
-    *,
-    group_size: int,
-    completion_mask: torch.Tensor,
-    omega: float = 0.5,
-    clip_eps: float = 0.2,
-) -> LossOutput:
-    """SPG: mean over groups of −Σ_i (n_i / Σ_j n_j) A_i ℓ̃_i, ℓ̃ = `spg_likelihood` (module
-    docstring). No ratio: `old_elbo` enters only the ratio diagnostics (ELBO_θ − ELBO_old)."""
+def spg_loss(batch: ScoredBatch, *, omega: float = 0.5, clip_eps: float = 0.2) -> LossOutput:
+    """SPG: mean over groups of −Σ_i (n_i / Σ_j n_j) A_i ℓ̃_i, ℓ̃ = `spg_likelihood` of the ELBO
+    `batch.logp` and `batch.eubo` (docs/methods.md, "SPG"). No ratio: `batch.old_logp`, the
+    old ELBO, enters only the ratio diagnostics (ELBO_θ − ELBO_old)."""
+    elbo, eubo, old_elbo, advantages = batch.logp, batch.eubo, batch.old_logp, batch.advantages
+    group_size, completion_mask = batch.group_size, batch.completion_mask
     sandwich = spg_likelihood(elbo, eubo, advantages, omega=omega)
     n = _groups(completion_mask.sum(-1).to(sandwich.dtype), group_size)  # (num_groups, G)
     share = n / n.sum(1, keepdim=True)
@@ -318,3 +286,38 @@ def spg_loss(
     metrics = _ratio_metrics(_clamped(log_rho), advantages, clip_eps, completion_mask)
     metrics["eubo_gap"] = float((eubo - elbo).detach().mean())  # how far apart the two bounds are
     return LossOutput(loss, metrics)
+
+
+def _grpo(cfg: Any, b: ScoredBatch) -> LossOutput:
+    return grpo_loss(b, clip_eps=cfg.clip_eps, ratio_level=cfg.ratio_level, beta=cfg.beta,
+                     token_aggregation=cfg.token_aggregation)
+
+
+def _stabledrl(cfg: Any, b: ScoredBatch) -> LossOutput:
+    if cfg.likelihood == "spg":  # the authors' StableDRL: weights from the ELBO, the sandwich in the gradient
+        sandwich = spg_likelihood(b.logp, b.eubo, b.advantages, omega=cfg.spg_omega)
+        b = replace(b, logp=sandwich, weight_logp=b.logp, weight_old_logp=b.old_logp)
+    return stabledrl_loss(b, clip=cfg.clip, clip_max=cfg.clip_max, clip_eps=cfg.clip_eps, ratio_level=cfg.ratio_level)
+
+
+def _wd1(cfg: Any, b: ScoredBatch) -> LossOutput:
+    return wd1_loss(b, psi=cfg.psi, clip_eps=cfg.clip_eps, ratio_level=cfg.ratio_level)
+
+
+def _spg(cfg: Any, b: ScoredBatch) -> LossOutput:
+    return spg_loss(b, omega=cfg.spg_omega, clip_eps=cfg.clip_eps)
+
+
+OBJECTIVES: dict[str, Callable[[Any, ScoredBatch], LossOutput]] = {
+    "stabledrl": _stabledrl,
+    "grpo": _grpo,
+    "wd1": _wd1,
+    "spg": _spg,
+}
+"""objective.name -> the objective: (its config section, a ScoredBatch) -> LossOutput."""
+
+
+def objective_for(cfg: Any) -> Callable[[ScoredBatch], LossOutput]:
+    """The objective of a config section (`cfg.name` picks it from `OBJECTIVES`), as a function of the batch."""
+    fn = OBJECTIVES[cfg.name]
+    return lambda batch: fn(cfg, batch)

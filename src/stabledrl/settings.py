@@ -2,7 +2,7 @@
 without torch: the command line reads and checks a config (`stabledrl.config.load_config`)
 in well under a second, before the slow imports of training.
 
-Each class is also importable from where it is used, as before (`stabledrl.train.TrainConfig`,
+Each class is also importable from where it is used (`stabledrl.train.TrainConfig`,
 `stabledrl.sft.SFTConfig`, `stabledrl.sft.TinyModelConfig`,
 `stabledrl.sampling.SamplingConfig`, `stabledrl.models.ModelConfig`, `stabledrl.models.lora.LoraSettings`).
 This module imports only the standard library and `stabledrl.config`. That is why `TaskConfig`
@@ -18,7 +18,8 @@ from typing import Any, ClassVar, Literal, get_args
 from stabledrl.config import check
 
 __all__ = ["METHODS", "Method", "Noise", "ApproxCache", "MAX_MU", "ModelConfig", "LoraSettings", "SamplingConfig", "TaskConfig", "TinyModelConfig",
-           "SFTConfig", "EstimatorConfig", "ObjectiveConfig", "TrainConfig"]
+           "SFTConfig", "EstimatorConfig", "ObjectiveSection", "StableDRLConfig", "GRPOConfig", "WD1Config", "SPGConfig",
+           "ObjectiveConfig", "TrainConfig"]
 
 Method = Literal["mc", "sdmc", "mean_field", "exact", "blockwise", "path", "coupled", "block_random"]
 """The likelihood estimators (`stabledrl.likelihood`, whose `PLANNERS` has one planner for each)."""
@@ -30,8 +31,8 @@ ApproxCache = Literal["none", "prefix", "dual"]
 """Fast-dLLM's approximate caches of the full-attention sampler (`SamplingConfig.approx_cache`)."""
 
 MAX_MU = 13
-"""Inner iterations per step at most: `stabledrl.train` seeds 16 streams per step, 3 of them
-for other draws (see its `_seeded`)."""
+"""Inner iterations per step at most: `stabledrl.train` seeds 16 mask streams per step, 3 of
+them for other draws (its `_SEED_SLOTS`)."""
 
 
 @dataclass
@@ -323,76 +324,159 @@ class EstimatorConfig:
 
 
 @dataclass
-class ObjectiveConfig:
-    """The policy-gradient objective (see stabledrl.objectives)."""
+class ObjectiveSection:
+    """What every objective's config section holds, and what it asks of the loop. An objective's
+    own section subclasses it with a `name` and its options (docs/extending.md)."""
 
-    name: Literal["grpo", "stabledrl", "wd1", "spg"] = "stabledrl"
-    """grpo: conditional clip, 1/G. stabledrl: unconditional clip, self-normalised. wd1: ratio-free
-    weighted likelihood, softmax(ψA) up and softmax(−ψA) down (`stabledrl.objectives.wd1_loss`).
-    spg: SPG's ratio-free policy gradient on its ELBO/EUBO sandwich (`stabledrl.objectives.spg_loss`)."""
-    ratio_level: Literal["sequence", "sequence_normalized", "token"] = "sequence"
-    """sequence: exp(ℓ−ℓ_old); sequence_normalized: divided by |y| (GDPO); token: per token (d1, mean_field)."""
-    clip_eps: float = 0.2
-    """ε of the [1−ε, 1+ε] clip (grpo, stabledrl two_sided) and of the diagnostics."""
-    clip: Literal["upper", "two_sided"] = "upper"
-    """stabledrl: upper min(ρ, clip_max) (authors' code) or two-sided (paper)."""
-    clip_max: float = 5.0
-    """stabledrl upper clip c."""
-    beta: float = 0.0
-    """Weight of the k3 KL to the initial policy (grpo only)."""
-    psi: float = 1.0
-    """wd1: the inverse temperature ψ of its weights softmax(±ψA)."""
-    likelihood: Literal["estimator", "spg"] = "estimator"
-    """stabledrl: the ℓ in the gradient. estimator: the estimator's ℓ (weights and gradient alike).
-    spg: SPG's sandwich, the ELBO where A > 0 and spg_omega·EUBO + (1 − spg_omega)·ELBO elsewhere,
-    with the estimator's ℓ (the ELBO) in the weights: the authors' StableDRL (docs/methods.md).
-    The spg objective always uses the sandwich."""
-    spg_beta: float = 1.5
-    """spg, and stabledrl with likelihood spg: the EUBO's β (`stabledrl.likelihood.eubo`)."""
-    spg_omega: float = 0.5
-    """spg, and stabledrl with likelihood spg: the EUBO's share ω of the sandwich where A ≤ 0."""
     advantage_scale: Literal["none", "std", "leave_one_out"] = "none"
     """none: r − mean (StableDRL, d1); std: divided by the group std (original GRPO);
     leave_one_out: r − the mean of the other G − 1 (DiffuCoder's coupled-GRPO)."""
-    separate_weight_masks: bool = False
-    """stabledrl: compute the weights' likelihoods on a separate mask draw (docs/methods.md, "Open questions")."""
-    token_aggregation: Literal["sequence_mean", "batch_token_mean"] = "sequence_mean"
-    """grpo with token ratios: sequence_mean (mean over each completion's tokens, then over
-    completions) or batch_token_mean (one mean over every scored token of the batch, d1's diffu-GRPO)."""
-
-    @property
-    def sandwich(self) -> bool:
-        """Whether the gradient's ℓ is SPG's ELBO/EUBO sandwich (spg, or stabledrl with likelihood spg)."""
-        return self.name == "spg" or self.likelihood == "spg"
+    clip_eps: float = 0.2
+    """ε of the [1−ε, 1+ε] clip (grpo, stabledrl two_sided), and the band of the ratio diagnostics'
+    clip_fraction (every objective)."""
 
     def __post_init__(self) -> None:
         check(0 < self.clip_eps < 1, f"objective.clip_eps must be in (0, 1), got {self.clip_eps}")
+
+    @property
+    def token_terms(self) -> bool:
+        """Whether the objective reads per-token terms (B', L) instead of sequence estimates (B',)."""
+        return False
+
+    @property
+    def eubo_beta(self) -> float | None:
+        """The β of SPG's EUBO when the objective reads it (`ScoredBatch.eubo`), else None."""
+        return None
+
+    @property
+    def weight_masks(self) -> bool:
+        """Whether the objective reads ℓ on a separate mask draw (`ScoredBatch.weight_logp`)."""
+        return False
+
+    @property
+    def needs_reference(self) -> bool:
+        """Whether the objective reads ℓ under the initial policy (`ScoredBatch.ref_logp`)."""
+        return False
+
+    @property
+    def token_weighted(self) -> bool:
+        """Whether the loss is a mean over scored tokens rather than over groups (for grad_agreement)."""
+        return False
+
+
+@dataclass
+class StableDRLConfig(ObjectiveSection):
+    """StableDRL: unconditional clip, group self-normalised weights (`stabledrl.objectives.stabledrl_loss`)."""
+
+    name: Literal["stabledrl"] = "stabledrl"
+    clip: Literal["upper", "two_sided"] = "upper"
+    """upper: min(ρ, clip_max) (authors' code); two_sided: clip(ρ, 1−ε, 1+ε) (paper)."""
+    clip_max: float = 5.0
+    """The upper clip c."""
+    ratio_level: Literal["sequence", "sequence_normalized"] = "sequence"
+    """sequence: exp(ℓ−ℓ_old); sequence_normalized: divided by |y| (GDPO)."""
+    likelihood: Literal["estimator", "spg"] = "estimator"
+    """The ℓ in the gradient. estimator: the estimator's ℓ (weights and gradient alike). spg: SPG's
+    sandwich, the ELBO where A > 0 and spg_omega·EUBO + (1 − spg_omega)·ELBO elsewhere, with the
+    estimator's ℓ (the ELBO) in the weights: the authors' StableDRL (docs/methods.md)."""
+    spg_beta: float = 1.5
+    """likelihood spg: the EUBO's β (`stabledrl.likelihood.eubo`)."""
+    spg_omega: float = 0.5
+    """likelihood spg: the EUBO's share ω of the sandwich where A ≤ 0."""
+    separate_weight_masks: bool = False
+    """Compute the weights' likelihoods on a separate mask draw (docs/methods.md, "Open questions")."""
+
+    @property
+    def eubo_beta(self) -> float | None:
+        return self.spg_beta if self.likelihood == "spg" else None
+
+    @property
+    def weight_masks(self) -> bool:
+        return self.separate_weight_masks
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
         check(self.clip_max > 1, f"objective.clip_max must be > 1, got {self.clip_max}")
-        check(self.beta >= 0, f"objective.beta must be >= 0, got {self.beta}")
-        check(self.name == "grpo" or self.beta == 0,
-              f"objective.beta > 0 is for grpo; {self.name} has no KL term (set beta: 0)")
-        check(self.name == "stabledrl" or not self.separate_weight_masks,
-              "objective.separate_weight_masks is a stabledrl option")
-        check(self.name == "grpo" or self.ratio_level != "token",
-              f"{self.name} works on sequences: ratio_level must be sequence or sequence_normalized")
-        check(self.psi > 0, f"objective.psi must be positive, got {self.psi}")
-        # an option of another objective must keep its default (the class attribute of its field)
-        check(self.name == "wd1" or self.psi == ObjectiveConfig.psi, "objective.psi is a wd1 option")
-        check(self.name == "stabledrl" or self.likelihood == ObjectiveConfig.likelihood,
-              "objective.likelihood is a stabledrl option (spg always uses its sandwich)")
-        check(self.spg_beta > 0, f"objective.spg_beta must be positive, got {self.spg_beta}")
-        check(0 <= self.spg_omega <= 1, f"objective.spg_omega must be in [0, 1], got {self.spg_omega}")
-        check(self.sandwich or (self.spg_beta, self.spg_omega) == (ObjectiveConfig.spg_beta, ObjectiveConfig.spg_omega),
-              "objective.spg_beta and spg_omega are options of spg (and of stabledrl with likelihood: spg)")
-        check(not self.sandwich or self.ratio_level == "sequence",
+        _check_sandwich(self.spg_beta, self.spg_omega)
+        check(self.likelihood == "estimator" or self.ratio_level == "sequence",
               "SPG's sandwich is a per-sequence likelihood: set objective.ratio_level: sequence")
-        defaults = (ObjectiveConfig.clip, ObjectiveConfig.clip_max)
-        check(self.name == "stabledrl" or (self.clip, self.clip_max) == defaults,
-              "objective.clip and clip_max are stabledrl options (grpo clips to [1-clip_eps, 1+clip_eps])")
-        check(self.token_aggregation in ("sequence_mean", "batch_token_mean"),
-              f"objective.token_aggregation must be sequence_mean or batch_token_mean, got {self.token_aggregation!r}")
+        check(self.likelihood == "estimator" or not self.separate_weight_masks,
+              "objective.separate_weight_masks is for the estimator's ℓ, not SPG's sandwich")
+
+
+@dataclass
+class GRPOConfig(ObjectiveSection):
+    """GRPO: conditional clip, 1/G, an optional k3 KL term (`stabledrl.objectives.grpo_loss`)."""
+
+    name: Literal["grpo"] = "grpo"
+    ratio_level: Literal["sequence", "sequence_normalized", "token"] = "sequence"
+    """sequence: exp(ℓ−ℓ_old); sequence_normalized: divided by |y| (GDPO); token: per token (d1, mean_field)."""
+    beta: float = 0.0
+    """Weight of the k3 KL to the initial policy."""
+    token_aggregation: Literal["sequence_mean", "batch_token_mean"] = "sequence_mean"
+    """Token ratios: sequence_mean (mean over each completion's tokens, then over completions) or
+    batch_token_mean (one mean over every scored token of the batch, d1's diffu-GRPO)."""
+
+    @property
+    def token_terms(self) -> bool:
+        return self.ratio_level == "token"
+
+    @property
+    def needs_reference(self) -> bool:
+        return self.beta > 0
+
+    @property
+    def token_weighted(self) -> bool:
+        return self.token_aggregation == "batch_token_mean"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check(self.beta >= 0, f"objective.beta must be >= 0, got {self.beta}")
         check(self.token_aggregation == "sequence_mean" or self.ratio_level == "token",
-              "objective.token_aggregation batch_token_mean needs per-token terms: set ratio_level: token (grpo)")
+              "objective.token_aggregation batch_token_mean needs per-token terms: set ratio_level: token")
+
+
+@dataclass
+class WD1Config(ObjectiveSection):
+    """wd1: ratio-free weighted likelihood, softmax(ψA) up and softmax(−ψA) down (`stabledrl.objectives.wd1_loss`)."""
+
+    name: Literal["wd1"] = "wd1"
+    psi: float = 1.0
+    """The inverse temperature ψ of its weights softmax(±ψA)."""
+    ratio_level: Literal["sequence", "sequence_normalized"] = "sequence"
+    """The ratio of the diagnostics: sequence, or sequence_normalized (divided by |y|)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check(self.psi > 0, f"objective.psi must be positive, got {self.psi}")
+
+
+@dataclass
+class SPGConfig(ObjectiveSection):
+    """SPG: ratio-free policy gradient on its ELBO/EUBO sandwich (`stabledrl.objectives.spg_loss`)."""
+
+    name: Literal["spg"] = "spg"
+    spg_beta: float = 1.5
+    """The EUBO's β (`stabledrl.likelihood.eubo`)."""
+    spg_omega: float = 0.5
+    """The EUBO's share ω of the sandwich where A ≤ 0."""
+
+    @property
+    def eubo_beta(self) -> float | None:
+        return self.spg_beta
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check_sandwich(self.spg_beta, self.spg_omega)
+
+
+def _check_sandwich(beta: float, omega: float) -> None:
+    check(beta > 0, f"objective.spg_beta must be positive, got {beta}")
+    check(0 <= omega <= 1, f"objective.spg_omega must be in [0, 1], got {omega}")
+
+
+ObjectiveConfig = StableDRLConfig | GRPOConfig | WD1Config | SPGConfig
+"""The `objective:` section, chosen by its `name`; each objective's options live in its own class."""
 
 
 @dataclass
@@ -406,7 +490,8 @@ class TrainConfig:
     output_dir: str = "runs/train"
     """Run directory: config, metrics.jsonl, TensorBoard, checkpoints, final model."""
     task: TaskConfig = field(default_factory=TaskConfig)
-    objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
+    objective: ObjectiveConfig = field(default_factory=StableDRLConfig)
+    """The objective, by `name`: stabledrl (default), grpo, wd1 or spg, each with its own options."""
     estimator: EstimatorConfig = field(default_factory=EstimatorConfig)
     rollout: SamplingConfig = field(default_factory=lambda: SamplingConfig(temperature=1.0))
     """Sampling of the rollouts (temperature > 0 for diverse groups)."""
@@ -458,6 +543,10 @@ class TrainConfig:
     """Log `grad_agreement`, the cosine between the policy gradients of the two halves of the
     step's kept groups (first inner iteration; README "RL that learns"): near 0, the batch is
     too small to learn from. Costs a second backward pass; one process, no view budget."""
+    update_norm: bool = False
+    """Log `update_norm`, the norm of the change each optimizer step makes to the weights. The
+    optimizer then steps the parameters a chunk at a time (same weights, bit for bit) so that
+    only a chunk is copied to take the difference."""
     eval_split: Literal["validation", "test"] = "test"
     """Split of the held-out evaluations: validation while choosing settings, test to report."""
     mixed_precision: Literal["no", "bf16"] = "no"
@@ -479,10 +568,8 @@ class TrainConfig:
         check(self.group_size >= 2, "group_size must be >= 2: advantages compare completions of one prompt")
         check(self.lr > 0, f"lr must be positive, got {self.lr}")
         check(self.optimizer == "adamw" or self.weight_decay == 0, "weight_decay is an adamw option; set it to 0")
-        check(not (self.objective.sandwich and self.estimator.max_views_per_forward is not None),
+        check(self.objective.eubo_beta is None or self.estimator.max_views_per_forward is None,
               "SPG's EUBO is not linear in the views' terms: leave estimator.max_views_per_forward unset")
-        check(not (self.objective.sandwich and self.objective.separate_weight_masks),
-              "objective.separate_weight_masks is for the estimator's ℓ, not SPG's sandwich")
         check(not (self.grad_agreement and self.estimator.max_views_per_forward is not None),
               "grad_agreement needs the one-graph update: leave estimator.max_views_per_forward unset")
         check(self.lora is not None or self.model.dtype == "float32",
