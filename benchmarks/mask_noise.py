@@ -125,8 +125,7 @@ def main() -> None:
                   f"{b['log_ratio_std_median']:.2f}; cos with the reference: "
                   + ", ".join(f"{n} {v['cos_reference_median']:.3f} (mean of draws {v['cos_reference_of_mean']:.3f})"
                              for n, v in b["variants"].items()), flush=True)
-        run.tb.close()
-        run.metrics_file.close()
+        run.tracker.close()
     out = ROOT / "benchmarks" / "results" / f"mask_noise-{args.preset}.json"
     out.write_text(json.dumps({"command": "python benchmarks/mask_noise.py " + " ".join(sys.argv[1:]),
                                "config": f"configs/{args.preset}-stabledrl.yaml", "estimator": cfg.estimator.method,

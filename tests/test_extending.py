@@ -2,6 +2,7 @@
 
 import dataclasses
 import re
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,7 @@ from stabledrl.objectives import OBJECTIVES, ScoredBatch
 from tests.conftest import make_tiny_policy, metric_rows
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "extending.md"
+README = DOC.parents[1] / "README.md"
 
 
 def _example() -> str:
@@ -55,3 +57,10 @@ def test_the_documented_objective_trains_as_the_page_says(tmp_path, monkeypatch)
     out = fn(section, ScoredBatch(logp, logp, torch.tensor([1.0, -1.0, 2.0, 0.0]), 2, torch.ones(4, 3)))
     assert out.loss.item() == pytest.approx(0.625, abs=1e-7)
     assert out.metrics["logp_mean"] == pytest.approx(-2.5, abs=1e-7)
+
+
+def test_the_readme_shows_the_same_objective_example():
+    section = README.read_text().split("- **Objective**", 1)[1].split("- **Estimator**", 1)[0]
+    blocks = re.findall(r"  ```python\n(.*?)  ```", section, re.S)
+    assert len(blocks) == 1
+    assert textwrap.dedent(blocks[0]) == _example()

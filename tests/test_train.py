@@ -637,3 +637,23 @@ def test_a_run_whose_completions_end_at_pad_trains_when_pad_is_a_stop_token(init
     assert len(_changed_weights_and_step_rows(init_model, tmp_path / "run")) == 2
     with pytest.raises(ValueError, match="PAD or MASK"):
         run_train(_cfg(init_model, tmp_path / "refused", steps=1, rollout=engine), progress=False)
+
+
+def test_a_run_logs_a_sample_table_at_every_evaluation_and_a_nonnegative_drift(init_model, tmp_path):
+    # steps 4, eval_every 2: evaluations at steps 0 (initial), 2 and 4 (final), eval_n 4 problems each
+    out = tmp_path / "run"
+    run_train(_cfg(init_model, out, eval_every=2), progress=False)
+    samples = [json.loads(x) for x in (out / "samples.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in samples] == [0] * 4 + [2] * 4 + [4] * 4
+    assert all(set(s) == {"step", "prompt", "completion", "reward", "correct"} for s in samples)
+    rows = metric_rows(out)
+    evals = {r["step"]: r["eval_accuracy"] for r in rows if "eval_accuracy" in r}
+    for step in (0, 2, 4):  # the table's verdicts are the logged accuracy's
+        assert evals[step] == sum(s["correct"] for s in samples if s["step"] == step) / 4
+    k3 = [r["drift_k3"] for r in rows if "drift_k3" in r]
+    assert len(k3) == 4 and all(v >= 0 for v in k3)
+
+
+def test_report_to_a_backend_that_is_not_one_is_refused_at_load(init_model, tmp_path):
+    with pytest.raises(ConfigError, match="report_to"):
+        _cfg(init_model, tmp_path / "run", report_to=["mlflow"])

@@ -84,6 +84,10 @@ class ModelConfig:
     """More tokens that end a completion, by id or by text (e.g. ["<|eot_id|>"], LLaDA-Instruct's
     end of turn), besides EOS and the EOS ids of the checkpoint's generation config; each text
     must be one token of the tokenizer. Saved with an adapter policy."""
+    check_attention: bool = True
+    """At load, probe a full-attention model with two rows (one left-padded): refuse it if it is
+    causal or lets padding in (docs/scale-out.md says what to do). Off only for a model whose
+    attention you have checked yourself."""
 
     def __post_init__(self) -> None:
         check(bool(self.path), "model.path is empty: name a model directory")
@@ -536,7 +540,10 @@ class TrainConfig:
     save_every: int = 50
     """Steps between checkpoints (and at the end)."""
     log_every: int = 1
-    """Steps between metric lines (JSONL and TensorBoard)."""
+    """Steps between metric lines (metrics.jsonl and each report_to backend)."""
+    report_to: list[Literal["tensorboard", "wandb", "trackio"]] = field(default_factory=lambda: ["tensorboard"])
+    """Where metrics, the config and each evaluation's table of sample completions go besides
+    metrics.jsonl and samples.jsonl: any of tensorboard, wandb, trackio, or [] (docs/logging.md)."""
     threads: int | None = None
     """torch CPU threads; None = torch's default."""
     grad_agreement: bool = False

@@ -88,7 +88,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True, task
         row.update({**run.counters, **run.timer.row()})
         done = step + 1
         if cfg.eval_every and done % cfg.eval_every == 0 and done != cfg.steps:
-            row.update(run.evaluate_row())
+            row.update(run.evaluate_row(done))
         run.check_collapse(row)
         if done % cfg.log_every == 0 or "eval_accuracy" in row:
             run.log(row)
@@ -194,7 +194,10 @@ def _old_scores(run: Run, groups: RolloutBatch, step: int, row: dict[str, Any]) 
         with run.accelerator.autocast():  # a reference copy is not prepared: ℓ_old's precision
             ref = _scores(run, run.reference, plan, share)
         gap = logp - ref  # KL(π_old ‖ π_init) ≈ the mean over π_old's samples of ℓ_old − ℓ_init
-        row["drift_kl"] = float((gap.sum(-1) if gap.dim() == 2 else gap).mean())
+        gap = gap.sum(-1) if gap.dim() == 2 else gap  # (B',)
+        row["drift_kl"] = float(gap.mean())
+        # k3 = (r − 1) − log r with r = π_init / π_old: the same KL, each term ≥ 0 (the report plots it)
+        row["drift_k3"] = float((torch.expm1(-gap.double()) + gap.double()).mean())
     if not run.cfg.objective.weight_masks:
         return OldScores(share, plan, logp, ref)
     weight_plan = _plan(run, groups, step, 2, share)

@@ -9,7 +9,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
-import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -26,13 +25,13 @@ from stabledrl.engines import check_engine
 from stabledrl.evaluate import EVAL_MICRO_BATCH, evaluate
 from stabledrl.instruments import StepTimer
 from stabledrl.likelihood import check_method_fits
-from stabledrl.metrics import metrics_line
 from stabledrl.models.lora import add_lora, base_policy
 from stabledrl.models.policy import load_policy
 from stabledrl.sampling import micro_batch_calls
 from stabledrl.settings import TrainConfig
 from stabledrl.shards import Shards
 from stabledrl.tasks import get_task
+from stabledrl.tracking import Tracker
 
 __all__ = ["Run", "set_up", "check_processes", "GatheredPolicy"]
 
@@ -58,16 +57,16 @@ class Run:
     monitor: CollapseMonitor = dataclasses.field(default_factory=CollapseMonitor)
     history: dict[str, Any] = dataclasses.field(default_factory=dict)  # eval_initial, eval_final
     eval_problems: list = dataclasses.field(default_factory=list)
-    metrics_file: Any = None  # metrics.jsonl, on the main process only
-    tb: Any = None  # the TensorBoard writer, on the main process only
+    tracker: Tracker | None = None  # metrics.jsonl, samples.jsonl and the report_to backends (main process)
     timer: StepTimer | None = None
 
     @property
     def main(self) -> bool:
         return self.accelerator.is_main_process
 
-    def evaluate(self) -> dict[str, float]:
-        """Held-out accuracy and mean reward; each process decodes its share of the problems."""
+    def evaluate(self, step: int) -> dict[str, float]:
+        """Held-out accuracy and mean reward; each process decodes its share of the problems, and
+        the main process's samples go to the tracker's table for `step`."""
         n, sampling = len(self.eval_problems), self.cfg.eval_sampling
         start, end = self.shards.bounds(n)
         calls = micro_batch_calls(-(-n // self.shards.world), sampling.micro_batch or EVAL_MICRO_BATCH)
@@ -76,11 +75,12 @@ class Run:
         scores = torch.tensor([[float(s["correct"]), s["reward"]] for s in res.samples],
                               device=self.policy.device)  # (share, 2)
         full = self.shards.gather(scores, n).double().mean(0)
+        self.tracker.log_samples(res.samples, step)
         return {"accuracy": float(full[0]), "mean_reward": float(full[1])}
 
-    def evaluate_row(self) -> dict[str, float]:
+    def evaluate_row(self, step: int) -> dict[str, float]:
         """The held-out evaluation as a metrics row's keys."""
-        res = self.evaluate()
+        res = self.evaluate(step)
         return {"eval_accuracy": res["accuracy"], "eval_reward": res["mean_reward"]}
 
     def check_collapse(self, row: dict[str, Any]) -> None:
@@ -92,19 +92,13 @@ class Run:
                        "see stabledrl.diagnostics.CollapseMonitor)", file=sys.stderr)
 
     def log(self, row: dict[str, Any]) -> None:
-        """One metrics row into metrics.jsonl and TensorBoard (the main process only)."""
-        if not self.main:
-            return
-        self.metrics_file.write(metrics_line(row))
-        self.metrics_file.flush()
-        for k, v in row.items():
-            if k != "step" and isinstance(v, (int, float)) and math.isfinite(v):
-                self.tb.add_scalar(k, v, row["step"])
+        """One metrics row into metrics.jsonl and each report_to backend (the main process only)."""
+        self.tracker.log(row)
 
     def finish(self) -> dict[str, Any]:
         """The final held-out evaluation, logged; the final model and summary.json saved (every
         process: under FSDP / ZeRO-3 gathering the weights is a collective). Returns the summary."""
-        final = self.history["eval_final"] = self.evaluate()
+        final = self.history["eval_final"] = self.evaluate(self.cfg.steps)
         row = {"step": self.cfg.steps, "eval_accuracy": final["accuracy"], "eval_reward": final["mean_reward"]}
         self.check_collapse(row)
         self.log(row)
@@ -113,8 +107,7 @@ class Run:
         self.policy.model.eval()
         weights = GatheredPolicy(self.policy, self.accelerator)
         if self.main:
-            self.metrics_file.close()
-            self.tb.close()
+            self.tracker.close()
             save_final(self.out, weights)
             write_atomic(self.out / "summary.json", json.dumps(summary, indent=2))
         self.accelerator.wait_for_everyone()
@@ -230,16 +223,13 @@ def _optimizer(cfg: TrainConfig, params: list[torch.nn.Parameter]) -> torch.opti
 
 
 def _open_logs(run: Run) -> None:
-    """The held-out problems and the initial evaluation (a resumed run has it in its history),
-    the logs, a fresh run's step-0 row, the step timer."""
-    from torch.utils.tensorboard import SummaryWriter
-
+    """The logs, the held-out problems and the initial evaluation (a resumed run has it in its
+    history), a fresh run's step-0 row, the step timer."""
     cfg = run.cfg
+    run.tracker = Tracker(run.out, cfg.report_to, config=to_dict(cfg), start_step=run.start, enabled=run.main)
     run.eval_problems = run.task.generate(cfg.eval_n, split=cfg.eval_split, seed=0)
     if "eval_initial" not in run.history:
-        run.history["eval_initial"] = run.evaluate()
-    run.metrics_file = open(run.out / "metrics.jsonl", "a") if run.main else None
-    run.tb = SummaryWriter(str(run.out / "tensorboard")) if run.main else None
+        run.history["eval_initial"] = run.evaluate(0)
     if run.start == 0:
         initial = run.history["eval_initial"]
         run.monitor.update({"eval_accuracy": initial["accuracy"]})
