@@ -43,8 +43,17 @@ VARIANTS = {  # name -> (preset, overrides): paths no preset takes
 TIMING = ("seconds", "framework_share")
 
 
+def _local_model(config: Path, root: Path) -> bool:
+    """Whether a preset's model ships in the checkout (the real-model recipes name Hub checkpoints)."""
+    import yaml
+
+    model = (yaml.safe_load(config.read_text()) or {}).get("model", "checkpoints/countdown-tiny")
+    return (root / (model["path"] if isinstance(model, dict) else model)).is_dir()
+
+
 def _runs(root: Path) -> dict[str, tuple[str, list[str]]]:
-    presets = sorted(p.stem for p in (root / "configs").glob("*.yaml") if not p.stem.startswith("sft-"))
+    presets = sorted(p.stem for p in (root / "configs").glob("*.yaml")
+                     if not p.stem.startswith("sft-") and _local_model(p, root))
     return {**{p: (p, EXTRA.get(p, [])) for p in presets}, **VARIANTS}
 
 
