@@ -17,7 +17,7 @@ from typing import Any, ClassVar, Literal, get_args
 
 from stabledrl.config import check
 
-__all__ = ["METHODS", "Method", "Noise", "ApproxCache", "MAX_MU", "ModelConfig", "LoraSettings", "SamplingConfig", "TaskConfig", "TinyModelConfig",
+__all__ = ["METHODS", "Method", "Noise", "COUNTER_NOISE_VOCAB", "ApproxCache", "MAX_MU", "ModelConfig", "LoraSettings", "SamplingConfig", "TaskConfig", "TinyModelConfig",
            "SFTConfig", "EstimatorConfig", "ObjectiveSection", "StableDRLConfig", "GRPOConfig", "WD1Config", "SPGConfig",
            "ObjectiveConfig", "TrainConfig"]
 
@@ -25,8 +25,11 @@ Method = Literal["mc", "sdmc", "mean_field", "exact", "blockwise", "path", "coup
 """The likelihood estimators (`stabledrl.likelihood`, whose `PLANNERS` has one planner for each)."""
 METHODS: tuple[str, ...] = get_args(Method)
 
-Noise = Literal["generator", "counter"]
+Noise = Literal["auto", "generator", "counter"]
 """Where the sampler's noise comes from (`SamplingConfig.noise`)."""
+
+COUNTER_NOISE_VOCAB = 32_768
+"""`noise: auto` draws counter noise from a vocabulary of this many tokens up (`SamplingConfig.noise`)."""
 ApproxCache = Literal["none", "prefix", "dual"]
 """Fast-dLLM's approximate caches of the full-attention sampler (`SamplingConfig.approx_cache`)."""
 
@@ -153,14 +156,19 @@ class SamplingConfig:
     call dropping the left padding its rows all have (prompts of very different lengths: GSM8K,
     MATH). Outputs in the given order; a row's tokens are the same but for rounding (a different
     number of hidden padding keys; `stabledrl.sampling.generate_micro_batched`)."""
-    noise: Noise = "generator"
+    noise: Noise = "auto"
     """Where the sampling noise comes from. generator: each row's CPU generator, float64 Gumbel
     noise over every completion column and the whole vocabulary, copied to the device (the stream
     every figure of the README was made with). counter: one counter-based uniform per decoded
     slot, a hash of (the row's key, drawn from its generator; the step; the column), made on the
     model's device for the slots being decoded only, and an inverse-CDF draw: far cheaper at a
     large vocabulary, still reproducible per row. Same distribution, other tokens: switching
-    changes every sampled completion (greedy decoding is unchanged)."""
+    changes every sampled completion (greedy decoding is unchanged). auto: counter when the
+    model's vocabulary has at least 32,768 tokens (`COUNTER_NOISE_VOCAB`), else generator. At
+    LLaDA's 126k tokens the generator's noise is 8 GB of float64 per step of 32 rows of 256
+    slots, made on the CPU; the shipped tiny models (a few dozen tokens) pay nothing for it and
+    keep their figures. Every real dLLM has 100k+ tokens, every character model < 1k: any
+    threshold between splits them; a power of two near the smallest BPE vocabularies (32k) does."""
     threshold: float | None = None
     """Confidence-threshold parallel decoding (Fast-dLLM), in (0, 1]: each step also commits every
     eligible slot whose confidence exceeds the threshold, and at least the schedule's
