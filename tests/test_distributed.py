@@ -45,7 +45,7 @@ def _overrides(init_model, out, objective: str, **extra) -> list[str]:
     sets = {"model": str(init_model), "output_dir": str(out), "task.name": "sudoku", "steps": 1,
             "prompts_per_step": 3, "group_size": 4, "mu": 1, "optimizer": "sgd", "lr": 1.0, "grad_clip": 1e6,
             "eval_n": 2, "zero_variance_groups": "keep", "estimator.method": "mc", "estimator.num_samples": 2,
-            "objective.name": objective, "threads": 1, **extra}
+            "objective.name": objective, "threads": 1, "drift_kl": True, **extra}
     return [f"{k}={'null' if v is None else v}" for k, v in sets.items()]
 
 

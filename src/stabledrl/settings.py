@@ -569,10 +569,11 @@ class TrainConfig:
     also the gathered parameters) while the weights, gradients and AdamW states stay in
     model.dtype, float32: the recommended precision on GPUs, no update lost to rounding
     (docs/scale-out.md). It overrides the accelerate config's mixed_precision."""
-    drift_kl: bool = True
-    """Score the rollouts under the initial policy each step for the `drift_kl` diagnostic. Costs
-    a forward and, without LoRA, a second copy of the model: turn it off for large models
-    when beta is 0 (a KL term needs the reference anyway)."""
+    drift_kl: bool = False
+    """Score the rollouts under the initial policy each step for the `drift_kl` and `drift_k3`
+    diagnostics. Costs a forward and, without LoRA, a second full copy of the model on every
+    process, hence off by default (an 8B model's is 32 GB in float32); the shipped tiny presets
+    turn it on. A KL term (beta > 0) loads the reference whatever this says."""
 
     def __post_init__(self) -> None:
         check(0 <= self.max_resample_rounds <= 63,  # _resample_seed keeps 64 streams per step
