@@ -141,7 +141,10 @@ class SamplingConfig:
     steps: int | None = None
     """Denoising steps T; None = L (one slot per step)."""
     block_length: int | None = None
-    """Semi-autoregressive block size; None = one block of L (block models: their own block size)."""
+    """Semi-autoregressive block size. None: a block model (the tiny block models, the decoder
+    adapter: SDAR) decodes in its own blocks of `block_size`, and any other value is refused; a
+    full-attention model (LLaDA, Dream) decodes one block of L, as its checkpoint stores no block
+    convention of its own: their recipes set block_length and steps for rollouts and evaluation."""
     temperature: float = 0.0
     """Gumbel temperature; 0 = greedy."""
     remasking: Literal["low_confidence", "random"] = "low_confidence"
@@ -508,7 +511,8 @@ class TrainConfig:
     rollout: SamplingConfig = field(default_factory=lambda: SamplingConfig(temperature=1.0))
     """Sampling of the rollouts (temperature > 0 for diverse groups)."""
     eval_sampling: SamplingConfig = field(default_factory=SamplingConfig)
-    """Sampling of the held-out evaluation (greedy by default, as `stabledrl eval`)."""
+    """Sampling of the held-out evaluation (greedy by default, as `stabledrl eval`); a block
+    model in its own blocks (`SamplingConfig.block_length`)."""
     masks: Literal["shared", "independent"] = "shared"
     """shared: ℓ_θ on ℓ_old's masks (common random numbers); independent: fresh masks."""
     zero_variance_groups: Literal["keep", "skip", "resample"] = "skip"
