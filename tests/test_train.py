@@ -647,7 +647,7 @@ def test_a_run_whose_completions_end_at_pad_trains_when_pad_is_a_stop_token(init
 def test_a_run_logs_a_sample_table_at_every_evaluation_and_a_nonnegative_drift(init_model, tmp_path):
     # steps 4, eval_every 2: evaluations at steps 0 (initial), 2 and 4 (final), eval_n 4 problems each
     out = tmp_path / "run"
-    run_train(_cfg(init_model, out, eval_every=2), progress=False)
+    run_train(_cfg(init_model, out, eval_every=2, drift_kl=True), progress=False)
     samples = [json.loads(x) for x in (out / "samples.jsonl").read_text().splitlines()]
     assert [s["step"] for s in samples] == [0] * 4 + [2] * 4 + [4] * 4
     assert all(set(s) == {"step", "prompt", "completion", "reward", "correct"} for s in samples)
