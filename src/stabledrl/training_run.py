@@ -196,6 +196,7 @@ def _policy_and_reference(cfg: TrainConfig, initial, ckpt: Path | None, device, 
     needs_reference = cfg.drift_kl or cfg.objective.needs_reference
     if ckpt is not None:  # the checkpoint holds the weights (or the LoRA adapters) of the policy
         policy = load_policy(dataclasses.replace(cfg.model, path=str(ckpt)), device=device, trainable=True)
+        initial = initial if needs_reference else None
     elif cfg.lora is not None:
         policy = add_lora(initial, cfg.lora, seed=cfg.seed)
     else:  # the reference is a second copy, loaded only if something reads it
