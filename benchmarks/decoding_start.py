@@ -70,6 +70,7 @@ def main() -> None:
     ap.add_argument("--split", choices=["validation", "test"], default="validation")
     ap.add_argument("--n", type=int, default=500)
     ap.add_argument("--k", type=int, default=8)
+    ap.add_argument("--decoders", nargs="+", choices=list(DECODERS), default=list(DECODERS))
     ap.add_argument("--temperatures", type=float, nargs="+", default=[1.0])
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--tag", default="default")
@@ -81,7 +82,8 @@ def main() -> None:
     result = {"args": vars(args), "decoders": DECODERS, "results": {}}
     for model in args.models:
         result["results"][model] = {}
-        for name, stops in DECODERS.items():
+        for name in args.decoders:
+            stops = DECODERS[name]
             t0 = time.perf_counter()
             policy = load_policy(ModelConfig(path=model, stop_tokens=stops))
             row = {"greedy": measure(policy, task, problems, 0.0, 1)}
