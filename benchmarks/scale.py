@@ -755,7 +755,7 @@ class Recipe:
 
 
 RECIPES = {
-    # the StableDRL authors' GSM8K / MATH run (docs: /work/shared/real-models.md, "Published settings")
+    # the StableDRL authors' GSM8K / MATH run (docs/recipes.md)
     "llada-8b-instruct-gsm8k-stabledrl": Recipe("llada-8b"),
     "dream-7b-instruct-gsm8k-stabledrl": Recipe("dream-7b"),
     "sdar-8b-chat-gsm8k-stabledrl": Recipe("sdar-8b", block_size=4, block_length=4),
