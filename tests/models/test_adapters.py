@@ -154,16 +154,41 @@ def test_llada_logits_are_its_own_unshifted_logits(dirs):
     assert policy.tokenizer.mask_token_id is None  # LLaDA's tokenizer does not name it
     ids, mask = encode_prompts(policy.tokenizer, PROMPTS)
     assert not mask.all()  # left padding
-    B, T = ids.shape
+    given = []
+    policy.model.register_forward_pre_hook(lambda m, a, kw: given.append(sorted(kw)), with_kwargs=True)
     with torch.no_grad():
         out = policy.logits(ids, mask, position_ids(mask))
-        # The padding goes in as a boolean key mask through attention_bias, which every copy
-        # that reads masks uses as given ...
-        native = policy.model(input_ids=ids, attention_bias=mask.bool()[:, None, None, :].expand(B, 1, T, T)).logits
-        # ... never as the (B, T) mask, which the authors' copy (the stand-in's) makes causal
+        # Each row's real columns, run without padding and without a mask (rows 0 and 1 together:
+        # the same padding count, so the same batch of two as the adapter's)
+        native = [policy.model(input_ids=ids[:2]).logits, policy.model(input_ids=ids[2:, -4:]).logits]
+        # ... never the (B, T) mask, which the authors' copy (the stand-in's) makes causal
         causal = policy.model(input_ids=ids, attention_mask=mask).logits
-    assert torch.equal(out, native)
-    assert not torch.allclose(out, causal, atol=1e-3)
+    assert given[:2] == [["input_ids", "use_cache"]] * 2  # two padding counts: two forwards, no mask nor bias
+    assert torch.equal(out[:2], native[0]) and torch.equal(out[2:, -4:], native[1])
+    assert torch.equal(out[2, :-4], torch.zeros_like(out[2, :-4]))  # padding columns: zeros, never read
+    assert not torch.allclose(out[2:, -4:], causal[2:, -4:], atol=1e-3)
+
+
+def test_llada_makes_the_forwards_other_processes_make(dirs, monkeypatch):
+    # Sharded weights make every forward a collective: a process with fewer padding counts than
+    # another makes spare forwards, at weight 0 in the graph. Here 2 more than its own 2: the
+    # same logits and gradients, 4 forwards.
+    from stabledrl.models import adapters
+
+    policy = _policy(dirs, "llada")
+    ids, mask = encode_prompts(policy.tokenizer, PROMPTS)
+    calls = []
+    policy.model.register_forward_pre_hook(lambda *a: calls.append(1))
+    out, grads = [], []
+    for extra in (0, 2):
+        monkeypatch.setattr(adapters, "_forwards_everywhere", lambda model, n, device: n + extra)
+        policy.model.zero_grad()
+        out.append(policy.logits(ids, mask))
+        out[-1].square().mean().backward()
+        grads.append({k: p.grad.clone() for k, p in policy.model.named_parameters()})
+    assert len(calls) == 2 + 4
+    assert torch.equal(out[0], out[1])
+    assert all(torch.equal(g, grads[1][k]) for k, g in grads[0].items())
 
 
 def test_llada_checkpoints_activations_only_through_its_own_hook(dirs):
@@ -178,7 +203,7 @@ def test_llada_checkpoints_activations_only_through_its_own_hook(dirs):
         policy.model.zero_grad()
         policy.logits(ids, mask).square().mean().backward()
         grads.append(policy.model.get_input_embeddings().weight.grad.clone())
-    assert policy.model.model.checkpointed_calls == 2  # one per layer, in eval mode
+    assert policy.model.model.checkpointed_calls == 4  # 2 layers x 2 forwards (2 padding counts), in eval mode
     assert torch.allclose(grads[0], grads[1], rtol=1e-5, atol=1e-7)
 
 
@@ -212,11 +237,13 @@ def test_gradient_checkpointing_runs_the_models_own_hook_with_the_same_gradients
             policy.logits(x, attn, position_ids(keys))
         calls.append(n[0])
         assert not any(m.training for m in model.modules())  # still in eval mode everywhere
-    assert calls == [2, 3]  # plain: 1 + 1 (no_grad); checkpointed: 2 + 1
+    # plain: 1 + 1 (no_grad); checkpointed: 2 + 1; LLaDA twice that: one forward per padding count (2)
+    assert calls == ([4, 6] if name == "llada" else [2, 3])
     assert policy.checkpointing_hook == ("set_activation_checkpointing" if name == "llada"
                                          else "gradient_checkpointing_enable")
     if name == "llada":
-        assert policy.model.model.checkpointed_calls == 2 * (2 + 2)  # 2 layers; 2 forwards and the load's probe's 2
+        # 2 layers; the load's probe makes 5 forwards (2 rows of 2 padding counts, twice; 1 row alone), then 2 + 2
+        assert policy.model.model.checkpointed_calls == 2 * (5 + 2 + 2)
     assert grads[0].keys() == grads[1].keys() and len(grads[0]) > 0
     for k, g in grads[0].items():  # recomputed in float32: relative 1e-5 of the largest entry
         assert (g - grads[1][k]).abs().max() <= 1e-5 * g.abs().max(), k
