@@ -13,6 +13,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -189,6 +190,48 @@ def test_llada_makes_the_forwards_other_processes_make(dirs, monkeypatch):
     assert len(calls) == 2 + 4
     assert torch.equal(out[0], out[1])
     assert all(torch.equal(g, grads[1][k]) for k, g in grads[0].items())
+
+
+def _sharded_llada(rank: int, path: str, init: str, report: str) -> None:
+    """One of 2 CPU processes: the LLaDA stand-in sharded with FSDP2, a left-padded batch with
+    2 padding counts on rank 0 and 1 on rank 1, a forward and a backward; writes its logits."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    policy = load_policy(ModelConfig(path=path, device="cpu"))
+    for block in policy.model.model.transformer.blocks:
+        fully_shard(block)
+    fully_shard(policy.model)
+    ids, mask = encode_prompts(policy.tokenizer, PROMPTS if rank == 0 else PROMPTS[:2])
+    logits = policy.logits(ids, mask)
+    logits.square().mean().backward()
+    torch.save(logits.detach(), f"{report}.{rank}")
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow  # two processes, about 10 s
+def test_sharded_llada_processes_make_the_same_forwards(dirs, tmp_path):
+    # Without the spare forward, rank 1 (one padding count) would leave rank 0's second forward
+    # waiting for its all-gather: a hang, ended by the timeout.
+    import torch.multiprocessing as mp
+
+    init = f"file://{tmp_path / 'store'}"
+    ctx = mp.spawn(_sharded_llada, args=(str(dirs["llada"]), init, str(tmp_path / "logits")), nprocs=2, join=False)
+    deadline = time.monotonic() + 120
+    while not ctx.join(timeout=5) and time.monotonic() < deadline:  # join returns as each process ends
+        pass
+    hung = [p for p in ctx.processes if p.is_alive()]
+    for p in hung:
+        p.kill()
+    assert not hung, "a process waits on a collective"
+    policy = _policy(dirs, "llada")
+    for rank, prompts in ((0, PROMPTS), (1, PROMPTS[:2])):
+        ids, mask = encode_prompts(policy.tokenizer, prompts)
+        with torch.no_grad():
+            want = policy.logits(ids, mask)
+        assert torch.allclose(torch.load(tmp_path / f"logits.{rank}"), want, rtol=0, atol=1e-5 * want.abs().max())
 
 
 def test_llada_checkpoints_activations_only_through_its_own_hook(dirs):
