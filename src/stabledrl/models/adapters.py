@@ -8,7 +8,7 @@ Every adapter answers ``logits(input_ids, attention_mask, position_ids)`` with
 - ``dream``: Dream, its own code; its logits, shifted by one, are moved back; padding goes
   in as an additive mask in the model's dtype, with position ids.
 - ``masked_lm``: any ``AutoModelForMaskedLM``; ``decoder``: a causal decoder read as a
-  block-diffusion model (SDAR / TraDo included), given a boolean (B, 1, T, T) block mask.
+  block-diffusion model (SDAR / TraDo included), given a boolean block mask.
 
 The attention each full-attention adapter relies on is checked at load (`probe_attention`).
 docs/scale-out.md ("Adapters in detail", "Attention probe") says what each adapter passes
