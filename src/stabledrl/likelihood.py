@@ -791,7 +791,8 @@ def _check_scoring(policy, plan, prompt_ids, completion_ids, completion_mask, pr
         if not torch.equal(have, want):
             raise ValueError(f"the plan's blocks are not the policy's: its prompt_attention is {conv!r} (each row's "
                              "first completion block holds the prompt's tail under 'sequence_blocks'); draw the "
-                             f"plan with plan_views(..., prompt_attention={conv!r}, prompt_mask=...)")
+                             f"plan with plan_for, or plan_views(..., prompt_attention={conv!r}) on rows with their "
+                             "prompt_mask")
     scored = _check_inputs(policy, prompt_ids, completion_ids, completion_mask, prompt_mask)
     pm = torch.ones_like(prompt_ids) if prompt_mask is None else prompt_mask
     return scored, pm
