@@ -27,7 +27,7 @@ from stabledrl._compat import install_remote_code_shims
 from stabledrl.cli import main
 from stabledrl.config import load_config
 from stabledrl.data import completion_mask, encode_completions, encode_prompts, position_ids
-from stabledrl.likelihood import plan_views, score_views
+from stabledrl.likelihood import Completions, plan_views, score_views
 from stabledrl.models import HFPolicy, ModelConfig, load_policy
 from stabledrl.models.attention import block_causal_attention_mask
 from stabledrl.sampling import SamplingConfig, generate
@@ -403,10 +403,11 @@ def test_decoder_staircase_likelihood_equals_separate_passes(dirs, name, L):
     policy = _policy(dirs, name, explicit=True)
     p_ids, p_mask, c_ids = _batch(policy, L)
     c_mask = completion_mask(c_ids, policy.eos_token_id)
-    plan = plan_views("blockwise", c_mask, num_samples=3, block_size=4, prompt_attention=policy.prompt_attention,
-                      prompt_mask=p_mask, generator=torch.Generator().manual_seed(0))
+    plan = plan_views("blockwise", Completions(c_mask, prompt_mask=p_mask), num_samples=3, block_size=4,
+                      prompt_attention=policy.prompt_attention, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        one = score_views(policy, plan, p_ids, c_ids, c_mask, prompt_mask=p_mask).token.double()  # (B, L)
+        rows = Completions(c_mask, prompt_ids=p_ids, completion_ids=c_ids, prompt_mask=p_mask)
+        one = score_views(policy, plan, rows).token.double()  # (B, L)
     sep = terms_by_separate_passes(policy, plan, p_ids, p_mask, c_ids, c_mask)
     assert plan.masked.any() and one.abs().sum() > 0
     assert torch.allclose(one, sep, atol=1e-5)
