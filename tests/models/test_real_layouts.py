@@ -15,7 +15,7 @@ import torch
 
 from stabledrl import _compat
 from stabledrl.data import completion_mask, encode_prompts, position_ids
-from stabledrl.likelihood import plan_views, score_views
+from stabledrl.likelihood import Completions, plan_views, score_views
 from stabledrl.models import ModelConfig, load_policy
 from stabledrl.models.adapters import probe_attention
 from stabledrl.sampling import SamplingConfig, generate
@@ -185,8 +185,9 @@ def test_the_sampler_and_the_likelihood_agree_across_llada_copies(copies):
                            generator=torch.Generator().manual_seed(0))
             c_ids = out.sequences[:, ids.size(1):]
             c_mask = completion_mask(c_ids, policy.stop_token_ids)
-            plan = plan_views("mc", c_mask, num_samples=2, generator=torch.Generator().manual_seed(1))
-            terms[name] = score_views(policy, plan, ids, c_ids, c_mask, prompt_mask=mask).token
+            rows = Completions(c_mask, prompt_ids=ids, completion_ids=c_ids, prompt_mask=mask)
+            plan = plan_views("mc", rows, num_samples=2, generator=torch.Generator().manual_seed(1))
+            terms[name] = score_views(policy, plan, rows).token
         seqs[name] = out.sequences
     assert torch.equal(seqs["hub"], seqs["key_padding"]) and torch.equal(seqs["authors"], seqs["key_padding"])
     assert torch.equal(terms["hub"], terms["key_padding"]) and torch.equal(terms["authors"], terms["key_padding"])
