@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from stabledrl.likelihood import block_logprobs_by_separate_passes, plan_views, score_views
+from stabledrl.likelihood import Completions, block_logprobs_by_separate_passes, plan_views, score_views
 from stabledrl.models import TinyDiffusionConfig, TinyDiffusionLM, TinyPolicy
 from stabledrl.sampling import SamplingConfig, generate
 from stabledrl.tokenizer import build_char_tokenizer
@@ -69,7 +69,8 @@ def nb_pass_score(policy, plan, p_ids, p_mask, c_ids, c_mask) -> torch.Tensor:
 
 
 def one_pass_score(policy, plan, p_ids, p_mask, c_ids, c_mask) -> torch.Tensor:
-    return score_views(policy, plan, p_ids, c_ids, c_mask, prompt_mask=p_mask).sequence
+    rows = Completions(c_mask, prompt_ids=p_ids, completion_ids=c_ids, prompt_mask=p_mask)
+    return score_views(policy, plan, rows).sequence
 
 
 def _median_time(fn, repeats: int) -> float:
@@ -88,7 +89,8 @@ def likelihood_rows(B: int, prompts: list[int], blocks: list[int], repeats: int,
         for NB in blocks:
             L = NB * S
             data = make_data(policy, B, P, L)
-            plan = plan_views("blockwise", data[3], num_samples=1, block_size=S, generator=torch.Generator().manual_seed(1))
+            plan = plan_views("blockwise", Completions(data[3]), num_samples=1, block_size=S,
+                              generator=torch.Generator().manual_seed(1))
             with torch.no_grad():
                 one, many = one_pass_score(policy, plan, *data), nb_pass_score(policy, plan, *data)
                 t_one, t_many = [], []
@@ -175,7 +177,8 @@ def child(part: str, mode: str, B: int, P: int, n: int, threads: int) -> None:
     policy = make_policy()
     if part == "likelihood":
         data = make_data(policy, B, P, n * S)
-        plan = plan_views("blockwise", data[3], num_samples=1, block_size=S, generator=torch.Generator().manual_seed(1))
+        plan = plan_views("blockwise", Completions(data[3]), num_samples=1, block_size=S,
+                          generator=torch.Generator().manual_seed(1))
         fn = one_pass_score if mode == "one_pass" else nb_pass_score
         run = lambda: fn(policy, plan, *data).sum().backward()  # noqa: E731 - training-time memory
     else:

@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 from stabledrl.data import encode_prompts
-from stabledrl.likelihood import plan_views, score_views
+from stabledrl.likelihood import Completions, plan_views, score_views
 from stabledrl.models import load_policy
 from stabledrl.sampling import SamplingConfig, generate
 from stabledrl.tasks import get_task
@@ -66,7 +66,8 @@ def rollouts(policy, n: int, seed: int):
 def score(policy, plan, data, max_views=None):
     p_ids, p_mask, c_ids, c_mask = data
     with torch.no_grad():
-        return score_views(policy, plan, p_ids, c_ids, c_mask, prompt_mask=p_mask,
+        return score_views(policy, plan,
+                           Completions(c_mask, prompt_ids=p_ids, completion_ids=c_ids, prompt_mask=p_mask),
                            max_views_per_forward=max_views).sequence.double()
 
 
@@ -87,7 +88,7 @@ def quality(policy, data, exact, budgets, repeats, max_views, names=tuple(ESTIMA
             for r in range(repeats):
                 gen = torch.Generator().manual_seed(1000 * F + r)
                 t0 = time.perf_counter()
-                plan = plan_views(method, c_mask, num_samples=K, generator=gen, prompt_ids=p_ids,
+                plan = plan_views(method, Completions(c_mask, prompt_ids=p_ids), num_samples=K, generator=gen,
                                   bos_token_id=policy.tokenizer.bos_token_id, **opts_f)
                 draws.append(score(policy, plan, data, max_views))
                 seconds.append(time.perf_counter() - t0)
@@ -110,7 +111,7 @@ def quality(policy, data, exact, budgets, repeats, max_views, names=tuple(ESTIMA
 def speedup(policy, data, repeats):
     """Batched scoring vs one view per forward, K = 8, the same plan."""
     p_ids, p_mask, c_ids, c_mask = data
-    plan = plan_views("mc", c_mask, num_samples=8, generator=torch.Generator().manual_seed(0))
+    plan = plan_views("mc", Completions(c_mask), num_samples=8, generator=torch.Generator().manual_seed(0))
     batched, naive = [], []
     for _ in range(repeats):
         t0 = time.perf_counter()
@@ -130,7 +131,7 @@ def speedup(policy, data, repeats):
 MEMORY_CHILD = r"""
 import os, sys, threading, time, torch
 from stabledrl.models import load_policy
-from stabledrl.likelihood import plan_views, backward_views
+from stabledrl.likelihood import Completions, plan_views, backward_views
 torch.set_num_threads(int(sys.argv[4]))
 page = os.sysconf("SC_PAGE_SIZE")
 def rss():
@@ -138,14 +139,14 @@ def rss():
         return int(f.read().split()[1]) * page
 policy = load_policy(sys.argv[1]); policy.model.train()
 p_ids, p_mask, c_ids, c_mask = torch.load(sys.argv[3])
-plan = plan_views("mc", c_mask, num_samples=int(sys.argv[2]), generator=torch.Generator().manual_seed(0))
+rows = Completions(c_mask, prompt_ids=p_ids, completion_ids=c_ids, prompt_mask=p_mask)
+plan = plan_views("mc", Completions(c_mask), num_samples=int(sys.argv[2]), generator=torch.Generator().manual_seed(0))
 before, peak, done = rss(), [0], threading.Event()
 def sample():
     while not done.is_set():
         peak[0] = max(peak[0], rss()); time.sleep(0.0005)
 th = threading.Thread(target=sample); th.start()
-backward_views(policy, plan, p_ids, c_ids, c_mask, torch.ones(c_ids.size(0)), prompt_mask=p_mask,
-               max_views_per_forward=c_ids.size(0))
+backward_views(policy, plan, rows, torch.ones(c_ids.size(0)), max_views_per_forward=c_ids.size(0))
 done.set(); th.join()
 print(before, max(peak[0], rss()))
 """
@@ -216,7 +217,7 @@ def main() -> None:
     data = rollouts(policy, args.n, seed=0)
     t0 = time.perf_counter()
     with torch.no_grad():
-        plan = plan_views("exact", data[3])
+        plan = plan_views("exact", Completions(data[3]))
         exact = score(policy, plan, data, max_views=4096)
     exact_s = time.perf_counter() - t0
     print(f"exact ELBO: mean {exact.mean():.3f} nats over {args.n} rollouts, {plan.num_views} views in {exact_s:.1f}s")

@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import scale  # noqa: E402
 
 from stabledrl.engines import RolloutRequest, roll_out  # noqa: E402
-from stabledrl.likelihood import backward_views, plan_views, score_views  # noqa: E402
+from stabledrl.likelihood import Completions, backward_views, plan_views, score_views  # noqa: E402
 from stabledrl.models import TinyPolicy, add_lora  # noqa: E402
 from stabledrl.objectives import ScoredBatch, group_advantages, stabledrl_loss  # noqa: E402
 from stabledrl.sampling import row_generators  # noqa: E402
@@ -146,11 +146,12 @@ def rl_step(ctx: dict[str, Any], step: int) -> dict[str, Any]:
         roll = phase("rollout", lambda: roll_out(request))
     comp, cmask = roll.completion_ids, roll.completion_mask  # (B, L)
     opts = {"block_length": a.block_length, "p_prompt": 0.15} if a.estimator == "block_random" else {}
-    plan = plan_views(a.estimator, cmask, num_samples=a.views, generator=torch.Generator().manual_seed(step),
-                      prompt_ids=ids, prompt_mask=mask, bos_token_id=policy.tokenizer.bos_token_id, **opts)
-    kw = {"prompt_mask": mask, "reduction": "mean", "max_views_per_forward": a.max_views_per_forward}
+    plan = plan_views(a.estimator, Completions(cmask, prompt_ids=ids, prompt_mask=mask), num_samples=a.views,
+                      generator=torch.Generator().manual_seed(step), bos_token_id=policy.tokenizer.bos_token_id, **opts)
+    rows = Completions(cmask, prompt_ids=ids, completion_ids=comp, prompt_mask=mask)
+    kw = {"reduction": "mean", "max_views_per_forward": a.max_views_per_forward}
     with torch.no_grad():
-        old = phase("scoring", lambda: score_views(policy, plan, ids, comp, cmask, **kw).sequence)  # (B,)
+        old = phase("scoring", lambda: score_views(policy, plan, rows, **kw).sequence)  # (B,)
     rewards = torch.rand(B, generator=torch.Generator().manual_seed(1000 + step)).to(old.device)  # (B,)
     adv = group_advantages(rewards, a.group_size)
 
@@ -161,11 +162,11 @@ def rl_step(ctx: dict[str, Any], step: int) -> dict[str, Any]:
         opt.zero_grad(set_to_none=True)
         if a.max_views_per_forward:  # ∂loss/∂ℓ on a leaf, pushed back a micro-batch of views at a time
             with torch.no_grad():
-                leaf = score_views(policy, plan, ids, comp, cmask, **kw).sequence.requires_grad_()
+                leaf = score_views(policy, plan, rows, **kw).sequence.requires_grad_()
             loss_of(leaf).backward()
-            backward_views(policy, plan, ids, comp, cmask, leaf.grad, backward=acc.backward, **kw)
+            backward_views(policy, plan, rows, leaf.grad, backward=acc.backward, **kw)
         else:
-            acc.backward(loss_of(score_views(policy, plan, ids, comp, cmask, **kw).sequence))
+            acc.backward(loss_of(score_views(policy, plan, rows, **kw).sequence))
 
     def optimize() -> None:
         acc.clip_grad_norm_(ctx["params"], 0.2)

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from stabledrl.data import decode_completions, encode_prompts
-from stabledrl.likelihood import estimate
+from stabledrl.likelihood import Completions, estimate
 from stabledrl.models import load_policy
 from stabledrl.sampling import SamplingConfig, generate
 from stabledrl.tasks import get_task
@@ -59,10 +59,10 @@ def policy_gradient(policy, task, problems, method: str, seed: int) -> tuple[tor
         if not keep.any():
             continue
         rows += int(keep.sum())
-        kw = ({"unmask_step": out.unmask_step[keep]} if method == "path"
-              else {"num_samples": 2, "generator": torch.Generator().manual_seed(seed * 10**8 + c)})
-        ell = estimate(policy, ids[keep], out.completion_ids[keep], out.completion_mask[keep], prompt_mask=mask[keep],
-                       method=method, **kw).sequence
+        kw = {} if method == "path" else {"num_samples": 2, "generator": torch.Generator().manual_seed(seed * 10**8 + c)}
+        kept = Completions(out.completion_mask[keep], prompt_ids=ids[keep], completion_ids=out.completion_ids[keep],
+                           prompt_mask=mask[keep], unmask_step=out.unmask_step[keep])
+        ell = estimate(policy, kept, method=method, **kw).sequence
         policy.model.zero_grad(set_to_none=True)
         (adv[keep] * ell).sum().backward()
         g = torch.cat([p.grad.flatten() for p in policy.model.parameters()])

@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 
 from stabledrl.data import decode_completions, encode_prompts
-from stabledrl.likelihood import estimate
+from stabledrl.likelihood import Completions, estimate
 from stabledrl.models import load_policy
 from stabledrl.sampling import SamplingConfig, generate
 from stabledrl.tasks import get_task
@@ -49,8 +49,8 @@ MODELS = {"full": "checkpoints/countdown-tiny", "block": "checkpoints/countdown-
 
 def path_logprob(policy, ids, mask, out) -> torch.Tensor:
     """(B,) log p of the committed tokens along each rollout's own order: the `path` estimator."""
-    return estimate(policy, ids, out.completion_ids, out.completion_mask, prompt_mask=mask, method="path",
-                    unmask_step=out.unmask_step).sequence
+    return estimate(policy, Completions(out.completion_mask, prompt_ids=ids, completion_ids=out.completion_ids,
+                                        prompt_mask=mask, unmask_step=out.unmask_step), method="path").sequence
 
 
 def _flat_grad(policy, loss) -> torch.Tensor:
@@ -83,11 +83,12 @@ def measure(name: str, *, groups: int, G: int, seed: int) -> dict:
         kept += 1
         adv = r - r.mean()  # (G,)
         if name == "block":
-            ell = estimate(policy, ids, out.completion_ids, out.completion_mask, prompt_mask=mask,
-                           method="blockwise", inner="exact").sequence
+            ell = estimate(policy, Completions(out.completion_mask, prompt_ids=ids, completion_ids=out.completion_ids,
+                                               prompt_mask=mask), method="blockwise", inner="exact").sequence
         else:
-            ell = estimate(policy, ids, out.completion_ids, out.completion_mask, prompt_mask=mask, method="mc",
-                           num_samples=64, stratified=True, generator=torch.Generator().manual_seed(tried)).sequence
+            ell = estimate(policy, Completions(out.completion_mask, prompt_ids=ids, completion_ids=out.completion_ids,
+                                               prompt_mask=mask), method="mc", num_samples=64, stratified=True,
+                           generator=torch.Generator().manual_seed(tried)).sequence
         g_elbo = _flat_grad(policy, (adv * ell).sum())
         lp = path_logprob(policy, ids, mask, out)
         g_path = _flat_grad(policy, (adv * lp).sum())

@@ -35,7 +35,7 @@ import torch
 
 from stabledrl.data import decode_completions, encode_prompts
 from stabledrl.evaluate import evaluate
-from stabledrl.likelihood import estimate
+from stabledrl.likelihood import Completions, estimate
 from stabledrl.models import load_policy
 from stabledrl.sampling import SamplingConfig, generate
 from stabledrl.sft import diffusion_loss
@@ -80,8 +80,8 @@ def run(model: str, method: str, *, iterations: int, prompts: int, group: int, l
             # PAD after EOS included, as `stabledrl sft` trains)
             ell = -diffusion_loss(policy, ids, mask, out.completion_ids, generator=gen, reduction="none")[0]
         else:
-            ell = estimate(policy, ids, out.completion_ids, out.completion_mask, prompt_mask=mask, method=method,
-                           num_samples=2, generator=gen).sequence  # (prompts·G,)
+            rows = Completions(out.completion_mask, prompt_ids=ids, completion_ids=out.completion_ids, prompt_mask=mask)
+            ell = estimate(policy, rows, method=method, num_samples=2, generator=gen).sequence  # (prompts·G,)
         loss = -(adv * ell).sum() / (adv != 0).sum().clamp(min=1)
         opt.zero_grad()
         loss.backward()

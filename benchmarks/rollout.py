@@ -289,7 +289,7 @@ def bench_drift(n: int, mc_samples: int) -> dict:
     """What each scheme does to the likelihood RL estimates: temperature-1 rollouts of the
     shipped model; per row, the sampler's own log-probability (Σ token_logprob), the path
     estimate (the exact model along the sampled trajectory) and an mc ELBO estimate."""
-    from stabledrl.likelihood import estimate
+    from stabledrl.likelihood import Completions, estimate
 
     policy = load_policy(SHIPPED)
     task = get_task("countdown")
@@ -300,10 +300,11 @@ def bench_drift(n: int, mc_samples: int) -> dict:
         out = generate(policy, ids, mask, SamplingConfig(gen_length=task.completion_length, temperature=1.0, **options),
                        generator=row_generators("drift", 0, n), record_logprob=True)
         with torch.no_grad():
-            path = estimate(policy, ids, out.completion_ids, out.completion_mask, prompt_mask=mask, method="path",
-                            unmask_step=out.unmask_step).sequence
-            mc = estimate(policy, ids, out.completion_ids, out.completion_mask, prompt_mask=mask, method="mc",
-                          num_samples=mc_samples, generator=torch.Generator().manual_seed(0)).sequence
+            path = estimate(policy, Completions(out.completion_mask, prompt_ids=ids, completion_ids=out.completion_ids,
+                                                prompt_mask=mask, unmask_step=out.unmask_step), method="path").sequence
+            mc = estimate(policy, Completions(out.completion_mask, prompt_ids=ids, completion_ids=out.completion_ids,
+                                              prompt_mask=mask), method="mc", num_samples=mc_samples,
+                          generator=torch.Generator().manual_seed(0)).sequence
         own = out.token_logprob.sum(1)
         result[name] = {"sampler_logprob_mean": float(own.mean()), "path_mean": float(path.mean()),
                         "mc_elbo_mean": float(mc.mean()),

@@ -70,7 +70,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from stabledrl.likelihood import backward_views, planner_options
+from stabledrl.likelihood import Completions, backward_views, planner_options
 from stabledrl.models import TinyDiffusionConfig, TinyDiffusionLM, TinyPolicy, add_lora, base_policy
 from stabledrl.objectives import group_advantages
 from stabledrl.sampling import RolloutRequest, generate_micro_batched, row_generators
@@ -569,9 +569,10 @@ def rl_step(run: _Run, step: int, clock: _Clock) -> dict[str, int]:
                     leaf = score(policy, pl).requires_grad_()
                 res = objective(ScoredBatch(leaf, old, advantages, G, ocmask, ref_logp=ref, **w_kw))
                 res.loss.backward()
-                backward_views(policy, pl, run.prompt_ids, comp, cmask, leaf.grad.to(comp.device),
-                               prompt_mask=run.prompt_mask, reduction=e.reduction,
-                               max_views_per_forward=e.max_views_per_forward, backward=acc.backward)
+                backward_views(policy, pl, Completions(cmask, prompt_ids=run.prompt_ids, completion_ids=comp,
+                                                       prompt_mask=run.prompt_mask), leaf.grad.to(comp.device),
+                               reduction=e.reduction, max_views_per_forward=e.max_views_per_forward,
+                               backward=acc.backward)
             else:
                 res = objective(ScoredBatch(score(policy, pl), old, advantages, G, ocmask, ref_logp=ref, **w_kw))
                 acc.backward(res.loss)
@@ -755,7 +756,7 @@ class Recipe:
 
 
 RECIPES = {
-    # the StableDRL authors' GSM8K / MATH run (docs: /work/shared/real-models.md, "Published settings")
+    # the StableDRL authors' GSM8K / MATH run (docs/recipes.md)
     "llada-8b-instruct-gsm8k-stabledrl": Recipe("llada-8b"),
     "dream-7b-instruct-gsm8k-stabledrl": Recipe("dream-7b"),
     "sdar-8b-chat-gsm8k-stabledrl": Recipe("sdar-8b", block_size=4, block_length=4),

@@ -7,7 +7,7 @@ import torch
 
 from stabledrl.config import load_config
 from stabledrl.diagnostics import CollapseMonitor, flat_grad_cosine
-from stabledrl.likelihood import plan_views, score_views
+from stabledrl.likelihood import Completions, plan_views, score_views
 from stabledrl.objectives import group_advantages, stabledrl_loss
 from stabledrl.instruments import backward_measuring_agreement, first_half_loss
 from stabledrl.objectives import ScoredBatch, objective_for
@@ -64,12 +64,14 @@ def test_gradient_agreement_equals_the_cosine_of_separately_computed_half_gradie
                      torch.randint(5, 20, (B, L)), torch.ones(B, L, dtype=torch.bool), torch.zeros(B, L, dtype=torch.long))
     rewards = torch.tensor([1.0, 0, 0, 0.5, 1, 0, 0, 0, 1, 0.2, 0.3, 1])
     adv = group_advantages(rewards, G, "none")
-    plan = plan_views("mc", batch.completion_mask, num_samples=2, generator=torch.Generator().manual_seed(1))
+    plan = plan_views("mc", Completions(batch.completion_mask), num_samples=2,
+                      generator=torch.Generator().manual_seed(1))
     cfg = load_config(TrainConfig, {"group_size": G, "objective": {"name": "stabledrl"}})
 
     def ell(rows):  # ℓ of the given rows with a graph, from one forward of those rows only
-        est = score_views(policy, plan.rows(rows.start, rows.stop), batch.prompt_ids[rows], batch.completion_ids[rows],
-                          batch.completion_mask[rows], prompt_mask=batch.prompt_mask[rows])
+        est = score_views(policy, plan.rows(rows.start, rows.stop),
+                          Completions(batch.completion_mask[rows], prompt_ids=batch.prompt_ids[rows],
+                                      completion_ids=batch.completion_ids[rows], prompt_mask=batch.prompt_mask[rows]))
         return est.sequence
 
     with torch.no_grad():

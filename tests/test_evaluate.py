@@ -1,7 +1,7 @@
 import pytest
 
 import stabledrl.evaluate as evaluate_mod
-from stabledrl.evaluate import evaluate
+from stabledrl.evaluate import EvalShare, evaluate
 from stabledrl.sampling import SamplingConfig
 from stabledrl.tasks import get_task
 from tests.conftest import make_tiny_policy
@@ -11,7 +11,7 @@ from tests.conftest import make_tiny_policy
 def test_completions_do_not_depend_on_the_micro_batch_or_the_split(temperature):
     # Problem i draws from its own generator (seed, i): micro-batches of 1, 3 or all 9
     # decode the same completions, and so does a process that evaluates problems 4..8
-    # and passes first_index=4 (the split of a multi-process evaluation).
+    # and passes EvalShare(first_index=4) (the split of a multi-process evaluation).
     policy = make_tiny_policy(seed=5)
     task = get_task("countdown")
     problems = task.generate(9, split="test", seed=0)
@@ -22,7 +22,8 @@ def test_completions_do_not_depend_on_the_micro_batch_or_the_split(temperature):
     for mb in (1, 3):
         assert texts(evaluate(policy, task, problems, SamplingConfig(temperature=temperature, micro_batch=mb),
                               progress=False)) == whole
-    assert texts(evaluate(policy, task, problems[4:], sampling, first_index=4, progress=False)) == whole[4:]
+    share = EvalShare(first_index=4)
+    assert texts(evaluate(policy, task, problems[4:], sampling, share=share, progress=False)) == whole[4:]
     if temperature > 0:
         assert texts(evaluate(policy, task, problems, sampling, seed=1, progress=False)) != whole
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from stabledrl.data import encode_prompts
-from stabledrl.likelihood import estimate
+from stabledrl.likelihood import Completions, estimate
 from stabledrl.sampling import (
     RolloutRequest,
     SamplingConfig,
@@ -249,8 +249,8 @@ def test_path_scores_a_parallel_decoded_trajectory_exactly(kind, gen_kw):
         recorded = float(out.token_logprob[0].sum())
         assert recorded == pytest.approx(want, rel=1e-6, abs=1e-6)
         with torch.no_grad():
-            got = estimate(policy, ids, out.completion_ids, out.completion_mask, prompt_mask=mask, method="path",
-                           unmask_step=out.unmask_step)
+            got = estimate(policy, Completions(out.completion_mask, prompt_ids=ids, completion_ids=out.completion_ids,
+                                               prompt_mask=mask, unmask_step=out.unmask_step), method="path")
         assert float(got.sequence[0]) == pytest.approx(recorded, rel=1e-5, abs=1e-5)
         checked += 1
         steps = out.unmask_step[0][out.completion_mask[0]]

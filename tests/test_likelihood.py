@@ -9,8 +9,8 @@ import torch
 
 from stabledrl.data import completion_mask as make_completion_mask
 from stabledrl.data import encode_completions, encode_prompts
-from stabledrl.likelihood import (PLANNERS, backward_views, estimate, gauss_legendre, plan_views, planner_options,
-                                  score_views)
+from stabledrl.likelihood import (PLANNERS, Completions, backward_views, estimate, gauss_legendre, plan_views,
+                                  planner_options, score_views)
 from stabledrl.models import TinyPolicy
 from stabledrl.settings import METHODS
 from tests.conftest import ScriptedPolicy, make_tiny_policy
@@ -78,7 +78,8 @@ def _repeat(setup, R):
 def test_exact_method_equals_the_independent_enumeration(setup):
     policy, p_ids, p_mask, c_ids, c_mask = setup
     with torch.no_grad():
-        est = estimate(policy, p_ids, c_ids, c_mask, prompt_mask=p_mask, method="exact", max_views_per_forward=50)
+        est = estimate(policy, Completions(c_mask, prompt_ids=p_ids, completion_ids=c_ids, prompt_mask=p_mask),
+                       method="exact", max_views_per_forward=50)
     assert est.num_views == (2**4 - 1) + (2**7 - 1)
     # float32 sums of up to 127 views of |ELBO| ≈ 22 (ulp 1.9e-6): relative 1e-5 (2e-4 here) is
     # far above rounding on any CPU, far below a wrong weight or a missing subset
@@ -110,8 +111,9 @@ def test_mc_is_unbiased_for_the_exact_elbo(setup, options):
     options = dict(options)
     K = options.pop("num_samples", 1)
     with torch.no_grad():
-        est = estimate(policy, p_ids, c_ids, c_mask, prompt_mask=p_mask, method="mc", num_samples=K,
-                       generator=torch.Generator().manual_seed(0), **options).sequence.double().view(R, 2)
+        est = estimate(policy, Completions(c_mask, prompt_ids=p_ids, completion_ids=c_ids, prompt_mask=p_mask),
+                       method="mc", num_samples=K, generator=torch.Generator().manual_seed(0),
+                       **options).sequence.double().view(R, 2)
     mean, se = est.mean(0), est.std(0) / math.sqrt(R)
     assert ((mean - exact).abs() < 4 * se).all(), (mean, exact, se)
 
@@ -121,8 +123,8 @@ def test_sdmc_large_k_equals_its_quadrature_by_enumeration(setup):
     for N in (1, 2, 3, 5):
         quad = exact_sdmc(*setup, num_nodes=N)
         with torch.no_grad():
-            est = estimate(policy, p_ids, c_ids, c_mask, prompt_mask=p_mask, method="sdmc", num_samples=10**6,
-                           num_nodes=N, generator=torch.Generator().manual_seed(0))
+            est = estimate(policy, Completions(c_mask, prompt_ids=p_ids, completion_ids=c_ids, prompt_mask=p_mask),
+                           method="sdmc", num_samples=10**6, num_nodes=N, generator=torch.Generator().manual_seed(0))
         assert torch.allclose(est.sequence.double(), quad, rtol=1e-5, atol=0), (N, est.sequence, quad)
 
 
@@ -130,8 +132,9 @@ def test_sdmc_time_weight_equals_its_quadrature_by_enumeration(setup):
     policy, p_ids, p_mask, c_ids, c_mask = setup
     quad = exact_sdmc(*setup, num_nodes=2, weight="time")
     with torch.no_grad():
-        est = estimate(policy, p_ids, c_ids, c_mask, prompt_mask=p_mask, method="sdmc", num_samples=10**6,
-                       num_nodes=2, weight="time", generator=torch.Generator().manual_seed(0))
+        est = estimate(policy, Completions(c_mask, prompt_ids=p_ids, completion_ids=c_ids, prompt_mask=p_mask),
+                       method="sdmc", num_samples=10**6, num_nodes=2, weight="time",
+                       generator=torch.Generator().manual_seed(0))
     assert torch.allclose(est.sequence.double(), quad, rtol=1e-5, atol=0), (est.sequence, quad)
     # n = 4 and 7 are short enough for the two weights to differ by far more than rounding
     assert not torch.allclose(quad, exact_sdmc(*setup, num_nodes=2), rtol=1e-3, atol=0)
@@ -149,7 +152,7 @@ def test_sdmc_node_weights_by_hand_at_n3():
     # count: per view w·(n/k)/3 = 0.5·3/3 = 0.5 (k = 1) and 0.5·1.5/3 = 0.25 (k = 2)
     # time:  per view w·(1/t)/3 = 1/(6 t1) = 0.788675 (= t2) and 1/(6 t2) = 0.211325 (= t1)
     for weight, per_view in [("count", [0.5, 0.25]), ("time", [t2, t1])]:
-        plan = plan_views("sdmc", c_mask, num_samples=3, num_nodes=2, weight=weight,
+        plan = plan_views("sdmc", Completions(c_mask), num_samples=3, num_nodes=2, weight=weight,
                           generator=torch.Generator().manual_seed(0))
         k = plan.masked.sum(1).tolist()
         assert k == [1, 1, 1, 2, 2, 2]
@@ -162,12 +165,13 @@ def test_sdmc_node_weights_by_hand_at_n3():
     V = len(tok.tokenizer)
     total = sum(c - math.log(math.exp(c) + V - 1) for c in [2.0, 1.0, 3.0])
     for weight, factor in [("count", 1.0), ("time", t2 + 2 * t1)]:
-        est = estimate(tok, p_ids, c_ids, c_mask, prompt_mask=p_mask, method="sdmc", num_samples=3, num_nodes=2,
-                       weight=weight, generator=torch.Generator().manual_seed(0))
+        est = estimate(tok, Completions(c_mask, prompt_ids=p_ids, completion_ids=c_ids, prompt_mask=p_mask),
+                       method="sdmc", num_samples=3, num_nodes=2, weight=weight,
+                       generator=torch.Generator().manual_seed(0))
         # float32 log-softmax of logits ≤ 3: rounding ~1e-6 against a 21% difference between the weights
         assert est.sequence.item() == pytest.approx(factor * total, rel=1e-5)
     with pytest.raises(ValueError, match="'count'"):
-        plan_views("sdmc", c_mask, num_samples=3, weight="inverse_t", generator=torch.Generator())
+        plan_views("sdmc", Completions(c_mask), num_samples=3, weight="inverse_t", generator=torch.Generator())
 
 
 def test_sdmc_sampled_is_unbiased_for_its_quadrature_and_lands_near_the_elbo(setup):
@@ -175,8 +179,9 @@ def test_sdmc_sampled_is_unbiased_for_its_quadrature_and_lands_near_the_elbo(set
     R = 800
     policy, p_ids, p_mask, c_ids, c_mask = _repeat(setup, R)
     with torch.no_grad():
-        est = estimate(policy, p_ids, c_ids, c_mask, prompt_mask=p_mask, method="sdmc", num_samples=1,
-                       num_nodes=2, generator=torch.Generator().manual_seed(1)).sequence.double().view(R, 2)
+        est = estimate(policy, Completions(c_mask, prompt_ids=p_ids, completion_ids=c_ids, prompt_mask=p_mask),
+                       method="sdmc", num_samples=1, num_nodes=2,
+                       generator=torch.Generator().manual_seed(1)).sequence.double().view(R, 2)
     mean, se = est.mean(0), est.std(0) / math.sqrt(R)
     assert ((mean - quad).abs() < 4 * se).all()
     # The quadrature is biased for the ELBO (integrand not polynomial in t); for this
@@ -189,8 +194,8 @@ def test_mean_field_equals_a_direct_computation(setup):
     policy, p_ids, p_mask, c_ids, c_mask = setup
     gen = torch.Generator().manual_seed(4)
     state = gen.get_state()
-    est = estimate(policy, p_ids, c_ids, c_mask, prompt_mask=p_mask, method="mean_field", p_prompt=0.5,
-                   generator=gen)
+    est = estimate(policy, Completions(c_mask, prompt_ids=p_ids, completion_ids=c_ids, prompt_mask=p_mask),
+                   method="mean_field", p_prompt=0.5, generator=gen)
     # Redo it by hand: the same prompt mask draw, the whole completion masked, one forward.
     gen.set_state(state)
     drop = (torch.rand(p_ids.shape, generator=gen) < 0.5) & p_mask.bool() & (p_ids != policy.tokenizer.bos_token_id)
@@ -212,7 +217,8 @@ def test_coupled_equals_a_direct_computation(setup):
     policy, p_ids, p_mask, c_ids, c_mask = setup
     gen = torch.Generator().manual_seed(5)
     state = gen.get_state()
-    est = estimate(policy, p_ids, c_ids, c_mask, prompt_mask=p_mask, method="coupled", generator=gen)
+    est = estimate(policy, Completions(c_mask, prompt_ids=p_ids, completion_ids=c_ids, prompt_mask=p_mask),
+                   method="coupled", generator=gen)
     gen.set_state(state)
     B, L = c_ids.shape
     t = 0.2 + 0.6 * torch.rand((B, 1, 1), generator=gen, dtype=torch.float64)[:, 0, 0]  # (B,)
@@ -232,7 +238,7 @@ def test_coupled_equals_a_direct_computation(setup):
     assert torch.allclose(est.token.double(), expected, atol=1e-5)
     assert torch.allclose(est.sequence.double(), expected.sum(1), atol=1e-4)
     with pytest.raises(ValueError, match="t_min"):
-        plan_views("coupled", c_mask, generator=gen, t_min=0.9, t_max=0.5)
+        plan_views("coupled", Completions(c_mask), generator=gen, t_min=0.9, t_max=0.5)
 
 
 def test_coupled_is_one_and_a_half_log_likelihoods_for_a_context_free_model():
@@ -245,8 +251,9 @@ def test_coupled_is_one_and_a_half_log_likelihoods_for_a_context_free_model():
     c_mask = make_completion_mask(c_ids, tok.eos_token_id)
     V = len(tok.tokenizer)
     logp = sum(c - math.log(math.exp(c) + V - 1) for c in (2.0, 1.0, 3.0))  # the scripted log-likelihood
-    means = torch.tensor([float(estimate(tok, p_ids, c_ids, c_mask, prompt_mask=p_mask, method="coupled",
-                                         num_samples=200, generator=torch.Generator().manual_seed(r)).sequence)
+    means = torch.tensor([float(estimate(tok, Completions(c_mask, prompt_ids=p_ids, completion_ids=c_ids,
+                                                          prompt_mask=p_mask), method="coupled", num_samples=200,
+                                         generator=torch.Generator().manual_seed(r)).sequence)
                           for r in range(20)], dtype=torch.float64)
     se = float(means.std() / math.sqrt(len(means)))
     assert 0 < se < 0.05 * abs(logp)
@@ -255,7 +262,7 @@ def test_coupled_is_one_and_a_half_log_likelihoods_for_a_context_free_model():
 
 def test_antithetic_pairs_cover_every_scored_position_exactly_once(setup):
     *_, c_mask = setup
-    plan = plan_views("mc", c_mask, num_samples=6, masking="bernoulli", antithetic=True,
+    plan = plan_views("mc", Completions(c_mask), num_samples=6, masking="bernoulli", antithetic=True,
                       generator=torch.Generator().manual_seed(2))
     D = plan.num_views // 2
     first, second = plan.masked[:D], plan.masked[D:]
@@ -269,28 +276,32 @@ def test_same_generator_state_gives_the_same_masks_and_values(setup):
     other = make_tiny_policy(seed=32)
     for method, opts in [("mc", {}), ("sdmc", {"num_nodes": 3}), ("mean_field", {})]:
         k = 1 if method == "mean_field" else 3
-        a = plan_views(method, c_mask, num_samples=k, generator=torch.Generator().manual_seed(9), prompt_ids=p_ids, **opts)
-        b = plan_views(method, c_mask, num_samples=k, generator=torch.Generator().manual_seed(9), prompt_ids=p_ids, **opts)
+        a = plan_views(method, Completions(c_mask, prompt_ids=p_ids), num_samples=k,
+                       generator=torch.Generator().manual_seed(9), **opts)
+        b = plan_views(method, Completions(c_mask, prompt_ids=p_ids), num_samples=k,
+                       generator=torch.Generator().manual_seed(9), **opts)
         assert torch.equal(a.masked, b.masked) and torch.equal(a.weight, b.weight)
         # Scoring one plan under two models: the difference is the models', not the masks'.
         with torch.no_grad():
-            ea = estimate(policy, p_ids, c_ids, c_mask, prompt_mask=p_mask, method=method, num_samples=k,
-                          generator=torch.Generator().manual_seed(9), **opts)
-            eb = score_views(policy, b, p_ids, c_ids, c_mask, prompt_mask=p_mask)
-            eo = score_views(other, b, p_ids, c_ids, c_mask, prompt_mask=p_mask)
+            ea = estimate(policy, Completions(c_mask, prompt_ids=p_ids, completion_ids=c_ids, prompt_mask=p_mask),
+                          method=method, num_samples=k, generator=torch.Generator().manual_seed(9), **opts)
+            eb = score_views(policy, b, Completions(c_mask, prompt_ids=p_ids, completion_ids=c_ids, prompt_mask=p_mask))
+            eo = score_views(other, b, Completions(c_mask, prompt_ids=p_ids, completion_ids=c_ids, prompt_mask=p_mask))
         assert torch.equal(ea.sequence, eb.sequence)
         assert not torch.allclose(eo.sequence, eb.sequence)
     state_before = torch.random.get_rng_state()
-    plan_views("mc", c_mask, num_samples=4, generator=torch.Generator().manual_seed(1))
+    plan_views("mc", Completions(c_mask), num_samples=4, generator=torch.Generator().manual_seed(1))
     assert torch.equal(torch.random.get_rng_state(), state_before)  # the global RNG is untouched
 
 
 def test_micro_batches_and_backward_match_one_batch(setup):
     policy, p_ids, p_mask, c_ids, c_mask = setup
-    plan = plan_views("sdmc", c_mask, num_samples=3, num_nodes=2, generator=torch.Generator().manual_seed(5))
-    whole = score_views(policy, plan, p_ids, c_ids, c_mask, prompt_mask=p_mask, reduction="mean")
-    chunked = score_views(policy, plan, p_ids, c_ids, c_mask, prompt_mask=p_mask, reduction="mean",
-                          max_views_per_forward=2)
+    plan = plan_views("sdmc", Completions(c_mask), num_samples=3, num_nodes=2,
+                      generator=torch.Generator().manual_seed(5))
+    whole = score_views(policy, plan, Completions(c_mask, prompt_ids=p_ids, completion_ids=c_ids, prompt_mask=p_mask),
+                        reduction="mean")
+    chunked = score_views(policy, plan, Completions(c_mask, prompt_ids=p_ids, completion_ids=c_ids, prompt_mask=p_mask),
+                          reduction="mean", max_views_per_forward=2)
     assert torch.allclose(whole.sequence, chunked.sequence, atol=1e-6)
     assert torch.allclose(whole.sequence, whole.token.sum(1) / c_mask.sum(1), atol=1e-6)
     # Gradients: backward per micro-batch equals backward of the full graph.
@@ -301,17 +312,19 @@ def test_micro_batches_and_backward_match_one_batch(setup):
     ref = [p.grad.clone() for p in params]
     assert any(r.abs().sum() > 0 for r in ref)  # gradients reach the model
     policy.model.zero_grad()
-    backward_views(policy, plan, p_ids, c_ids, c_mask, g, prompt_mask=p_mask, reduction="mean",
-                   max_views_per_forward=2)
+    backward_views(policy, plan, Completions(c_mask, prompt_ids=p_ids, completion_ids=c_ids, prompt_mask=p_mask), g,
+                   reduction="mean", max_views_per_forward=2)
     for r, p in zip(ref, params):
         assert torch.allclose(r, p.grad, atol=1e-6)
     # Per-token gradients (token-level ratios): the same identity on est.token.
     G = torch.randn(c_ids.shape)
     policy.model.zero_grad()
-    (G * score_views(policy, plan, p_ids, c_ids, c_mask, prompt_mask=p_mask).token).sum().backward()
+    rows = Completions(c_mask, prompt_ids=p_ids, completion_ids=c_ids, prompt_mask=p_mask)
+    (G * score_views(policy, plan, rows).token).sum().backward()
     ref = [p.grad.clone() for p in params]
     policy.model.zero_grad()
-    backward_views(policy, plan, p_ids, c_ids, c_mask, G, prompt_mask=p_mask, max_views_per_forward=3)
+    backward_views(policy, plan, Completions(c_mask, prompt_ids=p_ids, completion_ids=c_ids, prompt_mask=p_mask), G,
+                   max_views_per_forward=3)
     for r, p in zip(ref, params):
         assert torch.allclose(r, p.grad, atol=1e-6)
     policy.model.zero_grad()
@@ -331,15 +344,16 @@ def test_a_tokenizer_that_pads_with_eos_is_accepted(setup):
 
     ids = c_ids.masked_fill(c_ids == policy.pad_token_id, policy.eos_token_id)  # pad with EOS
     with torch.no_grad():
-        a = estimate(PadIsEos(policy), p_ids, ids, c_mask, prompt_mask=p_mask, method="mean_field", p_prompt=0.0)
+        a = estimate(PadIsEos(policy), Completions(c_mask, prompt_ids=p_ids, completion_ids=ids, prompt_mask=p_mask),
+                     method="mean_field", p_prompt=0.0)
     assert torch.isfinite(a.sequence).all()
 
 
 def test_no_grad_gives_a_detached_estimate(setup):
     policy, p_ids, p_mask, c_ids, c_mask = setup
     with torch.no_grad():
-        est = estimate(policy, p_ids, c_ids, c_mask, prompt_mask=p_mask, method="mc", num_samples=2,
-                       generator=torch.Generator().manual_seed(0))
+        est = estimate(policy, Completions(c_mask, prompt_ids=p_ids, completion_ids=c_ids, prompt_mask=p_mask),
+                       method="mc", num_samples=2, generator=torch.Generator().manual_seed(0))
     assert not est.sequence.requires_grad and torch.isfinite(est.sequence).all()
 
 
@@ -349,37 +363,42 @@ def test_loud_errors(setup):
     empty = c_mask.clone()
     empty[1] = False
     with pytest.raises(ValueError, match="empty completions"):
-        estimate(policy, p_ids, c_ids, empty, method="mc", generator=gen)
+        estimate(policy, Completions(empty, prompt_ids=p_ids, completion_ids=c_ids), method="mc", generator=gen)
     with pytest.raises(ValueError, match="does not match"):
-        estimate(policy, p_ids, c_ids, c_mask[:, :5], method="mc", generator=gen)
+        estimate(policy, Completions(c_mask[:, :5], prompt_ids=p_ids, completion_ids=c_ids), method="mc", generator=gen)
     with pytest.raises(ValueError, match="PAD or MASK"):
-        estimate(policy, p_ids, c_ids, torch.ones_like(c_mask), method="mc", generator=gen)
-    with pytest.raises(ValueError, match="generator"):
-        estimate(policy, p_ids, c_ids, c_mask, method="sdmc")
-    with pytest.raises(ValueError, match="bernoulli"):
-        estimate(policy, p_ids, c_ids, c_mask, method="mc", antithetic=True, num_samples=2, generator=gen)
-    with pytest.raises(ValueError, match="even"):
-        estimate(policy, p_ids, c_ids, c_mask, method="mc", antithetic=True, masking="bernoulli", num_samples=3,
+        estimate(policy, Completions(torch.ones_like(c_mask), prompt_ids=p_ids, completion_ids=c_ids), method="mc",
                  generator=gen)
+    with pytest.raises(ValueError, match="generator"):
+        estimate(policy, Completions(c_mask, prompt_ids=p_ids, completion_ids=c_ids), method="sdmc")
+    with pytest.raises(ValueError, match="bernoulli"):
+        estimate(policy, Completions(c_mask, prompt_ids=p_ids, completion_ids=c_ids), method="mc", antithetic=True,
+                 num_samples=2, generator=gen)
+    with pytest.raises(ValueError, match="even"):
+        estimate(policy, Completions(c_mask, prompt_ids=p_ids, completion_ids=c_ids), method="mc", antithetic=True,
+                 masking="bernoulli", num_samples=3, generator=gen)
     with pytest.raises(ValueError, match="unknown method"):
-        estimate(policy, p_ids, c_ids, c_mask, method="exhaustive", generator=gen)
+        estimate(policy, Completions(c_mask, prompt_ids=p_ids, completion_ids=c_ids), method="exhaustive",
+                 generator=gen)
 
-    plan = plan_views("mc", c_mask, num_samples=2, generator=gen)
+    plan = plan_views("mc", Completions(c_mask), num_samples=2, generator=gen)
     with pytest.raises(ValueError, match="grad must have shape"):
-        backward_views(policy, plan, p_ids, c_ids, c_mask, torch.ones(2, 1))
+        backward_views(policy, plan, Completions(c_mask, prompt_ids=p_ids, completion_ids=c_ids), torch.ones(2, 1))
     with pytest.raises(ValueError, match="reduction"):
-        backward_views(policy, plan, p_ids, c_ids, c_mask, torch.ones(2), reduction="avg")
+        backward_views(policy, plan, Completions(c_mask, prompt_ids=p_ids, completion_ids=c_ids), torch.ones(2),
+                       reduction="avg")
     with pytest.raises(ValueError, match="plan is for 2"):
-        score_views(policy, plan, p_ids[:1], c_ids[:1], c_mask[:1])
+        score_views(policy, plan, Completions(c_mask[:1], prompt_ids=p_ids[:1], completion_ids=c_ids[:1]))
     with pytest.raises(ValueError, match="takes the options"):
-        estimate(policy, p_ids, c_ids, c_mask, method="sdmc", masking="bernoulli", generator=gen)
+        estimate(policy, Completions(c_mask, prompt_ids=p_ids, completion_ids=c_ids), method="sdmc",
+                 masking="bernoulli", generator=gen)
 
     class NoMask:
         mask_token_id = None
         pad_token_id = 0
 
     with pytest.raises(ValueError, match="mask_token_id"):
-        estimate(NoMask(), p_ids, c_ids, c_mask, method="mc", generator=gen)
+        estimate(NoMask(), Completions(c_mask, prompt_ids=p_ids, completion_ids=c_ids), method="mc", generator=gen)
 
 
 def test_one_planner_per_method_and_one_plan_shape():
@@ -390,9 +409,10 @@ def test_one_planner_per_method_and_one_plan_shape():
     assert planner_options("sdmc") == {"num_nodes": 2, "weight": "count"}
     c_mask = torch.tensor([[True, True, False, False], [True, True, True, True]])
     gen = torch.Generator().manual_seed(0)
+    rows = Completions(c_mask, prompt_ids=torch.full((2, 3), 7))
     for method, kw in [("mc", {}), ("sdmc", {}), ("exact", {}), ("blockwise", {"block_size": 2}),
-                       ("mean_field", {"prompt_ids": torch.full((2, 3), 7), "p_prompt": 0.0})]:
-        plan = plan_views(method, c_mask, num_samples=1, generator=gen, **kw)
+                       ("mean_field", {"p_prompt": 0.0})]:
+        plan = plan_views(method, rows, num_samples=1, generator=gen, **kw)
         assert plan.weight.shape == plan.masked.shape == (plan.num_views, 4) and plan.weight.dtype == torch.float64
         assert (plan.weight[~plan.masked] == 0).all()
         assert not (plan.weight.bool() & ~c_mask[plan.seq_index]).any()  # never an unscored slot
@@ -412,12 +432,13 @@ def test_mean_field_prompt_columns_all_masks_bos_and_padding_as_d1(setup):
     special = (~mask.bool()) | (ids == bos)  # (2R, P) padding and BOS columns
     assert special.any() and bos is not None
     for columns, expect_special in [("tokens", False), ("all", True)]:
-        plan = plan_views("mean_field", cm, prompt_ids=ids, prompt_mask=mask, bos_token_id=bos, p_prompt=0.5,
-                          prompt_columns=columns, generator=torch.Generator().manual_seed(6))
+        plan = plan_views("mean_field", Completions(cm, prompt_ids=ids, prompt_mask=mask), bos_token_id=bos,
+                          p_prompt=0.5, prompt_columns=columns, generator=torch.Generator().manual_seed(6))
         assert bool((plan.prompt_masked & special).any()) == expect_special, columns
         assert (plan.prompt_masked & ~special).any()
     with pytest.raises(ValueError, match="prompt_columns"):
-        plan_views("mean_field", c_mask, prompt_ids=p_ids, prompt_columns="bos", generator=torch.Generator())
+        plan_views("mean_field", Completions(c_mask, prompt_ids=p_ids), prompt_columns="bos",
+                   generator=torch.Generator())
 
 
 def test_a_pad_that_ends_a_completion_may_be_scored_only_when_pad_is_a_stop_token(setup):
@@ -429,12 +450,14 @@ def test_a_pad_that_ends_a_completion_may_be_scored_only_when_pad_is_a_stop_toke
     ids = c_ids.masked_fill(c_ids == policy.eos_token_id, policy.pad_token_id)  # "3*5" then PAD only
     mask = make_completion_mask(ids, pad_stops.stop_token_ids)
     assert mask.sum(1).tolist() == [4, 7] and (ids[mask] == policy.pad_token_id).sum() == 2
-    est = estimate(pad_stops, p_ids, ids, mask, prompt_mask=p_mask, method="mc", num_samples=2,
-                   generator=torch.Generator().manual_seed(0))
+    est = estimate(pad_stops, Completions(mask, prompt_ids=p_ids, completion_ids=ids, prompt_mask=p_mask), method="mc",
+                   num_samples=2, generator=torch.Generator().manual_seed(0))
     assert torch.isfinite(est.sequence).all()
     with pytest.raises(ValueError, match="PAD or MASK"):
-        estimate(policy, p_ids, ids, mask, prompt_mask=p_mask, method="mc", generator=torch.Generator())
+        estimate(policy, Completions(mask, prompt_ids=p_ids, completion_ids=ids, prompt_mask=p_mask), method="mc",
+                 generator=torch.Generator())
     longer = mask.clone()
     longer[0, 4] = True  # the PAD after the one that ended row 0
     with pytest.raises(ValueError, match="PAD or MASK"):
-        estimate(pad_stops, p_ids, ids, longer, prompt_mask=p_mask, method="mc", generator=torch.Generator())
+        estimate(pad_stops, Completions(longer, prompt_ids=p_ids, completion_ids=ids, prompt_mask=p_mask), method="mc",
+                 generator=torch.Generator())

@@ -8,7 +8,8 @@ import torch
 
 from stabledrl.data import completion_mask as make_completion_mask
 from stabledrl.data import encode_completions, encode_prompts
-from stabledrl.likelihood import backward_views, block_logprobs_by_separate_passes, estimate, plan_views, score_views
+from stabledrl.likelihood import (Completions, backward_views, block_logprobs_by_separate_passes, estimate, plan_views,
+                                  score_views)
 from tests.conftest import make_tiny_policy
 
 
@@ -63,7 +64,8 @@ def test_one_pass_exact_equals_separate_passes(S, L):
     setup = _setup(S, L)
     policy, p_ids, p_mask, c_ids, c_mask = setup
     with torch.no_grad():
-        est = estimate(policy, p_ids, c_ids, c_mask, prompt_mask=p_mask, method="blockwise", inner="exact")
+        est = estimate(policy, Completions(c_mask, prompt_ids=p_ids, completion_ids=c_ids, prompt_mask=p_mask),
+                       method="blockwise", inner="exact")
     # float32 sums of |ELBO| ≈ 22 (ulp 1.9e-6): relative 1e-5, far above rounding on any CPU
     assert torch.allclose(est.sequence.double(), exact_blockwise(*setup), rtol=1e-5, atol=0)
 
@@ -72,9 +74,11 @@ def test_one_pass_equals_separate_passes_on_random_masks():
     # A sampled plan (each view masks some slots of every block): every term read from the
     # staircase pass equals the same block's term from its own pass.
     policy, p_ids, p_mask, c_ids, c_mask = _setup(3, 8)
-    plan = plan_views("blockwise", c_mask, num_samples=3, block_size=3, generator=torch.Generator().manual_seed(2))
+    plan = plan_views("blockwise", Completions(c_mask), num_samples=3, block_size=3,
+                      generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
-        one = score_views(policy, plan, p_ids, c_ids, c_mask, prompt_mask=p_mask).token.double()  # (B, L)
+        rows = Completions(c_mask, prompt_ids=p_ids, completion_ids=c_ids, prompt_mask=p_mask)
+        one = score_views(policy, plan, rows).token.double()  # (B, L)
     sep = terms_by_separate_passes(policy, plan, p_ids, p_mask, c_ids, c_mask)
     assert plan.masked.any()
     assert torch.allclose(one, sep, atol=1e-5)
@@ -89,7 +93,8 @@ def test_mc_inner_is_unbiased_for_the_blockwise_elbo(options):
     options = dict(options)
     K = options.pop("num_samples", 1)
     with torch.no_grad():
-        est = estimate(policy, p_ids.repeat(R, 1), c_ids.repeat(R, 1), c_mask.repeat(R, 1), prompt_mask=p_mask.repeat(R, 1),
+        est = estimate(policy, Completions(c_mask.repeat(R, 1), prompt_ids=p_ids.repeat(R, 1),
+                                           completion_ids=c_ids.repeat(R, 1), prompt_mask=p_mask.repeat(R, 1)),
                        method="blockwise", num_samples=K, generator=torch.Generator().manual_seed(0), **options)
     est = est.sequence.double().view(R, 3)
     mean, se = est.mean(0), est.std(0) / math.sqrt(R)
@@ -101,7 +106,7 @@ def test_sdmc_inner_uses_the_quadrature_counts_and_weights():
     # round(2.37) = 2 masked slots, weights ½·3/1 and ½·3/2 (divided by K = 1).
     policy, p_ids, p_mask, c_ids, c_mask = _setup(3, 3, prompts=("1=1",), answers=("12",))  # "12" + EOS: n = 3
     assert c_mask.sum().item() == 3
-    plan = plan_views("blockwise", c_mask, num_samples=1, block_size=3, inner="sdmc", num_nodes=2,
+    plan = plan_views("blockwise", Completions(c_mask), num_samples=1, block_size=3, inner="sdmc", num_nodes=2,
                       generator=torch.Generator().manual_seed(0))
     assert plan.masked.sum(1).tolist() == [1, 2]
     assert plan.weight.max(1).values.tolist() == pytest.approx([1.5, 0.75])
@@ -110,16 +115,19 @@ def test_sdmc_inner_uses_the_quadrature_counts_and_weights():
 
 def test_blocks_after_eos_are_skipped_and_backward_matches_one_graph():
     policy, p_ids, p_mask, c_ids, c_mask = _setup(2, 8)  # "1" + EOS: blocks 2-4 are PAD
-    plan = plan_views("blockwise", c_mask, num_samples=2, block_size=2, generator=torch.Generator().manual_seed(3))
+    plan = plan_views("blockwise", Completions(c_mask), num_samples=2, block_size=2,
+                      generator=torch.Generator().manual_seed(3))
     assert not (plan.masked & ~c_mask[plan.seq_index]).any()  # only scored slots are masked
     g = torch.tensor([0.5, -1.0, 2.0])
     params = list(policy.model.parameters())
     policy.model.zero_grad()
-    (g * score_views(policy, plan, p_ids, c_ids, c_mask, prompt_mask=p_mask).sequence).sum().backward()
+    rows = Completions(c_mask, prompt_ids=p_ids, completion_ids=c_ids, prompt_mask=p_mask)
+    (g * score_views(policy, plan, rows).sequence).sum().backward()
     ref = [p.grad.clone() for p in params]
     assert any(r.abs().sum() > 0 for r in ref)
     policy.model.zero_grad()
-    backward_views(policy, plan, p_ids, c_ids, c_mask, g, prompt_mask=p_mask, max_views_per_forward=2)
+    backward_views(policy, plan, Completions(c_mask, prompt_ids=p_ids, completion_ids=c_ids, prompt_mask=p_mask), g,
+                   max_views_per_forward=2)
     for r, p in zip(ref, params):
         assert torch.allclose(r, p.grad, atol=1e-6)
     policy.model.zero_grad()
@@ -131,15 +139,17 @@ def test_methods_and_policies_must_match():
     policy, p_ids, p_mask, c_ids, c_mask = block
     gen = torch.Generator().manual_seed(0)
     with pytest.raises(ValueError, match="blockwise"):
-        estimate(policy, p_ids, c_ids, c_mask, prompt_mask=p_mask, method="mc", generator=gen)
+        estimate(policy, Completions(c_mask, prompt_ids=p_ids, completion_ids=c_ids, prompt_mask=p_mask), method="mc",
+                 generator=gen)
     with pytest.raises(ValueError, match="block policy"):
-        estimate(full, p_ids, c_ids, c_mask, prompt_mask=p_mask, method="blockwise", generator=gen)
+        estimate(full, Completions(c_mask, prompt_ids=p_ids, completion_ids=c_ids, prompt_mask=p_mask),
+                 method="blockwise", generator=gen)
     with pytest.raises(ValueError, match="block_size"):
-        plan_views("mc", c_mask, generator=gen, block_size=2)
+        plan_views("mc", Completions(c_mask), generator=gen, block_size=2)
     with pytest.raises(ValueError, match="inner"):
-        plan_views("blockwise", c_mask, generator=gen, block_size=2, inner="mean_field")
+        plan_views("blockwise", Completions(c_mask), generator=gen, block_size=2, inner="mean_field")
     with pytest.raises(ValueError, match="takes the options"):
-        plan_views("blockwise", c_mask, generator=gen, block_size=2, masking="count")
+        plan_views("blockwise", Completions(c_mask), generator=gen, block_size=2, masking="count")
     for inner, option in [("mc", {"num_nodes": 2}), ("sdmc", {"stratified": True}), ("exact", {"num_nodes": 2})]:
         with pytest.raises(ValueError, match=f"inner='{inner}' takes"):  # an option the inner method ignores
-            plan_views("blockwise", c_mask, generator=gen, block_size=2, inner=inner, **option)
+            plan_views("blockwise", Completions(c_mask), generator=gen, block_size=2, inner=inner, **option)

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from stabledrl.data import encode_prompts
-from stabledrl.likelihood import backward_views, estimate, plan_views, score_views
+from stabledrl.likelihood import Completions, backward_views, estimate, plan_views, score_views
 from stabledrl.sampling import SamplingConfig, generate
 from tests.conftest import make_tiny_policy
 
@@ -75,8 +75,8 @@ def test_path_equals_the_samplers_own_log_probabilities(kind, gen_kw):
         if approximated:
             continue
         with torch.no_grad():
-            got = estimate(policy, ids, out.completion_ids, out.completion_mask, prompt_mask=mask, method="path",
-                           unmask_step=out.unmask_step)
+            got = estimate(policy, Completions(out.completion_mask, prompt_ids=ids, completion_ids=out.completion_ids,
+                                               prompt_mask=mask, unmask_step=out.unmask_step), method="path")
         assert float(got.sequence[0]) == pytest.approx(want, rel=1e-5, abs=1e-5)  # float32 sums up to ≈ 22
         checked += 1
         ended += int(out.completion_mask.sum()) < L
@@ -89,13 +89,15 @@ def test_path_of_a_batch_equals_its_rows_and_counts_one_view_per_step():
     out = generate(policy, ids, mask, SamplingConfig(gen_length=8, temperature=1.0),
                    generator=[torch.Generator().manual_seed(s) for s in range(len(PROMPTS))])
     with torch.no_grad():
-        whole = estimate(policy, ids, out.completion_ids, out.completion_mask, prompt_mask=mask, method="path",
-                         unmask_step=out.unmask_step)
+        whole = estimate(policy, Completions(out.completion_mask, prompt_ids=ids, completion_ids=out.completion_ids,
+                                             prompt_mask=mask, unmask_step=out.unmask_step), method="path")
         for b in range(len(PROMPTS)):
-            one = estimate(policy, ids[b : b + 1], out.completion_ids[b : b + 1], out.completion_mask[b : b + 1],
-                           prompt_mask=mask[b : b + 1], method="path", unmask_step=out.unmask_step[b : b + 1])
+            one = estimate(policy, Completions(out.completion_mask[b : b + 1], prompt_ids=ids[b : b + 1],
+                                               completion_ids=out.completion_ids[b : b + 1],
+                                               prompt_mask=mask[b : b + 1], unmask_step=out.unmask_step[b : b + 1]),
+                           method="path")
             assert torch.allclose(whole.token[b], one.token[0], atol=1e-5)
-    plan = plan_views("path", out.completion_mask, unmask_step=out.unmask_step, block_size=3)
+    plan = plan_views("path", Completions(out.completion_mask, unmask_step=out.unmask_step), block_size=3)
     # Every scored slot counts exactly once, with weight 1, and is masked in its own view.
     counted = torch.zeros(out.completion_ids.shape, dtype=torch.float64)
     counted.index_add_(0, plan.seq_index, plan.weight * plan.masked)
@@ -109,15 +111,16 @@ def test_path_gradient_matches_backward_views():
     ids, mask = encode_prompts(policy.tokenizer, list(PROMPTS))
     out = generate(policy, ids, mask, SamplingConfig(gen_length=6, temperature=1.0),
                    generator=[torch.Generator().manual_seed(s) for s in range(len(PROMPTS))])
-    plan = plan_views("path", out.completion_mask, unmask_step=out.unmask_step)
+    plan = plan_views("path", Completions(out.completion_mask, unmask_step=out.unmask_step))
     g = torch.tensor([1.0, -2.0, 0.5, 3.0])
     params = list(policy.model.parameters())
     policy.model.zero_grad()
-    (g * score_views(policy, plan, ids, out.completion_ids, out.completion_mask, prompt_mask=mask).sequence).sum().backward()
+    (g * score_views(policy, plan, Completions(out.completion_mask, prompt_ids=ids, completion_ids=out.completion_ids,
+                                               prompt_mask=mask)).sequence).sum().backward()
     want = [p.grad.clone() for p in params]
     policy.model.zero_grad()
-    backward_views(policy, plan, ids, out.completion_ids, out.completion_mask, g, prompt_mask=mask,
-                   max_views_per_forward=3)
+    backward_views(policy, plan, Completions(out.completion_mask, prompt_ids=ids, completion_ids=out.completion_ids,
+                                             prompt_mask=mask), g, max_views_per_forward=3)
     for p, w in zip(params, want):
         assert torch.allclose(p.grad, w, atol=1e-5)
 
@@ -125,10 +128,11 @@ def test_path_gradient_matches_backward_views():
 def test_path_needs_the_unmask_order_and_refuses_samples():
     c_mask = torch.ones(1, 4, dtype=torch.bool)
     with pytest.raises(ValueError, match="unmask_step"):
-        plan_views("path", c_mask)
+        plan_views("path", Completions(c_mask))
     with pytest.raises(ValueError, match="only it takes"):
-        plan_views("mc", c_mask, generator=torch.Generator(), unmask_step=torch.zeros(1, 4, dtype=torch.long))
+        plan_views("mc", Completions(c_mask, unmask_step=torch.zeros(1, 4, dtype=torch.long)),
+                   generator=torch.Generator())
     with pytest.raises(ValueError, match="num_samples"):
-        plan_views("path", c_mask, num_samples=2, unmask_step=torch.zeros(1, 4, dtype=torch.long))
+        plan_views("path", Completions(c_mask, unmask_step=torch.zeros(1, 4, dtype=torch.long)), num_samples=2)
     with pytest.raises(ValueError, match="never committed"):
-        plan_views("path", c_mask, unmask_step=torch.tensor([[0, 1, -1, 2]]))
+        plan_views("path", Completions(c_mask, unmask_step=torch.tensor([[0, 1, -1, 2]])))

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from stabledrl.likelihood import eubo, estimate, plan_views, score_views
+from stabledrl.likelihood import Completions, eubo, estimate, plan_views, score_views
 from tests import test_likelihood
 
 setup = test_likelihood.setup  # the fixture: a tiny policy, two prompts and their completions
@@ -23,8 +23,8 @@ def test_block_random_views_have_the_authors_shape():
     L, S, K = 9, 3, 2
     c_mask = _prefix_mask([9, 7, 4, 1], L)
     prompt = torch.full((4, 5), 7)
-    plan = plan_views("block_random", c_mask, num_samples=K, generator=torch.Generator().manual_seed(1),
-                      prompt_ids=prompt, block_length=S, p_prompt=0.0)
+    plan = plan_views("block_random", Completions(c_mask, prompt_ids=prompt), num_samples=K,
+                      generator=torch.Generator().manual_seed(1), block_length=S, p_prompt=0.0)
     assert plan.num_views == 4 * K and not plan.prompt_masked.any()
     for v in range(plan.num_views):
         b = int(plan.seq_index[v])
@@ -72,8 +72,8 @@ def test_block_random_draws_the_authors_law(n):
     L, S, p, R = 6, 2, 0.3, 6000
     logp = torch.tensor([-0.5, -1.0, -2.0, -4.0, -8.0, -16.0], dtype=torch.float64)
     c_mask = _prefix_mask([n] * R, L)
-    plan = plan_views("block_random", c_mask, num_samples=1, generator=torch.Generator().manual_seed(3),
-                      prompt_ids=torch.full((R, 2), 7), block_length=S, p_prompt=p)
+    plan = plan_views("block_random", Completions(c_mask, prompt_ids=torch.full((R, 2), 7)), num_samples=1,
+                      generator=torch.Generator().manual_seed(3), block_length=S, p_prompt=p)
     values = (plan.weight * logp).sum(1)  # (R,) one view per row
     expected = _exact_block_random(logp.tolist(), n, L, S, p)
     se = float(values.std()) / math.sqrt(R)
@@ -88,10 +88,10 @@ def test_block_random_and_eubo_equal_a_direct_computation(setup):
     # slots; EUBO = (1/β) mean over slots with a_i > 0 of log a_i, a_i = (1/K) Σ_v p^β m/t.
     policy, p_ids, p_mask, c_ids, c_mask = setup
     K, beta = 2, 1.5
-    plan = plan_views("block_random", c_mask, num_samples=K, generator=torch.Generator().manual_seed(8),
-                      prompt_ids=p_ids, prompt_mask=p_mask, block_length=3, p_prompt=0.4)
+    plan = plan_views("block_random", Completions(c_mask, prompt_ids=p_ids, prompt_mask=p_mask), num_samples=K,
+                      generator=torch.Generator().manual_seed(8), block_length=3, p_prompt=0.4)
     assert plan.prompt_masked.any() and (plan.masked & ~c_mask[plan.seq_index]).any()  # prompt and PAD masked
-    est = score_views(policy, plan, p_ids, c_ids, c_mask, prompt_mask=p_mask)
+    est = score_views(policy, plan, Completions(c_mask, prompt_ids=p_ids, completion_ids=c_ids, prompt_mask=p_mask))
     got = eubo(plan, est.views, c_mask, beta=beta)
     B, L = c_ids.shape
     elbo, a = torch.zeros(B, dtype=torch.float64), torch.zeros((B, L), dtype=torch.float64)
@@ -117,8 +117,8 @@ def test_eubo_of_fully_masked_views_is_the_mean_log_probability(setup):
     # With every slot masked in one view (t = 1, K = 1), a_i = p_i^β and the EUBO is the
     # mean of log p_i over the scored slots: mean_field's estimate divided by n.
     policy, p_ids, p_mask, c_ids, c_mask = setup
-    plan = plan_views("mean_field", c_mask, prompt_ids=p_ids, prompt_mask=p_mask, p_prompt=0.0)
-    est = score_views(policy, plan, p_ids, c_ids, c_mask, prompt_mask=p_mask)
+    plan = plan_views("mean_field", Completions(c_mask, prompt_ids=p_ids, prompt_mask=p_mask), p_prompt=0.0)
+    est = score_views(policy, plan, Completions(c_mask, prompt_ids=p_ids, completion_ids=c_ids, prompt_mask=p_mask))
     got = eubo(plan, est.views, c_mask, beta=1.5)
     assert torch.allclose(got, est.sequence / c_mask.sum(1), atol=1e-5)
     assert est.views.shape == (2, c_ids.size(1))  # one view per sequence here
@@ -127,8 +127,8 @@ def test_eubo_of_fully_masked_views_is_the_mean_log_probability(setup):
 
 def test_eubo_gradient_flows_and_slots_no_view_masks_do_not_count(setup):
     policy, p_ids, p_mask, c_ids, c_mask = setup
-    plan = plan_views("mc", c_mask, num_samples=1, generator=torch.Generator().manual_seed(2))
-    est = score_views(policy, plan, p_ids, c_ids, c_mask, prompt_mask=p_mask)
+    plan = plan_views("mc", Completions(c_mask), num_samples=1, generator=torch.Generator().manual_seed(2))
+    est = score_views(policy, plan, Completions(c_mask, prompt_ids=p_ids, completion_ids=c_ids, prompt_mask=p_mask))
     got = eubo(plan, est.views, c_mask, beta=2.0)
     got.sum().backward()
     assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in policy.model.parameters())
@@ -145,14 +145,15 @@ def test_block_random_refuses_bad_options(setup):
     policy, p_ids, p_mask, c_ids, c_mask = setup
     gen = torch.Generator().manual_seed(0)
     with pytest.raises(ValueError, match="at most the 3 blocks"):
-        plan_views("block_random", c_mask, num_samples=4, generator=gen, prompt_ids=p_ids, block_length=3)
+        plan_views("block_random", Completions(c_mask, prompt_ids=p_ids), num_samples=4, generator=gen, block_length=3)
     with pytest.raises(ValueError, match="p_prompt"):
-        plan_views("block_random", c_mask, generator=gen, prompt_ids=p_ids, p_prompt=1.0)
+        plan_views("block_random", Completions(c_mask, prompt_ids=p_ids), generator=gen, p_prompt=1.0)
     with pytest.raises(ValueError, match="block_length"):
-        plan_views("block_random", c_mask, generator=gen, prompt_ids=p_ids, block_length=0)
+        plan_views("block_random", Completions(c_mask, prompt_ids=p_ids), generator=gen, block_length=0)
     with pytest.raises(ValueError, match="draws random masks"):
-        estimate(policy, p_ids, c_ids, c_mask, method="block_random", block_length=3)
-    plan = plan_views("mc", c_mask, generator=gen)
+        estimate(policy, Completions(c_mask, prompt_ids=p_ids, completion_ids=c_ids), method="block_random",
+                 block_length=3)
+    plan = plan_views("mc", Completions(c_mask), generator=gen)
     with pytest.raises(ValueError, match="beta must be positive"):
         eubo(plan, torch.zeros(2, 8), c_mask, beta=0.0)
     with pytest.raises(ValueError, match="view_logp must be"):

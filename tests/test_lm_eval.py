@@ -133,7 +133,7 @@ def test_loglikelihood_is_the_chosen_estimator(problems):
     from lm_eval.api.instance import Instance
 
     from stabledrl.data import encode_policy_prompts
-    from stabledrl.likelihood import estimate
+    from stabledrl.likelihood import Completions, estimate
     from stabledrl.lm_eval_model import StableDRLLM
 
     lm = StableDRLLM(pretrained=str(MODEL), device="cpu", estimator="exact")
@@ -144,6 +144,7 @@ def test_loglikelihood_is_the_chosen_estimator(problems):
         ids, mask = encode_policy_prompts(lm.policy, [c])
         comp = torch.tensor([lm.policy.tokenizer.encode(y, add_special_tokens=False)])
         with torch.no_grad():
-            want = estimate(lm.policy, ids, comp, torch.ones_like(comp, dtype=torch.bool), method="exact",
-                            prompt_mask=mask).sequence[0]  # the ELBO by enumeration: no randomness
+            rows = Completions(torch.ones_like(comp, dtype=torch.bool), prompt_ids=ids, completion_ids=comp,
+                               prompt_mask=mask)
+            want = estimate(lm.policy, rows, method="exact").sequence[0]  # the ELBO by enumeration: no randomness
         assert ll == float(want) and ll < 0 and greedy is False

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from stabledrl.data import completion_mask, encode_completions, encode_prompts
-from stabledrl.likelihood import estimate, plan_views, score_views
+from stabledrl.likelihood import Completions, estimate, plan_views, score_views
 from stabledrl.models import HFPolicy
 from stabledrl.sampling import SamplingConfig, generate, row_generators
 from stabledrl.sft import diffusion_loss, sample_mask_levels
@@ -107,7 +107,8 @@ def test_sdar_exact_blockwise_likelihood_is_sdars_per_block_elbo():
     L = 6
     p_ids, p_mask, c_ids, c_mask = _batch(policy, L)
     with torch.no_grad():
-        est = estimate(policy, p_ids, c_ids, c_mask, prompt_mask=p_mask, method="blockwise", inner="exact")
+        est = estimate(policy, Completions(c_mask, prompt_ids=p_ids, completion_ids=c_ids, prompt_mask=p_mask),
+                       method="blockwise", inner="exact")
     ref = torch.zeros(len(PROMPTS), dtype=torch.float64)
     for b, prompt, n, y in _rows(p_ids, p_mask, c_ids):
         for blk, slots in _blocks_of(n, L).items():
@@ -132,10 +133,11 @@ def test_sdar_sampled_plan_terms_are_sdars_per_block_passes():
     policy = sdar_policy()
     L = 7
     p_ids, p_mask, c_ids, c_mask = _batch(policy, L)
-    plan = plan_views("blockwise", c_mask, num_samples=3, block_size=S, prompt_attention=policy.prompt_attention,
-                      prompt_mask=p_mask, generator=torch.Generator().manual_seed(0))
+    plan = plan_views("blockwise", Completions(c_mask, prompt_mask=p_mask), num_samples=3, block_size=S,
+                      prompt_attention=policy.prompt_attention, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        one = score_views(policy, plan, p_ids, c_ids, c_mask, prompt_mask=p_mask).token.double()  # (B, L)
+        completions = Completions(c_mask, prompt_ids=p_ids, completion_ids=c_ids, prompt_mask=p_mask)
+        one = score_views(policy, plan, completions).token.double()  # (B, L)
     ref = torch.zeros(c_ids.shape, dtype=torch.float64)
     rows = dict((b, (prompt, n, y)) for b, prompt, n, y in _rows(p_ids, p_mask, c_ids))
     for v in range(plan.num_views):
@@ -160,11 +162,12 @@ def test_sdar_sampled_plan_terms_are_sdars_per_block_passes():
 def test_a_plan_drawn_for_other_blocks_is_refused():
     policy = sdar_policy()
     p_ids, p_mask, c_ids, c_mask = _batch(policy, 6)
-    plan = plan_views("blockwise", c_mask, num_samples=1, block_size=S, generator=torch.Generator().manual_seed(0))
+    plan = plan_views("blockwise", Completions(c_mask), num_samples=1, block_size=S,
+                      generator=torch.Generator().manual_seed(0))
     with pytest.raises(ValueError, match="prompt_attention='sequence_blocks'"):
-        score_views(policy, plan, p_ids, c_ids, c_mask, prompt_mask=p_mask)
+        score_views(policy, plan, Completions(c_mask, prompt_ids=p_ids, completion_ids=c_ids, prompt_mask=p_mask))
     with pytest.raises(ValueError, match="needs the prompt_mask"):
-        plan_views("blockwise", c_mask, block_size=S, prompt_attention="sequence_blocks",
+        plan_views("blockwise", Completions(c_mask), block_size=S, prompt_attention="sequence_blocks",
                    generator=torch.Generator().manual_seed(0))
 
 
@@ -179,7 +182,8 @@ def test_sdar_path_likelihood_replays_each_rows_own_decoding_under_sdars_blocks(
                    generator=row_generators("path", 0, len(PROMPTS)))
     c_ids, c_mask, step = out.completion_ids, out.completion_mask, out.unmask_step
     with torch.no_grad():
-        est = estimate(policy, p_ids, c_ids, c_mask, prompt_mask=p_mask, method="path", unmask_step=step)
+        est = estimate(policy, Completions(c_mask, prompt_ids=p_ids, completion_ids=c_ids, prompt_mask=p_mask,
+                                           unmask_step=step), method="path")
     ref = torch.zeros(c_ids.shape, dtype=torch.float64)
     for b, prompt, n, y in _rows(p_ids, p_mask, c_ids):
         for i in range(L):

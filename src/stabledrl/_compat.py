@@ -1,51 +1,19 @@
 """Workarounds for third-party code, in one place (STYLE.md, habit 1).
 
 The real checkpoints ship their own modelling code (``trust_remote_code``), written against
-the `transformers` of their day. pyproject.toml pins ``transformers>=4.56,<4.58``, the
-versions under which LLaDA's and Dream's code loads, samples and back-propagates; this
-module covers the rest:
+the `transformers` of their day; pyproject.toml pins the versions under which LLaDA's and
+Dream's code works, and this module covers what the pin cannot:
 
-- **SDAR / TraDo import ``LossKwargs``** (``from transformers.utils import LossKwargs``, a
-  ``TypedDict`` of the loss keyword arguments that their ``KwargsForCausalLM`` extends).
-  transformers renamed it ``TransformersKwargs`` in 4.56 and dropped the old name, so their
-  file fails at import under every version LLaDA and Dream need. `install_remote_code_shims`
-  puts a ``LossKwargs`` back into ``transformers.utils`` (only when it is missing) before a
-  remote-code model is loaded. It is only ever read as a type annotation.
-- **Dream's ``DreamGenerationConfig.validate(self, is_init=False)``** predates the ``strict``
-  argument that ``GenerationConfig.save_pretrained`` passes (``validate(strict=True)``), so
-  saving a Dream model raises ``TypeError``. `save_pretrained` saves the model with a plain
-  ``GenerationConfig`` in its place and then writes Dream's own generation config to
-  ``generation_config.json`` unvalidated (as it was loaded).
-- **Activation checkpointing only in train mode.** transformers' layers
-  (``GradientCheckpointingLayer.__call__``) and the remote code built like them (Dream's
-  ``DreamBaseModel.forward``, SDAR's decoder layers) checkpoint only when ``self.training``
-  and ``gradient_checkpointing`` are both set, while stabledrl's update runs in eval mode (no
-  dropout; SDAR's ``forward`` in train mode is its own SFT loss). `checkpointing_in_eval_mode`
-  marks the modules that gate it (those whose ``gradient_checkpointing`` is on) as training
-  while a forward with gradients runs, and only them: their submodules, which hold the
-  dropout and the attention's train-mode paths, stay in eval mode. The checkpointed
-  function is the layer's own ``__call__``, so its recomputation in the backward is the same
-  eval-mode computation. LLaDA's own hook (``set_activation_checkpointing``) needs none of
-  this: it checkpoints in eval mode too.
-- **FSDP's transformer-layer wrap** (configs/accelerate/fsdp.yaml) wraps the classes a model
-  lists in ``_no_split_modules`` and raises on the first it cannot find. LLaDA's class lists
-  three block classes of which a checkpoint holds one; `fit_no_split_modules` keeps only the
-  listed classes the model contains (called at load).
-- **DeepSpeed ZeRO-3's ``zero.Init``** (``zero3_init_flag``) partitions parameters as the model
-  loads; `gathered_parameters` makes them whole for the load-time attention probe. Under
-  FSDP's RAM-efficient loading only local rank 0 holds real weights at load
-  (`weights_loaded_here`); the probe runs there, and its refusal ends the launch.
-- **SDAR's file imports flash-attn at module level** (``flash_attn_func``, the Triton
-  ``rms_norm_fn``). Where flash-attn is not installed, `install_remote_code_shims` puts a
-  pure-torch ``flash_attn`` package into ``sys.modules`` (only then) with those two functions
-  written in torch; the rest of its names raise when called. ``pip install 'stabledrl[gpu]'``
-  installs the real one.
-- **transformers 5.x** breaks LLaDA's code (``all_tied_weights_keys``: its model class never
-  calls ``post_init``; ``tie_weights(missing_keys=...)``: its override takes no arguments) and
-  Dream's (``ROPE_INIT_FUNCTIONS["default"]`` is gone; ``validate(user_set_attributes=...)``).
-  No shim makes those work; `check_remote_code_supported` turns the first error into one line
-  that says which versions to install.
+- `install_remote_code_shims`: a ``LossKwargs`` for SDAR / TraDo, and a pure-torch
+  ``flash_attn`` where flash-attn is not installed;
+- `save_pretrained`: saves Dream, whose generation config predates ``validate(strict=...)``;
+- `checkpointing_in_eval_mode`: activation checkpointing in the eval-mode RL update, which
+  transformers' layers only do in train mode;
+- `fit_no_split_modules`, `gathered_parameters`, `weights_loaded_here`: FSDP's layer wrap,
+  DeepSpeed ZeRO-3's partitioned load and FSDP's RAM-efficient load;
+- `check_remote_code_supported`: one clear line where transformers 5.x breaks the remote code.
 
+docs/scale-out.md, "Workarounds for third-party code", says what each works around and why.
 Nothing here runs at import time: `stabledrl.models.adapters` calls these functions.
 """
 

@@ -14,7 +14,7 @@ from stabledrl.models.policy import Policy
 from stabledrl.sampling import RolloutRequest, SamplingConfig, generate_micro_batched, row_generators
 from stabledrl.tasks.base import Problem, Task, score_all
 
-__all__ = ["EVAL_MICRO_BATCH", "EvalResult", "evaluate"]
+__all__ = ["EVAL_MICRO_BATCH", "EvalResult", "EvalShare", "evaluate"]
 
 
 @dataclass
@@ -30,6 +30,18 @@ class EvalResult:
         return {k: v for k, v in self.__dict__.items() if k != "samples"}
 
 
+@dataclass(frozen=True)
+class EvalShare:
+    """Where one process's problems sit among all processes' (a single process: the default)."""
+
+    first_index: int = 0
+    """The index of this share's first problem among all: it seeds that problem's noise."""
+    synced: bool = False
+    """Processes with sharded parameters: see `stabledrl.sampling.generate_micro_batched`."""
+    num_calls: int | None = None
+    """Sampler calls every process makes (synced); None: as many as this share needs."""
+
+
 EVAL_MICRO_BATCH = 256
 """Rows per sampler call of an evaluation whose sampling settings leave micro_batch unset."""
 
@@ -43,31 +55,27 @@ def evaluate(
     *,
     seed: int = 0,
     progress: bool = True,
-    synced: bool = False,
-    first_index: int = 0,
-    num_calls: int | None = None,
+    share: EvalShare = EvalShare(),
 ) -> EvalResult:
     """Accuracy (share of fully correct completions) and mean reward on `problems`.
 
     The problems are decoded `sampling.micro_batch` at a time (None: `EVAL_MICRO_BATCH`);
     problem i draws its noise from its own generator, seeded by
-    (`seed`, `first_index` + i), so the completions do not depend on the batch size, nor
-    on how processes split the problems (each passes the index of its first).
-    `synced`, `num_calls`: see `stabledrl.sampling.generate_micro_batched` (processes with
-    sharded parameters)."""
+    (`seed`, `share.first_index` + i), so the completions do not depend on the batch size,
+    nor on how processes split the problems (each passes its `EvalShare`)."""
     if not problems:
         raise ValueError("no problems to evaluate")
     sampling = sampling or SamplingConfig()
     gen_length = sampling.gen_length or task.completion_length
     micro_batch = sampling.micro_batch or EVAL_MICRO_BATCH
-    generators = row_generators(f"eval/{seed}", first_index, first_index + len(problems))
+    generators = row_generators(f"eval/{seed}", share.first_index, share.first_index + len(problems))
     was_training = policy.model.training
     policy.model.eval()
     t0 = time.perf_counter()
     ids, mask = encode_policy_prompts(policy, [p.prompt for p in problems])  # (n, P): one padding for all
     out = generate_micro_batched(RolloutRequest(policy, ids.to(policy.device), mask.to(policy.device), gen_length,
-                                                generators, sampling, micro_batch=micro_batch, synced=synced,
-                                                num_calls=num_calls, progress=progress))
+                                                generators, sampling, micro_batch=micro_batch, synced=share.synced,
+                                                num_calls=share.num_calls, progress=progress))
     texts = decode_policy_completions(policy, out.completion_ids.cpu())
     seconds = time.perf_counter() - t0
     policy.model.train(was_training)

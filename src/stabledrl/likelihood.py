@@ -26,7 +26,6 @@ import inspect
 import itertools
 import math
 from dataclasses import dataclass
-from types import SimpleNamespace
 from typing import Any, Callable, ContextManager, Literal
 
 import numpy as np
@@ -48,6 +47,7 @@ from stabledrl.settings import METHODS, Method
 __all__ = [
     "ViewPlan",
     "LikelihoodEstimate",
+    "Completions",
     "plan_views",
     "plan_for",
     "check_method_fits",
@@ -125,6 +125,23 @@ class LikelihoodEstimate:
     views: torch.Tensor | None = None
     """(Nv, L) each view's unweighted log p(y_i | view) on the slots it masks and scores, 0
     elsewhere (what `eubo` reads)."""
+
+
+@dataclass(frozen=True)
+class Completions:
+    """The rows a likelihood reads: completions and their prompts. A `RolloutBatch` has the
+    same fields and serves as well; planning reads no `completion_ids`, scoring no `unmask_step`."""
+
+    completion_mask: torch.Tensor
+    """(B, L) bool: the scored slots."""
+    prompt_ids: torch.Tensor | None = None
+    """(B, P) left-padded."""
+    completion_ids: torch.Tensor | None = None
+    """(B, L)."""
+    prompt_mask: torch.Tensor | None = None
+    """(B, P) 1 for prompt tokens; None: no padding."""
+    unmask_step: torch.Tensor | None = None
+    """(B, L) the step at which the sampler committed each slot (path)."""
 
 
 def gauss_legendre(n: int) -> tuple[np.ndarray, np.ndarray]:
@@ -564,31 +581,31 @@ def _path_views(scored: torch.Tensor, step: torch.Tensor, block_size: int | None
 
 def plan_views(
     method: Method,
-    completion_mask: torch.Tensor,
+    rows: Any,
     *,
     num_samples: int = 1,
     generator: torch.Generator | None = None,
-    prompt_ids: torch.Tensor | None = None,
-    prompt_mask: torch.Tensor | None = None,
     bos_token_id: int | None = None,
     block_size: int | None = None,
     prompt_attention: str = "bidirectional",
-    unmask_step: torch.Tensor | None = None,
     **options,
 ) -> ViewPlan:
-    """Draw the noised views of `method` for completions with scored slots
-    `completion_mask` (B, L). The same generator state gives the same plan.
+    """Draw the noised views of `method` for `rows` (a `Completions`, a `RolloutBatch`:
+    anything with `completion_mask`, `prompt_ids`, `prompt_mask`, `unmask_step`), whose
+    scored slots are `rows.completion_mask` (B, L). The same generator state gives the same plan.
     `block_size` is the block model's S (blockwise, and path on block models) and
     `prompt_attention` where its prompt's blocks fall (the policy's ``prompt_attention``):
     under ``sequence_blocks`` each row's first block holds the prompt's tail, so the plan's
-    blocks depend on the prompt lengths (`prompt_mask` is then required);
-    `unmask_step` (B, L) the step at which the sampler committed each slot (path only).
+    blocks depend on the prompt lengths (`rows.prompt_mask` is then required);
+    `rows.unmask_step` (B, L) the step at which the sampler committed each slot (path only).
 
     Options by method (`planner_options(method)`; an option another method takes is an
     error, not ignored): mc: masking ("count" | "bernoulli"), stratified, antithetic;
     sdmc: num_nodes, weight ("count" | "time"); mean_field: p_prompt, prompt_columns
     ("tokens" | "all"); coupled: t_min, t_max; block_random: block_length, p_prompt;
     blockwise: inner ("mc" | "sdmc" | "exact"), num_nodes, stratified."""
+    completion_mask, prompt_ids, prompt_mask, unmask_step = (
+        rows.completion_mask, rows.prompt_ids, rows.prompt_mask, rows.unmask_step)
     takes = planner_options(method)
     unknown = set(options) - set(takes)
     if unknown:
@@ -632,12 +649,13 @@ def plan_for(policy: Policy, method: Method, rows: Any, *, generator: torch.Gene
     `unmask_step`; the method must fit the model (`check_method_fits`)."""
     check_method_fits(method, policy)
     block = getattr(policy, "attention_kind", "full") == "block"
+    rows = Completions(rows.completion_mask, prompt_ids=rows.prompt_ids, prompt_mask=rows.prompt_mask,
+                       unmask_step=rows.unmask_step if method == "path" else None)
     return plan_views(
-        method, rows.completion_mask, num_samples=num_samples, generator=generator, prompt_ids=rows.prompt_ids,
-        prompt_mask=rows.prompt_mask, bos_token_id=getattr(policy.tokenizer, "bos_token_id", None),
+        method, rows, num_samples=num_samples, generator=generator,
+        bos_token_id=getattr(policy.tokenizer, "bos_token_id", None),
         block_size=policy.block_size if method == "blockwise" or (method == "path" and block) else None,
-        prompt_attention=prompt_attention_of(policy) if block else "bidirectional",
-        unmask_step=rows.unmask_step if method == "path" else None, **options,
+        prompt_attention=prompt_attention_of(policy) if block else "bidirectional", **options,
     )
 
 
@@ -773,7 +791,8 @@ def _check_scoring(policy, plan, prompt_ids, completion_ids, completion_mask, pr
         if not torch.equal(have, want):
             raise ValueError(f"the plan's blocks are not the policy's: its prompt_attention is {conv!r} (each row's "
                              "first completion block holds the prompt's tail under 'sequence_blocks'); draw the "
-                             f"plan with plan_views(..., prompt_attention={conv!r}, prompt_mask=...)")
+                             f"plan with plan_for, or plan_views(..., prompt_attention={conv!r}) on rows with their "
+                             "prompt_mask")
     scored = _check_inputs(policy, prompt_ids, completion_ids, completion_mask, prompt_mask)
     pm = torch.ones_like(prompt_ids) if prompt_mask is None else prompt_mask
     return scored, pm
@@ -795,18 +814,18 @@ def _reduce(token: torch.Tensor, completion_mask: torch.Tensor, reduction: str) 
 def score_views(
     policy: Policy,
     plan: ViewPlan,
-    prompt_ids: torch.Tensor,
-    completion_ids: torch.Tensor,
-    completion_mask: torch.Tensor,
+    rows: Any,
     *,
-    prompt_mask: torch.Tensor | None = None,
     reduction: Literal["sum", "mean"] = "sum",
     max_views_per_forward: int | None = None,
 ) -> LikelihoodEstimate:
-    """Score a plan under `policy`. Differentiable unless called under `torch.no_grad()`;
-    with gradients, every micro-batch's graph is kept until backward (use
-    `backward_views` to bound memory in training). Each view's log-probabilities come
-    with the estimate (`LikelihoodEstimate.views`, for `eubo`)."""
+    """Score a plan under `policy` on `rows` (a `Completions` or a `RolloutBatch`: its
+    `prompt_ids`, `completion_ids`, `completion_mask` and `prompt_mask`). Differentiable
+    unless called under `torch.no_grad()`; with gradients, every micro-batch's graph is kept
+    until backward (use `backward_views` to bound memory in training). Each view's
+    log-probabilities come with the estimate (`LikelihoodEstimate.views`, for `eubo`)."""
+    prompt_ids, completion_ids, completion_mask, prompt_mask = (
+        rows.prompt_ids, rows.completion_ids, rows.completion_mask, rows.prompt_mask)
     scored, pm = _check_scoring(policy, plan, prompt_ids, completion_ids, completion_mask, prompt_mask, reduction)
     B, L = completion_ids.shape
     token = torch.zeros((B, L), device=completion_ids.device)
@@ -821,12 +840,9 @@ def score_views(
 def backward_views(
     policy: Policy,
     plan: ViewPlan,
-    prompt_ids: torch.Tensor,
-    completion_ids: torch.Tensor,
-    completion_mask: torch.Tensor,
+    rows: Any,
     grad: torch.Tensor,
     *,
-    prompt_mask: torch.Tensor | None = None,
     reduction: Literal["sum", "mean"] = "sum",
     max_views_per_forward: int | None = None,
     backward: Callable[[torch.Tensor], None] = torch.Tensor.backward,
@@ -842,7 +858,9 @@ def backward_views(
     `grad` is ∂loss/∂ℓ computed from a no-grad estimate of the same plan: (B,) for the
     sequence estimate (``reduction`` as scored) or (B, L) for the per-token terms. ℓ is
     linear in the view terms, so this equals `(grad * ℓ).sum().backward()` on
-    `score_views(...)` of the plan."""
+    `score_views(policy, plan, rows)`."""
+    prompt_ids, completion_ids, completion_mask, prompt_mask = (
+        rows.prompt_ids, rows.completion_ids, rows.completion_mask, rows.prompt_mask)
     scored, pm = _check_scoring(policy, plan, prompt_ids, completion_ids, completion_mask, prompt_mask, reduction)
     B, L = completion_ids.shape
     if grad.shape not in ((B,), (B, L)):
@@ -861,33 +879,25 @@ def backward_views(
 
 def estimate(
     policy: Policy,
-    prompt_ids: torch.Tensor,
-    completion_ids: torch.Tensor,
-    completion_mask: torch.Tensor,
+    rows: Any,
     *,
     method: Method,
     num_samples: int = 1,
     generator: torch.Generator | None = None,
-    prompt_mask: torch.Tensor | None = None,
     reduction: Literal["sum", "mean"] = "sum",
     max_views_per_forward: int | None = None,
-    unmask_step: torch.Tensor | None = None,
     **options,
 ) -> LikelihoodEstimate:
-    """Estimate log π(y|q) for each completion: `plan_views` then `score_views`.
-    `unmask_step` is the rollouts' (B, L) decoding order, for method "path".
+    """Estimate log π(y|q) for each completion of `rows` (a `Completions` or a `RolloutBatch`;
+    `unmask_step`, the rollouts' (B, L) decoding order, for method "path"): `plan_for` then
+    `score_views`.
 
     `options` go to `plan_views` (masking, stratified, antithetic, num_nodes, weight, p_prompt).
     For common random numbers across models, call `plan_views` once and `score_views`
     per model — or pass generators in the same state.
     """
-    _check_inputs(policy, prompt_ids, completion_ids, completion_mask, prompt_mask)
-    rows = SimpleNamespace(completion_mask=completion_mask, prompt_ids=prompt_ids, prompt_mask=prompt_mask,
-                           unmask_step=unmask_step)
+    _check_inputs(policy, rows.prompt_ids, rows.completion_ids, rows.completion_mask, rows.prompt_mask)
     plan = plan_for(policy, method, rows, generator=generator, num_samples=num_samples, **options)
     if (method == "exact" or options.get("inner") == "exact") and max_views_per_forward is None:
         max_views_per_forward = 4096  # up to 2^16 views per sequence: never all at once
-    return score_views(
-        policy, plan, prompt_ids, completion_ids, completion_mask, prompt_mask=prompt_mask,
-        reduction=reduction, max_views_per_forward=max_views_per_forward,
-    )
+    return score_views(policy, plan, rows, reduction=reduction, max_views_per_forward=max_views_per_forward)

@@ -33,7 +33,7 @@ from lm_eval.api.registry import register_model
 
 from stabledrl.config import load_config
 from stabledrl.data import decode_policy_completions, encode_policy_prompts
-from stabledrl.likelihood import estimate
+from stabledrl.likelihood import Completions, estimate
 from stabledrl.models import load_policy
 from stabledrl.settings import ModelConfig, SamplingConfig
 from stabledrl.sampling import RolloutRequest, generate_micro_batched, row_generators
@@ -135,10 +135,10 @@ class StableDRLLM(LM):
                 out.append((0.0, False))
                 continue
             comp = torch.tensor([cont], device=policy.device)  # (1, n): every slot scored, no EOS
-            est = estimate(policy, ids.to(policy.device), comp, torch.ones_like(comp, dtype=torch.bool),
-                           method=self.estimator, num_samples=self.num_samples,
-                           generator=torch.Generator().manual_seed(self.seed * 1_000_003 + i),
-                           prompt_mask=mask.to(policy.device))
+            rows = Completions(torch.ones_like(comp, dtype=torch.bool), prompt_ids=ids.to(policy.device),
+                               completion_ids=comp, prompt_mask=mask.to(policy.device))
+            est = estimate(policy, rows, method=self.estimator, num_samples=self.num_samples,
+                           generator=torch.Generator().manual_seed(self.seed * 1_000_003 + i))
             out.append((float(est.sequence[0]), False))
         return out
 

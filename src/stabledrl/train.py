@@ -225,8 +225,7 @@ def _own_scores(run: Run, policy, plan: ViewPlan, rows: RolloutBatch, *,
                 eubo_beta: float | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """ℓ of this process's rows under `policy`: (share,), or (share, L) for an objective of
     per-token terms; with `eubo_beta`, SPG's EUBO on the same views too."""
-    est = score_views(policy, plan, rows.prompt_ids, rows.completion_ids, rows.completion_mask,
-                      prompt_mask=rows.prompt_mask, reduction=run.cfg.estimator.reduction,
+    est = score_views(policy, plan, rows, reduction=run.cfg.estimator.reduction,
                       max_views_per_forward=run.cfg.estimator.max_views_per_forward)
     logp = est.token if run.cfg.objective.token_terms else est.sequence
     return logp, None if eubo_beta is None else eubo(plan, est.views, rows.completion_mask, beta=eubo_beta)
@@ -275,11 +274,10 @@ def _backward(run: Run, loss: torch.Tensor, batch: ScoredBatch, plan: ViewPlan, 
         acc.backward(loss * world)
     else:
         loss.backward()  # ℓ_θ is a leaf: ∂loss/∂ℓ, then back through the views a batch at a time
-        rows, grad = share.rows, batch.logp.grad[share.start:share.end] * world
+        grad = batch.logp.grad[share.start:share.end] * world
         if share.stand_in:  # the stand-in row, with a zero gradient
             grad = torch.zeros_like(batch.logp.grad[:1])
-        backward_views(run.policy, plan, rows.prompt_ids, rows.completion_ids, rows.completion_mask,
-                       grad, prompt_mask=rows.prompt_mask,
+        backward_views(run.policy, plan, share.rows, grad,
                        reduction=est.reduction, max_views_per_forward=est.max_views_per_forward,
                        backward=acc.backward, no_sync=lambda: acc.no_sync(run.policy.model))
 

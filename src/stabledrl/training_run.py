@@ -22,7 +22,7 @@ from stabledrl.checkpoint import (ACCELERATE_STATE, latest_checkpoint, load_trai
 from stabledrl.config import ConfigError, check, to_dict
 from stabledrl.diagnostics import CollapseMonitor
 from stabledrl.engines import check_engine
-from stabledrl.evaluate import EVAL_MICRO_BATCH, evaluate
+from stabledrl.evaluate import EVAL_MICRO_BATCH, EvalShare, evaluate
 from stabledrl.instruments import StepTimer
 from stabledrl.likelihood import check_method_fits
 from stabledrl.models.lora import add_lora, base_policy
@@ -71,7 +71,7 @@ class Run:
         start, end = self.shards.bounds(n)
         calls = micro_batch_calls(-(-n // self.shards.world), sampling.micro_batch or EVAL_MICRO_BATCH)
         res = evaluate(self.policy, self.task, self.eval_problems[start:end], sampling, progress=False,
-                       synced=self.shards.synced, first_index=start, num_calls=calls)
+                       share=EvalShare(start, synced=self.shards.synced, num_calls=calls))
         scores = torch.tensor([[float(s["correct"]), s["reward"]] for s in res.samples],
                               device=self.policy.device)  # (share, 2)
         full = self.shards.gather(scores, n).double().mean(0)

@@ -19,7 +19,8 @@ LLaDA (``LLaDAModelLM``, model_type ``llada``)
     ``attention_bias`` (True: may attend). No position ids: RoPE over columns 0..T-1.
   - ``LLADA_COPY``: "authors" (dLLM-RL, StableDRL: a mask with a 0 and no bias -> the causal
     bias), "hub" (the attention call drops every mask and bias), "key_padding"
-    (bidirectional, padding masked: attributed to ML-GSAI's copy, whose repository ships none).
+    (bidirectional, padding masked: attributed to ML-GSAI's copy, whose repository ships none);
+    "causal" is no published copy: a causal model under LLaDA's names, which must be refused.
   - ``_no_split_modules`` names three block classes; a llama-type model holds only
     ``LLaDALlamaBlock``. Built with ``init_params=False``; ``reset_parameters()`` initialises.
   - No KV cache: the inner model asserts ``not use_cache``, and ``use_cache`` defaults to the
@@ -203,6 +204,8 @@ class LLaDAModel(nn.Module):
             bias = bias[:, :, :T, :T]
             if padding is not None:
                 bias = (bias + padding).clamp(min=low)  # :1288 ensure_finite_
+        if LLADA_COPY == "causal":  # not a published copy (module docstring): causal whatever is passed
+            bias = _causal_bias(T) if bias is None else (bias + _causal_bias(T)).clamp(min=low)
         cos, sin = _cos_sin(self.inv_freq, torch.arange(T).expand(B, T))  # columns, not real positions
         for i, block in enumerate(self.transformer.blocks):
             s = self.activation_checkpointing_strategy

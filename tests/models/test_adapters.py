@@ -13,6 +13,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -26,7 +27,7 @@ from stabledrl._compat import install_remote_code_shims
 from stabledrl.cli import main
 from stabledrl.config import load_config
 from stabledrl.data import completion_mask, encode_completions, encode_prompts, position_ids
-from stabledrl.likelihood import plan_views, score_views
+from stabledrl.likelihood import Completions, plan_views, score_views
 from stabledrl.models import HFPolicy, ModelConfig, load_policy
 from stabledrl.models.attention import block_causal_attention_mask
 from stabledrl.sampling import SamplingConfig, generate
@@ -154,16 +155,83 @@ def test_llada_logits_are_its_own_unshifted_logits(dirs):
     assert policy.tokenizer.mask_token_id is None  # LLaDA's tokenizer does not name it
     ids, mask = encode_prompts(policy.tokenizer, PROMPTS)
     assert not mask.all()  # left padding
-    B, T = ids.shape
+    given = []
+    policy.model.register_forward_pre_hook(lambda m, a, kw: given.append(sorted(kw)), with_kwargs=True)
     with torch.no_grad():
         out = policy.logits(ids, mask, position_ids(mask))
-        # The padding goes in as a boolean key mask through attention_bias, which every copy
-        # that reads masks uses as given ...
-        native = policy.model(input_ids=ids, attention_bias=mask.bool()[:, None, None, :].expand(B, 1, T, T)).logits
-        # ... never as the (B, T) mask, which the authors' copy (the stand-in's) makes causal
+        # Each row's real columns, run without padding and without a mask (rows 0 and 1 together:
+        # the same padding count, so the same batch of two as the adapter's)
+        native = [policy.model(input_ids=ids[:2]).logits, policy.model(input_ids=ids[2:, -4:]).logits]
+        # ... never the (B, T) mask, which the authors' copy (the stand-in's) makes causal
         causal = policy.model(input_ids=ids, attention_mask=mask).logits
-    assert torch.equal(out, native)
-    assert not torch.allclose(out, causal, atol=1e-3)
+    assert given[:2] == [["input_ids", "use_cache"]] * 2  # two padding counts: two forwards, no mask nor bias
+    assert torch.equal(out[:2], native[0]) and torch.equal(out[2:, -4:], native[1])
+    assert torch.equal(out[2, :-4], torch.zeros_like(out[2, :-4]))  # padding columns: zeros, never read
+    assert not torch.allclose(out[2:, -4:], causal[2:, -4:], atol=1e-3)
+
+
+def test_llada_makes_the_forwards_other_processes_make(dirs, monkeypatch):
+    # Sharded weights make every forward a collective: a process with fewer padding counts than
+    # another makes spare forwards, at weight 0 in the graph. Here 2 more than its own 2: the
+    # same logits and gradients, 4 forwards.
+    from stabledrl.models import adapters
+
+    policy = _policy(dirs, "llada")
+    ids, mask = encode_prompts(policy.tokenizer, PROMPTS)
+    calls = []
+    policy.model.register_forward_pre_hook(lambda *a: calls.append(1))
+    out, grads = [], []
+    for extra in (0, 2):
+        monkeypatch.setattr(adapters, "_forwards_everywhere", lambda model, n, device: n + extra)
+        policy.model.zero_grad()
+        out.append(policy.logits(ids, mask))
+        out[-1].square().mean().backward()
+        grads.append({k: p.grad.clone() for k, p in policy.model.named_parameters()})
+    assert len(calls) == 2 + 4
+    assert torch.equal(out[0], out[1])
+    assert all(torch.equal(g, grads[1][k]) for k, g in grads[0].items())
+
+
+def _sharded_llada(rank: int, path: str, init: str, report: str) -> None:
+    """One of 2 CPU processes: the LLaDA stand-in sharded with FSDP2, a left-padded batch with
+    2 padding counts on rank 0 and 1 on rank 1, a forward and a backward; writes its logits."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    policy = load_policy(ModelConfig(path=path, device="cpu"))
+    for block in policy.model.model.transformer.blocks:
+        fully_shard(block)
+    fully_shard(policy.model)
+    ids, mask = encode_prompts(policy.tokenizer, PROMPTS if rank == 0 else PROMPTS[:2])
+    logits = policy.logits(ids, mask)
+    logits.square().mean().backward()
+    torch.save(logits.detach(), f"{report}.{rank}")
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow  # two processes, about 10 s
+def test_sharded_llada_processes_make_the_same_forwards(dirs, tmp_path):
+    # Without the spare forward, rank 1 (one padding count) would leave rank 0's second forward
+    # waiting for its all-gather: a hang, ended by the timeout.
+    import torch.multiprocessing as mp
+
+    init = f"file://{tmp_path / 'store'}"
+    ctx = mp.spawn(_sharded_llada, args=(str(dirs["llada"]), init, str(tmp_path / "logits")), nprocs=2, join=False)
+    deadline = time.monotonic() + 120
+    while not ctx.join(timeout=5) and time.monotonic() < deadline:  # join returns as each process ends
+        pass
+    hung = [p for p in ctx.processes if p.is_alive()]
+    for p in hung:
+        p.kill()
+    assert not hung, "a process waits on a collective"
+    policy = _policy(dirs, "llada")
+    for rank, prompts in ((0, PROMPTS), (1, PROMPTS[:2])):
+        ids, mask = encode_prompts(policy.tokenizer, prompts)
+        with torch.no_grad():
+            want = policy.logits(ids, mask)
+        assert torch.allclose(torch.load(tmp_path / f"logits.{rank}"), want, rtol=0, atol=1e-5 * want.abs().max())
 
 
 def test_llada_checkpoints_activations_only_through_its_own_hook(dirs):
@@ -178,7 +246,7 @@ def test_llada_checkpoints_activations_only_through_its_own_hook(dirs):
         policy.model.zero_grad()
         policy.logits(ids, mask).square().mean().backward()
         grads.append(policy.model.get_input_embeddings().weight.grad.clone())
-    assert policy.model.model.checkpointed_calls == 2  # one per layer, in eval mode
+    assert policy.model.model.checkpointed_calls == 4  # 2 layers x 2 forwards (2 padding counts), in eval mode
     assert torch.allclose(grads[0], grads[1], rtol=1e-5, atol=1e-7)
 
 
@@ -212,11 +280,13 @@ def test_gradient_checkpointing_runs_the_models_own_hook_with_the_same_gradients
             policy.logits(x, attn, position_ids(keys))
         calls.append(n[0])
         assert not any(m.training for m in model.modules())  # still in eval mode everywhere
-    assert calls == [2, 3]  # plain: 1 + 1 (no_grad); checkpointed: 2 + 1
+    # plain: 1 + 1 (no_grad); checkpointed: 2 + 1; LLaDA twice that: one forward per padding count (2)
+    assert calls == ([4, 6] if name == "llada" else [2, 3])
     assert policy.checkpointing_hook == ("set_activation_checkpointing" if name == "llada"
                                          else "gradient_checkpointing_enable")
     if name == "llada":
-        assert policy.model.model.checkpointed_calls == 2 * (2 + 2)  # 2 layers; 2 forwards and the load's probe's 2
+        # 2 layers; the load's probe makes 5 forwards (2 rows of 2 padding counts, twice; 1 row alone), then 2 + 2
+        assert policy.model.model.checkpointed_calls == 2 * (5 + 2 + 2)
     assert grads[0].keys() == grads[1].keys() and len(grads[0]) > 0
     for k, g in grads[0].items():  # recomputed in float32: relative 1e-5 of the largest entry
         assert (g - grads[1][k]).abs().max() <= 1e-5 * g.abs().max(), k
@@ -333,10 +403,11 @@ def test_decoder_staircase_likelihood_equals_separate_passes(dirs, name, L):
     policy = _policy(dirs, name, explicit=True)
     p_ids, p_mask, c_ids = _batch(policy, L)
     c_mask = completion_mask(c_ids, policy.eos_token_id)
-    plan = plan_views("blockwise", c_mask, num_samples=3, block_size=4, prompt_attention=policy.prompt_attention,
-                      prompt_mask=p_mask, generator=torch.Generator().manual_seed(0))
+    plan = plan_views("blockwise", Completions(c_mask, prompt_mask=p_mask), num_samples=3, block_size=4,
+                      prompt_attention=policy.prompt_attention, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        one = score_views(policy, plan, p_ids, c_ids, c_mask, prompt_mask=p_mask).token.double()  # (B, L)
+        rows = Completions(c_mask, prompt_ids=p_ids, completion_ids=c_ids, prompt_mask=p_mask)
+        one = score_views(policy, plan, rows).token.double()  # (B, L)
     sep = terms_by_separate_passes(policy, plan, p_ids, p_mask, c_ids, c_mask)
     assert plan.masked.any() and one.abs().sum() > 0
     assert torch.allclose(one, sep, atol=1e-5)

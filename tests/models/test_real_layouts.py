@@ -14,9 +14,11 @@ import pytest
 import torch
 
 from stabledrl import _compat
-from stabledrl.data import position_ids
+from stabledrl.data import completion_mask, encode_prompts, position_ids
+from stabledrl.likelihood import Completions, plan_views, score_views
 from stabledrl.models import ModelConfig, load_policy
 from stabledrl.models.adapters import probe_attention
+from stabledrl.sampling import SamplingConfig, generate
 from tests.conftest import make_tiny_policy
 from tests.models.test_adapters import fake_dllm, save_stand_ins, sdar_tokenizer
 
@@ -82,7 +84,7 @@ def test_llada_is_built_without_its_initialisation():
 def copies(tmp_path_factory):
     """Each copy of LLaDA's and Dream's modelling file in circulation, as a checkpoint carries it."""
     variants = {"authors": {}, "hub": {"LLADA_COPY": "hub"}, "key_padding": {"LLADA_COPY": "key_padding"},
-                "dream_dllm_rl": {"DREAM_COPY": "dllm_rl"}}
+                "causal": {"LLADA_COPY": "causal"}, "dream_dllm_rl": {"DREAM_COPY": "dllm_rl"}}
     return {name: save_stand_ins(tmp_path_factory.mktemp(name), copy) for name, copy in variants.items()}
 
 
@@ -108,13 +110,88 @@ def test_the_probe_refuses_a_copy_made_causal_by_a_padding_mask(copies):
     probe_attention(_raw_forward(policy.model, False), vocab=24, avoid=(0, 1, 3), source="modeling_llada.py")
 
 
-def test_the_probe_refuses_the_llada_copy_that_drops_its_mask(copies):
-    # The Hub copy's attention call passes attn_mask=None: padding is attended whatever is passed
-    path = copies["hub"]["llada"]
-    with pytest.raises(ValueError, match=f"^{path / 'fake_dllm.py'} .*attends to padding"):
+def test_the_probe_refuses_the_llada_copy_that_drops_its_mask_if_given_padding(copies):
+    # The Hub copy's attention call passes attn_mask=None: padding is attended whatever is passed.
+    # The adapter never gives it padding (next tests), so the copy loads.
+    policy = load_policy(ModelConfig(path=str(copies["hub"]["llada"])))
+    with pytest.raises(ValueError, match="attends to padding"):
+        probe_attention(_raw_forward(policy.model, False), vocab=24, avoid=(0, 1, 3), source="modeling_llada.py")
+
+
+LLADA_COPIES = ("authors", "hub", "key_padding")
+
+
+def _padded(policy, prompts, L=3):
+    """Left-padded prompts followed by L completion tokens: (B, P+L) ids and mask."""
+    ids, mask = encode_prompts(policy.tokenizer, prompts)
+    comp = torch.full((ids.size(0), L), 9)
+    return torch.cat([ids, comp], dim=1), torch.cat([mask, torch.ones_like(comp)], dim=1)
+
+
+def test_every_llada_copy_gives_a_padded_row_the_logits_of_the_row_alone(copies):
+    # Prompt lengths 9, 7 and 4 (BOS included): three padding counts, so each row runs as a
+    # batch of one on its real columns, the shape of the row alone: the same kernels, equal bits.
+    for name in LLADA_COPIES:
+        policy = load_policy(ModelConfig(path=str(copies[name]["llada"])))  # the probe accepts every copy
+        ids, mask = _padded(policy, ["3,5,7=22", "12,4=9", "1=1"])
+        with torch.no_grad():
+            batch = policy.logits(ids, mask, position_ids(mask))  # (3, T, V)
+            for b in range(3):
+                n = int(mask[b].sum())
+                alone = policy.model(input_ids=ids[b:b + 1, -n:]).logits[0]  # (n, V): no padding, no mask
+                assert torch.equal(batch[b, -n:], alone), (name, b)
+                assert torch.equal(batch[b, :-n], torch.zeros_like(batch[b, :-n]))  # padding columns: zeros
+    # The rows alone are what ML-GSAI's copy gives the padded batch with its key-padding mask
+    # (RoPE: only position differences count), up to float32 rounding of the other angles.
+    with torch.no_grad():
+        native = policy.model(input_ids=ids, attention_mask=mask).logits  # key_padding: the last loaded
+    real = mask.bool()
+    assert (batch[real] - native[real]).abs().max() <= 1e-5 * native.abs().max()
+
+
+def test_llada_rows_of_one_padding_count_run_together(copies):
+    # Two rows share each padding count: one forward per count (2, not 4), and each row's logits
+    # equal the row alone up to the rounding of a batch of two (measured: 0 here; bound 1e-6 of scale).
+    policy = load_policy(ModelConfig(path=str(copies["hub"]["llada"])))
+    ids, mask = _padded(policy, ["3,5,7=22", "1=1", "9,8,7=24", "2=2"])
+    calls = []
+    policy.model.model.register_forward_pre_hook(lambda m, args: calls.append(tuple(args[0].shape)))
+    with torch.no_grad():
+        batch = policy.logits(ids, mask, position_ids(mask))
+        assert sorted(calls) == [(2, 7), (2, 12)]  # 4 and 9 tokens (BOS included), then 3
+        for b in range(4):
+            n = int(mask[b].sum())
+            alone = policy.model(input_ids=ids[b:b + 1, -n:]).logits[0]
+            assert (batch[b, -n:] - alone).abs().max() <= 1e-6 * alone.abs().max(), b
+
+
+def test_the_probe_still_refuses_a_causal_llada(copies):
+    # No mask reaches the model, so no copy can be made causal through the adapter; a model that
+    # is causal itself is refused, in one line naming its file.
+    path = copies["causal"]["llada"]
+    with pytest.raises(ValueError, match=f"^{path / 'fake_dllm.py'} \\(llada adapter\\): position 0 does not depend") as e:
         load_policy(ModelConfig(path=str(path)))
-    policy = load_policy(ModelConfig(path=str(path)), check_attention=False)  # the documented way round
-    assert policy.adapter == "llada"
+    assert "\n" not in str(e.value)
+
+
+def test_the_sampler_and_the_likelihood_agree_across_llada_copies(copies):
+    # A padded batch: every copy gives the same tokens and the same log-likelihood terms, bit for bit.
+    seqs, terms = {}, {}
+    for name in LLADA_COPIES:
+        policy = load_policy(ModelConfig(path=str(copies[name]["llada"])))
+        ids, mask = encode_prompts(policy.tokenizer, ["3,5,7=22", "12,4=9", "1=1"])
+        with torch.no_grad():
+            out = generate(policy, ids, mask, SamplingConfig(gen_length=8, steps=4, block_length=4, temperature=1.0),
+                           generator=torch.Generator().manual_seed(0))
+            c_ids = out.sequences[:, ids.size(1):]
+            c_mask = completion_mask(c_ids, policy.stop_token_ids)
+            rows = Completions(c_mask, prompt_ids=ids, completion_ids=c_ids, prompt_mask=mask)
+            plan = plan_views("mc", rows, num_samples=2, generator=torch.Generator().manual_seed(1))
+            terms[name] = score_views(policy, plan, rows).token
+        seqs[name] = out.sequences
+    assert torch.equal(seqs["hub"], seqs["key_padding"]) and torch.equal(seqs["authors"], seqs["key_padding"])
+    assert torch.equal(terms["hub"], terms["key_padding"]) and torch.equal(terms["authors"], terms["key_padding"])
+    assert terms["hub"].abs().sum() > 0
 
 
 def test_the_probe_refuses_a_boolean_mask_where_dream_casts_it(copies):
@@ -137,10 +214,9 @@ def test_the_probe_passes_the_adapters_of_the_faithful_copies(copies):
 
 def test_the_probe_refuses_a_causal_model():
     policy = make_tiny_policy(seed=3)
-    causal = torch.ones(6, 6, dtype=torch.bool).tril()
-
     def logits(ids, mask):  # (B, T) padding mask -> a boolean (B, T, T) causal mask
-        allowed = causal & mask.bool()[:, None, :] | torch.eye(6, dtype=torch.bool)
+        T = ids.size(1)
+        allowed = torch.ones(T, T, dtype=torch.bool).tril() & mask.bool()[:, None, :] | torch.eye(T, dtype=torch.bool)
         return policy.model(input_ids=ids, attention_mask=allowed, position_ids=position_ids(mask)).logits
     with pytest.raises(ValueError, match="^tiny: position 0 does not depend"):
         probe_attention(logits, vocab=24, avoid=(0, 1, 3), source="tiny")

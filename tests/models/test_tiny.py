@@ -1,4 +1,6 @@
+import json
 import weakref
+from pathlib import Path
 
 import pytest
 import torch
@@ -62,6 +64,29 @@ def test_four_d_boolean_mask_matches_key_padding_mask():
 def test_config_rejects_bad_values(kwargs, message):
     with pytest.raises(ValueError, match=message):
         TinyDiffusionConfig(**kwargs)
+
+
+def test_config_takes_its_fields_as_keywords_and_round_trips_through_json(tmp_path):
+    cfg = TinyDiffusionConfig(vocab_size=40, hidden_size=16, num_attention_heads=2, attention_kind="block",
+                              block_size=4, mask_token_id=3, pad_token_id=0, eos_token_id=2, tie_word_embeddings=True)
+    assert (cfg.vocab_size, cfg.hidden_size, cfg.num_attention_heads, cfg.block_size) == (40, 16, 2, 4)
+    assert (cfg.mask_token_id, cfg.pad_token_id, cfg.eos_token_id, cfg.bos_token_id) == (3, 0, 2, None)
+    assert cfg.tie_word_embeddings is True
+    # unset fields take their defaults; intermediate_size defaults to 4 * hidden_size
+    assert (cfg.num_hidden_layers, cfg.intermediate_size, cfg.rope_theta, cfg.rms_norm_eps) == (4, 64, 10000.0, 1e-6)
+    assert TinyDiffusionConfig().tie_word_embeddings is False
+    cfg.save_pretrained(tmp_path)
+    loaded = TinyDiffusionConfig.from_pretrained(tmp_path)
+    assert loaded.to_dict() == cfg.to_dict()
+
+
+@pytest.mark.parametrize("name", ["countdown-tiny", "countdown-tiny-block", "sudoku-tiny"])
+def test_the_shipped_configs_load_with_their_values(name):
+    path = Path(__file__).resolve().parents[2] / "checkpoints" / name
+    written = json.loads((path / "config.json").read_text())
+    loaded = TinyDiffusionConfig.from_pretrained(path).to_dict()
+    assert {k: loaded[k] for k in written if k != "transformers_version"} == {
+        k: v for k, v in written.items() if k != "transformers_version"}
 
 
 def test_policy_requires_distinct_mask_and_pad(tiny_policy):

@@ -68,6 +68,23 @@ def test_parser_is_exact_and_respects_precedence():
         parse_expression("2 3")  # whitespace never joins digits into 23
 
 
+@pytest.mark.parametrize("text, reason", [
+    ("  ", "empty expression"),
+    ("1+" * 32 + "1", "expression longer than 64 characters"),       # 65 characters
+    ("-3+5", "expected a number at token 0, got '-'"),               # no unary minus
+    ("2**3", "expected a number at token 2, got '*'"),
+    ("(1+2", "expected ')' at token 4"),                             # tokens ( 1 + 2, then nothing
+    ("1234567+1", "number literal too long"),                        # 7 digits > 6
+    ("03+4", "leading zero in '03'"),
+    ("2 3", "unexpected '3' at token 1"),
+    ("(1))", "unexpected ')' at token 3"),
+])
+def test_parser_rejects_with_a_reason(text, reason):
+    with pytest.raises(ValueError) as err:
+        parse_expression(text)
+    assert str(err.value) == reason
+
+
 def test_canonical_solutions_are_correct_for_every_three_number_problem():
     task = get_task("countdown")
     pairs = 0

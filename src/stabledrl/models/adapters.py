@@ -1,65 +1,18 @@
-"""Adapters that put real `transformers` checkpoints behind the policy interface (docs/methods.md, "Policy interface").
+"""Adapters that put real `transformers` checkpoints behind the policy interface.
 
 Every adapter answers ``logits(input_ids, attention_mask, position_ids)`` with
-``logits[:, i]`` predicting token ``i``, whatever the checkpoint does natively:
+``logits[:, i]`` predicting token ``i`` (docs/methods.md, "Policy interface"):
 
-- ``llada`` — LLaDA (Nie et al. 2025): ``AutoModel`` with ``trust_remote_code``. A
-  bidirectional masked-diffusion model with unshifted logits. Its forward takes a
-  (B, T) padding mask and no position ids (it counts positions itself, as its own
-  sampler does), so left padding shifts its positions: a property of the checkpoint.
-  Its mask token is 126336, which the tokenizer does not declare: set ``mask_token_id``.
-- ``dream`` — Dream (Ye et al. 2025): ``AutoModel`` with ``trust_remote_code``. Initialised
-  from an autoregressive model, it keeps the AR head's shift: its ``logits[:, i]``
-  predict token ``i + 1``. The adapter undoes it, ``out[:, i] = native[:, i − 1]``; the
-  first column has no prediction and repeats ``native[:, 0]`` (it is always a prompt
-  token, never scored). It takes a 4-D boolean mask and position ids. Mask token 151666.
-- ``masked_lm`` — any ``AutoModelForMaskedLM`` (BERT, RoBERTa, ModernBERT ...) used as a
-  masked diffusion model (unshifted logits, the tokenizer's ``[MASK]``).
-- ``decoder`` — a causal decoder (Llama / Qwen family, ``AutoModelForCausalLM``) used as a
-  block-diffusion model, SDAR style, or SDAR / TraDo themselves (their own code: set
-  ``trust_remote_code``, or keep the checkpoint's ``auto_map``, which turns it on). Every
-  call brings a boolean (B, T, T) block mask (block-causal for sampling, the staircase for
-  the likelihood) that is passed on as a 4-D boolean mask, True where a query may attend:
-  what SDPA reads, and what SDAR's own attention expects (it calls ``attention_mask.bool()``
-  in eval mode, which would invert an additive 0/−inf mask). Only a model loaded with
-  ``attn_implementation="eager"``, which adds its mask to the scores, gets the additive form.
-  Its logits are read unshifted by default (position i predicts token i, as SDAR's sampler
-  reads them); ``shift_logits: true`` reads them as next-token logits. SDAR's tokenizer has
-  no BOS (prompts then start without one). Its blocks are SDAR's by default
-  (``prompt_attention: sequence_blocks``: blocks of S over the whole sequence from its first
-  token, the prompt's tail sharing the first completion block, as SDAR's sampler and SFT and
-  TraDo's rollouts have them); ``model.prompt_attention`` names another convention
-  (`stabledrl.models.attention` lists them, with where each was read).
+- ``llada``: LLaDA, its own code, unshifted logits. The model never sees padding: rows of
+  equal left padding run together on their real columns, with no mask (`_llada_logits`).
+- ``dream``: Dream, its own code; its logits, shifted by one, are moved back; padding goes
+  in as an additive mask in the model's dtype, with position ids.
+- ``masked_lm``: any ``AutoModelForMaskedLM``; ``decoder``: a causal decoder read as a
+  block-diffusion model (SDAR / TraDo included), given a boolean block mask.
 
-A completion ends at the first of the model's stop tokens (``stop_token_ids``): the
-tokenizer's EOS, the EOS ids of the checkpoint's generation config (SDAR-Chat and Dream
-name their end-of-turn ``<|im_end|>`` there, as their samplers read it) and those named in
-``model.stop_tokens`` (LLaDA-Instruct's ``<|eot_id|>`` is in neither); the sampler never
-bans them. Prompts are wrapped in the tokenizer's chat template when it has one
-(``chat_template``, `stabledrl.models.prompting`). Both settings are saved with the policy.
-
-``gradient_checkpointing`` (`ModelConfig.gradient_checkpointing`) switches on the model's
-own activation checkpointing: LLaDA's ``set_activation_checkpointing("whole_layer")`` (its
-remote code; its class declares no transformers support), else transformers'
-``gradient_checkpointing_enable()`` (non-reentrant), whose layers checkpoint only in train
-mode: while a forward with gradients runs, `stabledrl._compat.checkpointing_in_eval_mode`
-marks the modules that gate it as training (themselves only, no dropout). A model with
-neither is refused at load.
-
-``trust_remote_code`` (the checkpoint's own modelling code) is on for llada and dream, and
-for any local checkpoint whose config.json names its code (``auto_map``); a saved policy
-records it, so that a run's final model loads again. Workarounds for that code (SDAR's
-``LossKwargs`` import, Dream's generation config at save time) are in `stabledrl._compat`.
-
-**The attention each full-attention adapter relies on is checked at load** (`probe_attention`):
-copies of one modelling file in circulation differ (LLaDA's Hub copy attends to padding, the
-StableDRL authors' and dLLM-RL's turn a (B, T) mask holding a 0 into a causal bias; dLLM-RL's
-Dream casts a boolean mask to 0/1). The adapters pass padding in the one form every copy that
-reads masks honours (LLaDA: a boolean ``attention_bias``; Dream: an additive float mask) and
-refuse, in one line naming the file, a model that is not bidirectional or lets padding in.
-
-The mask token id is required: from `ModelConfig.mask_token_id`, else the checkpoint's
-config, else the tokenizer. Missing, or equal to the pad id, is an error at start-up.
+The attention each full-attention adapter relies on is checked at load (`probe_attention`).
+docs/scale-out.md ("Adapters in detail", "Attention probe") says what each adapter passes
+and why, and how stop tokens, chat templates, checkpointing and remote code are resolved.
 
 Shapes: B batch, T tokens, V vocabulary.
 """
@@ -79,6 +32,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from stabledrl import _compat
 from stabledrl.models.attention import PromptAttention, check_prompt_attention
 from stabledrl.models.prompting import resolve_chat_template, resolve_stop_tokens
+from stabledrl.settings import ModelConfig
 
 __all__ = ["ADAPTERS", "HFPolicy", "load_hf_policy", "ADAPTER_FILE", "probe_attention"]
 
@@ -194,13 +148,10 @@ class HFPolicy:
                 raise ValueError("position_ids are required with a boolean (B, T, T) mask")
             position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
         kwargs: dict[str, Any]
-        padded = attention_mask.dim() == 2 and not bool(attention_mask.bool().all())
         if self.adapter == "llada":
-            # Never the (B, T) mask: the authors' copies turn a mask holding a 0 into a causal bias.
-            # A given attention_bias is used as is by every copy that reads masks at all.
-            keys = attention_mask.bool()[:, None, None, :].expand(B, 1, T, T)  # (B, 1, T, T) key padding
-            kwargs = {"attention_bias": keys} if padded else {}
-        elif self.adapter == "masked_lm":
+            out = self._llada_logits(input_ids, attention_mask)  # (B, T, V)
+            return torch.cat([out[:, :1], out[:, :-1]], dim=1) if self.shift_logits else out
+        if self.adapter == "masked_lm":
             kwargs = {"attention_mask": attention_mask, "position_ids": position_ids + self._position_offset}
         elif self.adapter == "dream":
             # Additive, in the model's dtype: some copies cast the mask to the query dtype, which
@@ -219,11 +170,42 @@ class HFPolicy:
             kwargs = {"attention_mask": allowed, "position_ids": position_ids}
         if self.adapter != "masked_lm":
             kwargs["use_cache"] = False  # decoders would otherwise build a KV cache per call
-        eval_mode_checkpointing = self.checkpointing_hook == "gradient_checkpointing_enable" and torch.is_grad_enabled()
-        with _compat.checkpointing_in_eval_mode(self.model) if eval_mode_checkpointing else contextlib.nullcontext():
-            out = self.model(input_ids=input_ids, **kwargs).logits  # (B, T, V)
+        out = self._forward(input_ids, **kwargs)  # (B, T, V)
         if self.shift_logits:  # native[:, i] predicts token i+1: move it to column i+1
             out = torch.cat([out[:, :1], out[:, :-1]], dim=1)
+        return out
+
+    def _forward(self, input_ids: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        """The model's own logits, with transformers' checkpointing kept on in eval mode."""
+        eval_mode_checkpointing = self.checkpointing_hook == "gradient_checkpointing_enable" and torch.is_grad_enabled()
+        with _compat.checkpointing_in_eval_mode(self.model) if eval_mode_checkpointing else contextlib.nullcontext():
+            return self.model(input_ids=input_ids, **kwargs).logits
+
+    def _llada_logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """(B, T) left-padded rows -> (B, T, V), the model never given padding nor a mask: copies
+        of its file ignore a mask, honour it or turn it causal (docs/scale-out.md). Rows with the
+        same number of padding columns run together on their real columns; RoPE scores depend
+        only on position differences, so a common left offset dropped changes nothing. Padding
+        columns get zeros (never read). One forward per distinct padding count."""
+        B, T = input_ids.shape
+        real = attention_mask.bool()  # (B, T)
+        pads = T - real.sum(dim=1)  # (B,) padding columns per row
+        if not torch.equal(real, torch.arange(T, device=real.device)[None, :] >= pads[:, None]):
+            raise ValueError("the llada adapter takes left-padded rows: a (B, T) mask of zeros, then ones")
+        pads = pads.masked_fill(pads == T, 0)  # a row of padding only has nothing to protect
+        counts = pads.unique().tolist()  # ascending
+        needed = _forwards_everywhere(self.model, len(counts), input_ids.device)
+        if counts == [0] and needed == 1:
+            return self._forward(input_ids, use_cache=False)  # no padding: the model as it is
+        out = None
+        for p in counts:
+            rows = (pads == p).nonzero().squeeze(1)  # (b,)
+            group = self._forward(input_ids[rows, p:], use_cache=False)  # (b, T - p, V)
+            out = group.new_zeros(B, T, group.size(-1)) if out is None else out
+            out[rows, p:] = group
+        for _ in range(needed - len(counts)):  # the forwards other processes make (sharded weights)
+            spare = self._forward(input_ids[:1, -1:], use_cache=False)  # (1, 1, V)
+            out = out + 0 * spare.sum()  # in the graph at weight 0: its backward, a collective too, runs everywhere
         return out
 
     def save(self, path: str | Path, *, state_dict: dict[str, torch.Tensor] | None = None) -> None:
@@ -243,12 +225,13 @@ class HFPolicy:
 def probe_attention(logits: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], *, vocab: int,
                     avoid: Sequence[int], source: str, device: str | torch.device = "cpu") -> None:
     """Refuse a full-attention model, in one line naming `source`, unless (1) an early position
-    depends on a later token and (2) a left-padded row's real positions do not depend on its
-    padded ones. Two rows of 6 tokens (the second with 2 padded), called twice: the second
-    call changes row 0's last token and row 1's padded tokens. (2) skips the first real
-    position, which a shifted model (Dream) reads from the padded one before it. Where a token
-    is not attended to, the logits do not change at all (masked keys weigh exactly 0), so both
-    checks compare at 1e-5 of the logits' scale."""
+    depends on a later token, (2) a left-padded row's real positions do not depend on its padded
+    ones and (3) equal that row's logits run alone, unpadded. Two rows of 6 tokens (the second
+    with 2 padded), called twice: the second call changes row 0's last token and row 1's padded
+    tokens; then row 1's 4 real tokens alone. (2) and (3) skip the first real position, which a
+    shifted model (Dream) reads from the padded one before it. Where a token is not attended
+    to, the logits do not change at all (masked keys weigh exactly 0), so the checks compare at
+    1e-5 of the logits' scale (rounding of other shapes stays far below)."""
     tokens = [i for i in range(min(vocab, 64)) if i not in set(avoid)]
     if len(tokens) < 9:
         return  # a vocabulary this small is a test's; nothing to probe with
@@ -259,6 +242,7 @@ def probe_attention(logits: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     second[1, :2] = torch.tensor(tokens[7:9], device=device)  # the padded row's padding
     with torch.no_grad():
         a, b = (logits(ids, mask).float() for ids in (first, second))  # (2, 6, V) each
+        alone = logits(first[1:, 2:], mask[:1, 2:]).float()  # (1, 4, V): row 1's real tokens
     tol = 1e-5 * float(a.abs().max())
     if float((a[0, 0] - b[0, 0]).abs().max()) <= tol:
         raise ValueError(f"{source}: position 0 does not depend on a later token, so the model attends causally "
@@ -266,8 +250,26 @@ def probe_attention(logits: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
                          "or load a causal model with the decoder adapter")
     if float((a[1, 3:] - b[1, 3:]).abs().max()) > tol:
         raise ValueError(f"{source}: a left-padded row's logits change with its padding tokens, so this modelling "
-                         "file attends to padding (LLaDA's Hub copy drops its attention mask); replace it with a "
-                         "copy that applies its attention bias (docs/scale-out.md, 'Attention probe')")
+                         "file attends to padding as the adapter calls it; use a copy that applies its attention "
+                         "mask (docs/scale-out.md, 'Attention probe')")
+    if float((a[1, 3:] - alone[0, 1:]).abs().max()) > tol:
+        raise ValueError(f"{source}: a left-padded row's logits differ from the same row run alone, so the model "
+                         "reads positions otherwise than this adapter passes them (docs/scale-out.md, 'Attention "
+                         "probe')")
+
+
+def _forwards_everywhere(model: Any, n: int, device: torch.device) -> int:
+    """The most forwards any process makes in this call (`n` here) where every forward is a
+    collective (FSDP, DeepSpeed: parameters gathered per forward), else `n`."""
+    import torch.distributed as dist
+
+    sharded = {c.__name__ for c in type(model).__mro__} & {"FSDPModule", "FullyShardedDataParallel",
+                                                            "DeepSpeedEngine"}
+    if not (sharded and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return n
+    most = torch.tensor([n], device=device)
+    dist.all_reduce(most, op=dist.ReduceOp.MAX)
+    return int(most)
 
 
 def _enable_checkpointing(model: PreTrainedModel) -> str:
@@ -312,30 +314,23 @@ def _resolve_mask_id(adapter: str, explicit: int | None, model: PreTrainedModel,
                      f"names one; set model.mask_token_id{hint}")
 
 
-def load_hf_policy(
-    path: str | Path,
-    adapter: str,
-    *,
-    mask_token_id: int | None = None,
-    block_size: int | None = None,
-    shift_logits: bool | None = None,
-    dtype: torch.dtype = torch.float32,
-    device: str | torch.device = "cpu",
-    trust_remote_code: bool | None = None,
-    chat_template: bool | None = None,
-    stop_tokens: Sequence[int | str] = (),
-    prompt_attention: str | None = None,
-    gradient_checkpointing: bool = False,
-    check_attention: bool = True,
-) -> HFPolicy:
-    """Load a checkpoint (a local directory or a Hub name) with the named adapter. A policy
-    saved by stabledrl keeps the settings it was saved with unless they are given here
-    (`chat_template`, `prompt_attention` None and `stop_tokens` empty take the saved ones).
-    `check_attention`: probe a full-attention model's attention (`probe_attention`)."""
+def load_hf_policy(cfg: ModelConfig, adapter: str, *, dtype: torch.dtype = torch.float32,
+                   device: str | torch.device = "cpu", check_attention: bool | None = None) -> HFPolicy:
+    """Load `cfg.path` (a local directory or a Hub name) with the named adapter (`cfg.adapter`
+    may be auto: `adapter` is the resolved one); `cfg.dtype` and `cfg.device` are read by the
+    caller, which passes them resolved. A policy saved by stabledrl keeps the settings it was
+    saved with unless `cfg` names them (``chat_template`` and ``prompt_attention`` auto and
+    ``stop_tokens`` empty take the saved ones). `check_attention` (None: `cfg.check_attention`):
+    probe a full-attention model's attention (`probe_attention`)."""
     from transformers import AutoModel, AutoModelForCausalLM, AutoModelForMaskedLM, AutoTokenizer
 
     if adapter not in ADAPTERS:
         raise ValueError(f"adapter must be one of {ADAPTERS}, got {adapter!r}")
+    path, mask_token_id, block_size, shift_logits = cfg.path, cfg.mask_token_id, cfg.block_size, cfg.shift_logits
+    trust_remote_code, stop_tokens = cfg.trust_remote_code, tuple(cfg.stop_tokens)
+    chat_template = None if cfg.chat_template == "auto" else cfg.chat_template
+    prompt_attention = None if cfg.prompt_attention == "auto" else cfg.prompt_attention
+    check_attention = cfg.check_attention if check_attention is None else check_attention
     auto = {"llada": AutoModel, "dream": AutoModel, "masked_lm": AutoModelForMaskedLM,
             "decoder": AutoModelForCausalLM}[adapter]
     saved = Path(path) / ADAPTER_FILE
@@ -362,7 +357,7 @@ def load_hf_policy(
     _compat.fit_no_split_modules(model)
     policy = HFPolicy(model, tokenizer, adapter, mask_id, block_size=block_size, shift_logits=shift,
                       trust_remote_code=remote, chat_template=chat_template, stop_tokens=tuple(stop_tokens),
-                      prompt_attention=prompt_attention, gradient_checkpointing=gradient_checkpointing)
+                      prompt_attention=prompt_attention, gradient_checkpointing=cfg.gradient_checkpointing)
     if check_attention and policy.attention_kind == "full" and _compat.weights_loaded_here():
         code = type(model).__module__.rsplit(".", 1)[-1] + ".py" if remote else type(model).__name__
         with _compat.gathered_parameters(model):  # partitioned where ZeRO-3 loaded it

@@ -1,62 +1,19 @@
-"""Attention masks for block-diffusion models (docs/methods.md, "Policy interface").
+"""Attention masks and position ids for block-diffusion models.
 
-A block-diffusion model (BD3-LM, Arriola et al. 2025; SDAR; TraDo) reads a sequence in
-blocks of S slots: a block attends to the earlier blocks and to itself (bidirectionally),
-never to later blocks. Where the *prompt's* blocks fall is a property of the model,
-``prompt_attention`` (`PROMPT_ATTENTION`):
+A block-diffusion model (BD3-LM, SDAR, TraDo) reads a sequence in blocks of S slots; a
+block attends to the earlier blocks and to itself, never to later ones. This module builds
+the boolean masks every block policy needs, in one place so that the sampler, the
+likelihood and SFT agree:
 
-- ``bidirectional`` (stabledrl's tiny block models, trained this way): the prompt is one
-  block, attending to itself both ways; the completion's blocks start at its first slot.
-- ``sequence_blocks`` (SDAR and TraDo, the decoder adapter's default): the whole sequence
-  [q ; y] is cut into blocks of S counted from its first real token. The prompt is
-  block-causal, and its last, partial block is completed by the first S − r completion
-  slots (r = prompt length mod S): the prompt's tail and those slots form one block, that
-  is denoised together (the tail as clean context inside the noisy block). Read from the
-  published code:
-  SDAR's sampler (JetAstra/SDAR ``generate.py``, ``block_diffusion_generate``): positions
-  0, 1, ...; the mask is ``tril`` over blocks of S expanded to tokens; the floor(P/S)
-  whole prompt blocks are prefilled into the KV cache, and the first decoded block is
-  ``x[floor(P/S)·S : (floor(P/S)+1)·S]``, the prompt's remainder followed by masks (only
-  the masks are ever written). SDAR's SFT loss (``training/model/SDAR-8B-Chat/
-  modeling_sdar.py``, ``block_diff_mask`` over each packed sample of [x_t ; x_0], blocks
-  ``q_idx // block_size`` from the sample's first token, prompt tokens never noised): the
-  same blocks in training. TraDo's rollouts (Gen-Verse/dLLM-RL ``sample/jetengine_ext/
-  engine/sequence.py``: ``num_prefill_tokens = (P // S)·S``, the first denoised block is
-  the prompt's remainder plus masks; ``kernels/triton/attention/
-  block_prefill_attention_v2.py``: staircase bands of S from each sequence's start).
-  Neither pads a prompt (one sequence, or variable-length batches); here left padding is
-  hidden and positions and blocks count real tokens only, which gives every row what it
-  would get alone.
-- ``prompt_blocks`` (dLLM-RL's trainers for SDAR/TraDo, ``train/rl_trado.py``,
-  ``rl_sdar.py``, ``sft_trado.py``: ``make_basic_block_attention`` and ``process_pad``):
-  the left-padded prompt is cut into blocks of S that *end* where it ends (its first block
-  is the partial one), padding keys hidden, positions counted over real tokens; the
-  completion's blocks start at its first slot. That repository trains with it, while its
-  own rollouts (above) share the prompt's tail with the first block whenever S does not
-  divide the prompt length.
+- where the prompt's blocks fall, per model (``prompt_attention``: ``bidirectional``,
+  ``sequence_blocks``, ``prompt_blocks``), and the block ids of [q ; y];
+- the block-causal mask over [q ; y] (sampling, SFT);
+- the staircase mask over [q ; y ; q̃ ; ỹ], which computes every block's denoising term in
+  one forward pass, equal to separate block-causal passes over [q ; y_<b ; ỹ_b].
 
-Block ids (`block_ids`) number the blocks of [q ; y] per row; a query may attend to a real
-key whose block id is not larger than its own (`block_causal_attention_mask`).
-
-**Staircase attention** computes every block's denoising term in one forward pass over
-[q ; y ; q̃ ; ỹ]: y the clean completion, ỹ its noised copy, q̃ a copy of the last W prompt
-columns (W = min(P, S − 1) under ``sequence_blocks``, else 0: no columns), each copy with
-the position ids of what it copies. The copies q̃ that share the completion's first block
-are that block's noisy view of the prompt's tail (their tokens are the prompt's: it is
-never noised); the other copies are inert (no query attends to them). Allowed attention
-(True where query i may attend to key j):
-
-    clean (q, y) of block b   → clean columns of blocks ≤ b
-    noisy (q̃, ỹ) of block b   → clean columns of blocks < b, noisy columns of block b
-
-The noisy-to-clean part is strictly block-lower-triangular: the staircase. Logits read at
-ỹ_b equal those of a separate pass over [q ; y_<b ; ỹ_b] with the block-causal mask
-(under ``sequence_blocks`` the pass's prompt tail is then read against ỹ_b, as the noisy
-copy is). With W = 0 the layout is [q ; y ; ỹ].
-
-Masks are boolean and hide left-padding keys. Completion blocks (`completion_blocks`) are
-numbered 0, 1, ... per row from the completion's first slot; the first is shorter by the
-row's `block_offset` (the prompt tokens it holds), the last is cut at L.
+Masks are boolean (True: query i may attend to key j) and hide left-padding keys.
+docs/methods.md, "Block attention masks", gives each layout and the published code of
+SDAR and dLLM-RL it was read from; "Policy interface" how policies use them.
 
 Shapes: B batch, P prompt columns, L completion slots, S block size, W prompt tail copies.
 """

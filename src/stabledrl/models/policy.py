@@ -214,12 +214,7 @@ def _load_policy(model: str | Path | ModelConfig, *, device: str | torch.device 
         _record_base_path(tiny, path)
         return TinyPolicy(tiny, PreTrainedTokenizerFast.from_pretrained(path), chat_template=chat_template,
                           stop_tokens=tuple(cfg.stop_tokens))
-    policy = load_hf_policy(path if path.exists() else cfg.path, adapter, mask_token_id=cfg.mask_token_id,
-                            block_size=cfg.block_size, shift_logits=cfg.shift_logits, dtype=dtype, device=device,
-                            trust_remote_code=cfg.trust_remote_code, chat_template=chat_template,
-                            stop_tokens=cfg.stop_tokens,
-                            prompt_attention=None if cfg.prompt_attention == "auto" else cfg.prompt_attention,
-                            gradient_checkpointing=cfg.gradient_checkpointing, check_attention=check_attention)
+    policy = load_hf_policy(cfg, adapter, dtype=dtype, device=device, check_attention=check_attention)
     if path.exists():
         _record_base_path(policy.model, path)
     return policy

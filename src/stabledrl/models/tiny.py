@@ -34,33 +34,49 @@ from transformers.modeling_outputs import MaskedLMOutput
 __all__ = ["TinyDiffusionConfig", "TinyDiffusionLM", "KVCache"]
 
 
+# The fields of `TinyDiffusionConfig` and their defaults; `intermediate_size=None` means 4 * hidden_size.
+_CONFIG_DEFAULTS: dict[str, object] = {
+    "vocab_size": 32,
+    "hidden_size": 192,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 6,
+    "intermediate_size": None,
+    "max_position_embeddings": 256,
+    "rope_theta": 10000.0,
+    "rms_norm_eps": 1e-6,
+    "initializer_range": 0.02,
+    "attention_kind": "full",  # "full" or "block"
+    "block_size": None,
+    "mask_token_id": None,
+}
+
+
 class TinyDiffusionConfig(PretrainedConfig):
-    """Configuration of `TinyDiffusionLM`.
+    """Configuration of `TinyDiffusionLM`: keyword arguments named in `_CONFIG_DEFAULTS`
+    (the rest, e.g. ``pad_token_id``, go to `PretrainedConfig`).
 
     `mask_token_id` is required: the diffusion process needs to know which token is M.
     """
 
     model_type = "stabledrl-tiny-diffusion"
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    intermediate_size: int
+    max_position_embeddings: int
+    rope_theta: float
+    rms_norm_eps: float
+    initializer_range: float
+    attention_kind: Literal["full", "block"]
+    block_size: int | None
+    mask_token_id: int | None
 
-    def __init__(
-        self,
-        vocab_size: int = 32,
-        hidden_size: int = 192,
-        num_hidden_layers: int = 4,
-        num_attention_heads: int = 6,
-        intermediate_size: int | None = None,
-        max_position_embeddings: int = 256,
-        rope_theta: float = 10000.0,
-        rms_norm_eps: float = 1e-6,
-        initializer_range: float = 0.02,
-        attention_kind: Literal["full", "block"] = "full",
-        block_size: int | None = None,
-        mask_token_id: int | None = None,
-        pad_token_id: int | None = None,
-        bos_token_id: int | None = None,
-        eos_token_id: int | None = None,
-        **kwargs,
-    ) -> None:
+    def __init__(self, **kwargs) -> None:
+        # Keyword arguments only, filled from a table: `from_dict` calls cls(**config_dict).
+        fields = {name: kwargs.pop(name, default) for name, default in _CONFIG_DEFAULTS.items()}
+        hidden_size, num_attention_heads = fields["hidden_size"], fields["num_attention_heads"]
+        attention_kind, block_size = fields["attention_kind"], fields["block_size"]
         if hidden_size % num_attention_heads:
             raise ValueError(
                 f"hidden_size ({hidden_size}) must be divisible by num_attention_heads ({num_attention_heads})"
@@ -71,24 +87,13 @@ class TinyDiffusionConfig(PretrainedConfig):
             raise ValueError(f"attention_kind must be 'full' or 'block', got {attention_kind!r}")
         if attention_kind == "block" and not (block_size and block_size > 0):
             raise ValueError("attention_kind='block' needs a positive block_size")
-        self.vocab_size = vocab_size
-        self.hidden_size = hidden_size
-        self.num_hidden_layers = num_hidden_layers
-        self.num_attention_heads = num_attention_heads
-        self.intermediate_size = intermediate_size or 4 * hidden_size
-        self.max_position_embeddings = max_position_embeddings
-        self.rope_theta = rope_theta
-        self.rms_norm_eps = rms_norm_eps
-        self.initializer_range = initializer_range
-        self.attention_kind = attention_kind
-        self.block_size = block_size
-        self.mask_token_id = mask_token_id
+        fields["intermediate_size"] = fields["intermediate_size"] or 4 * hidden_size
+        for name, value in fields.items():
+            setattr(self, name, value)
         # The output head is its own matrix. transformers 4.x ties it to the embedding unless told
         # not to (5.x ties only declared pairs): a checkpoint would then load one into the other.
         kwargs.setdefault("tie_word_embeddings", False)
-        super().__init__(
-            pad_token_id=pad_token_id, bos_token_id=bos_token_id, eos_token_id=eos_token_id, **kwargs
-        )
+        super().__init__(**kwargs)
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -212,7 +217,26 @@ class TinyDiffusionLM(PreTrainedModel):
         `loss` (no diffusion weighting: see `stabledrl.sft`)."""
         B, T = input_ids.shape
         cached = past_key_values is not None and len(past_key_values) > 0
-        Tc = len(past_key_values) if cached else 0
+        self._check_inputs(attention_mask, position_ids, cached)
+        past = past_key_values if cached else None
+        mask, position_ids = self._sdpa_mask(input_ids, attention_mask, position_ids, past)
+        if position_ids is None:
+            position_ids = torch.arange(T, device=input_ids.device).expand(B, T)
+        angles = position_ids[:, None, :, None].float() * self.inv_freq  # (B, 1, T, Dh/2)
+        cos, sin = angles.cos(), angles.sin()
+        if extend_cache and past_key_values is None:
+            raise ValueError("extend_cache needs a KVCache in past_key_values")
+        x = self._run_blocks(self.embed(input_ids), cos, sin, mask, past, past_key_values if extend_cache else None)
+        logits = self.lm_head(self.norm(x))  # (B, T, V)
+        loss = None
+        if labels is not None:
+            loss = F.cross_entropy(logits.view(-1, logits.size(-1)).float(), labels.view(-1))
+        return MaskedLMOutput(loss=loss, logits=logits)
+
+    def _check_inputs(
+        self, attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None, cached: bool
+    ) -> None:
+        """Refuse the inputs whose layout the model would otherwise have to guess."""
         if self.config.attention_kind == "block" and (attention_mask is None or attention_mask.dim() == 2):
             raise ValueError(
                 "a block-attention model needs an explicit boolean (B, T, T) attention mask: build it with "
@@ -227,6 +251,17 @@ class TinyDiffusionLM(PreTrainedModel):
                 "stabledrl.models.attention.staircase_position_ids (for [q ; y ; ỹ]) or "
                 "stabledrl.data.position_ids (for [q ; y])"
             )
+
+    @staticmethod
+    def _sdpa_mask(
+        input_ids: torch.Tensor, attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None,
+        cache: KVCache | None,
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """SDPA's boolean mask (B, 1, T, Tc+T) (None: attend to everything) and the position
+        ids, counted over the real tokens when a (B, T) mask is given without them; `cache`
+        is the non-empty cache the new tokens attend to, if any."""
+        B, T = input_ids.shape
+        Tc = len(cache) if cache is not None else 0
         mask = None
         if attention_mask is not None:
             if attention_mask.dim() == 2:
@@ -243,33 +278,30 @@ class TinyDiffusionLM(PreTrainedModel):
             eye = torch.eye(T, dtype=torch.bool, device=input_ids.device)
             mask = mask | torch.cat([eye.new_zeros(T, Tc), eye], dim=1)
             mask = mask[:, None]  # (B, 1, T, Tc+T)
-        elif cached:
+        elif cache is not None:
             raise ValueError("an attention_mask is required with a KV cache")
-        if position_ids is None:
-            position_ids = torch.arange(T, device=input_ids.device).expand(B, T)
-        angles = position_ids[:, None, :, None].float() * self.inv_freq  # (B, 1, T, Dh/2)
-        cos, sin = angles.cos(), angles.sin()
-        if extend_cache and past_key_values is None:
-            raise ValueError("extend_cache needs a KVCache in past_key_values")
-        x = self.embed(input_ids)  # (B, T, D)
+        return mask, position_ids
+
+    def _run_blocks(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None,
+        past: KVCache | None, extend: KVCache | None,
+    ) -> torch.Tensor:
+        """The blocks over embeddings `x` (B, T, D), attending to the cached keys of `past`
+        (non-empty, or None); the new keys and values replace `extend`'s layers (None: kept nowhere)."""
         new_layers = []
         for i, block in enumerate(self.blocks):
-            past = past_key_values.layers[i] if cached else None
+            layer_past = past.layers[i] if past is not None else None
             if self.gradient_checkpointing and torch.is_grad_enabled():
                 # Keep only the block's input; its activations are recomputed in the backward.
                 # Unlike transformers' layers, also in eval mode: the RL update runs in eval mode.
-                x, kv = checkpoint(block, x, cos, sin, mask, past, use_reentrant=False)
+                x, kv = checkpoint(block, x, cos, sin, mask, layer_past, use_reentrant=False)
             else:
-                x, kv = block(x, cos, sin, mask, past)
+                x, kv = block(x, cos, sin, mask, layer_past)
             # Keep a layer's keys and values only for the cache: v is a view of the whole qkv
             # output, so holding them would keep 3D + D values per token and layer to the end.
-            if extend_cache:
+            if extend is not None:
                 new_layers.append(kv)
             del kv
-        if extend_cache:
-            past_key_values.layers = new_layers
-        logits = self.lm_head(self.norm(x))  # (B, T, V)
-        loss = None
-        if labels is not None:
-            loss = F.cross_entropy(logits.view(-1, logits.size(-1)).float(), labels.view(-1))
-        return MaskedLMOutput(loss=loss, logits=logits)
+        if extend is not None:
+            extend.layers = new_layers
+        return x

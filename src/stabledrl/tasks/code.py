@@ -1,29 +1,21 @@
 """Code: write a Python function that passes hidden tests (HumanEval and MBPP).
 
 HumanEval rows (Chen et al., 2021)  ``{task_id, prompt, canonical_solution, test, entry_point}``:
-the prompt is a signature and docstring; the program is prompt + completion + test +
-``check(entry_point)``. A completion that redefines ``def entry_point(`` at the left
-margin is taken as the whole function (it follows the prompt, replacing its stub);
-otherwise it continues the prompt (the function body).
+the program is prompt + completion + test + ``check(entry_point)``; a completion that
+redefines ``def entry_point(`` at the left margin is the whole function (it replaces the
+prompt's stub), otherwise it continues the prompt.
 MBPP rows (Austin et al., 2021)  ``{task_id, text, code, test_list, test_setup_code?}``
-(the sanitized variant's "prompt" and "test_imports" work too): the program is the setup
-code + completion + the asserts of test_list. `schema="auto"` tells them apart by columns.
+(or the sanitized variant's "prompt" and "test_imports"): the program is the setup code +
+completion + the asserts of test_list. `schema="auto"` tells them apart by columns.
 The completion's code is its first fenced block (```python ... ```) if it has one, else
 the whole text. Local files and Hub names work as for gsm8k (`path` with "{split}").
 
 Reward: 1.0 if the program runs to its end in `stabledrl.sandbox.run_python` (exit status
-0 and a random token printed after the last test), else 0.0. The token defeats the cheap
-hack of exiting with status 0 from inside the function (``sys.exit(0)``, ``os._exit(0)``:
-reason "early exit"); a program that reads its own source to find the token could still
-fake a pass (it runs in the same process as the tests).
-
-The reason ("ok", "timeout", "memory", "assertion failed", "syntax error", "network
-refused", "write refused", "process limit", "early exit", ...) is logged on the
-``stabledrl.tasks.code`` logger (limits, refusals and early exits at WARNING, the rest at
-INFO) and kept in `last_reasons` for the last `reward` (or `scores`) batch; it is also each
-`Score`'s reason, and `score_with_reason` returns it for one completion. Programs of a batch
-run `workers` at a time. Never raises, and leaves no processes or files behind (the
-sandbox's guarantee).
+0 and a random token printed after the last test), else 0.0. The reason ("ok", "timeout",
+"assertion failed", "early exit", ...) is each `Score`'s reason, kept in `last_reasons` for
+the last batch and logged. Programs of a batch run `workers` at a time. Never raises, and
+leaves no processes or files behind. Why the token, the reasons and how they are logged:
+docs/methods.md, "Tasks: Countdown and code".
 """
 
 from __future__ import annotations

@@ -3,22 +3,15 @@
 Prompt  ``"3,5,7=22"`` (the numbers in ascending order, then the target).
 Answer  ``"3*5+7"``: an arithmetic expression using every given number exactly once.
 
-Arithmetic is exact (`fractions.Fraction`): intermediate values may be fractions, the
-target is an integer in [1, max_target]. The splits (train, validation, test) are by
-number multiset, so no test or validation problem shares its numbers with a training
-problem or with each other.
+Arithmetic is exact (`fractions.Fraction`); the target is an integer in [1, max_target].
+The splits (train, validation, test) are by number multiset. A problem's `answer` (the SFT
+target) is the canonical solution with ``answers="canonical"``, or one of all the distinct
+solutions, drawn afresh, with ``answers="random"``.
 
-A problem's `answer` (the SFT target) is the canonical solution (fewest parentheses,
-then the lexicographically smallest text) with ``answers="canonical"``; with
-``answers="random"`` it is one of all the distinct solution texts, drawn afresh each
-time the problem is generated, so a model trained on it learns every way to the target
-and its samples disagree (room for RL to choose among them).
-
-Reward (docs/methods.md, "Rewards"): 1.0 for a correct expression; 0.1 for a
-well-formed expression that is wrong (wrong value, numbers missing, reused or unknown,
-division by zero); 0.0 for anything that does not parse (junk, unary minus, ``**``,
-leading zeros, text longer than 64 chars, a non-string).
-Model text is parsed by a small recursive-descent parser, never evaluated by Python.
+Reward: 1.0 for a correct expression; 0.1 for a well-formed expression that is wrong;
+0.0 for anything that does not parse. Model text is parsed by a small recursive-descent
+parser, never evaluated by Python. The details (what "canonical" means, what parses):
+docs/methods.md, "Tasks: Countdown and code".
 """
 
 from __future__ import annotations
@@ -61,64 +54,67 @@ def parse_expression(text: str) -> tuple[Fraction | None, list[int]]:
         raise _ParseError("empty expression")
     if len(s) > MAX_EXPRESSION_CHARS:
         raise _ParseError(f"expression longer than {MAX_EXPRESSION_CHARS} characters")
-    tokens = _TOKEN.findall(s)  # numbers, and every other non-space character alone
-    pos = 0
-    literals: list[int] = []
-    zero_division = False
+    parser = _Parser(_TOKEN.findall(s))  # numbers, and every other non-space character alone
+    value = parser.expr()
+    if parser.pos != len(parser.tokens):
+        raise _ParseError(f"unexpected {parser.tokens[parser.pos]!r} at token {parser.pos}")
+    return (None if parser.zero_division else value), parser.literals
 
-    def peek() -> str:
-        return tokens[pos] if pos < len(tokens) else ""
 
-    def expr() -> Fraction:  # expr := term (('+' | '-') term)*
-        nonlocal pos
-        value = term()
-        while peek() in ("+", "-"):
-            op = tokens[pos]
-            pos += 1
-            rhs = term()
+class _Parser:
+    """Recursive descent over the tokens; one method per grammar rule."""
+
+    def __init__(self, tokens: list[str]):
+        self.tokens = tokens
+        self.pos = 0
+        self.literals: list[int] = []
+        self.zero_division = False
+
+    def peek(self) -> str:
+        return self.tokens[self.pos] if self.pos < len(self.tokens) else ""
+
+    def expr(self) -> Fraction:  # expr := term (('+' | '-') term)*
+        value = self.term()
+        while self.peek() in ("+", "-"):
+            op = self.tokens[self.pos]
+            self.pos += 1
+            rhs = self.term()
             value = value + rhs if op == "+" else value - rhs
         return value
 
-    def term() -> Fraction:  # term := factor (('*' | '/') factor)*
-        nonlocal pos, zero_division
-        value = factor()
-        while peek() in ("*", "/"):
-            op = tokens[pos]
-            pos += 1
-            rhs = factor()
+    def term(self) -> Fraction:  # term := factor (('*' | '/') factor)*
+        value = self.factor()
+        while self.peek() in ("*", "/"):
+            op = self.tokens[self.pos]
+            self.pos += 1
+            rhs = self.factor()
             if op == "*":
                 value = value * rhs
             elif rhs == 0:
-                zero_division = True
+                self.zero_division = True
                 value = Fraction(0)  # keep parsing to decide well-formedness
             else:
                 value = value / rhs
         return value
 
-    def factor() -> Fraction:  # factor := NUMBER | '(' expr ')'
-        nonlocal pos
-        tok = peek()
+    def factor(self) -> Fraction:  # factor := NUMBER | '(' expr ')'
+        tok = self.peek()
         if tok == "(":
-            pos += 1
-            value = expr()
-            if peek() != ")":
-                raise _ParseError(f"expected ')' at token {pos}")
-            pos += 1
+            self.pos += 1
+            value = self.expr()
+            if self.peek() != ")":
+                raise _ParseError(f"expected ')' at token {self.pos}")
+            self.pos += 1
             return value
         if not (tok and tok[0] in "0123456789"):
-            raise _ParseError(f"expected a number at token {pos}, got {tok!r}")
+            raise _ParseError(f"expected a number at token {self.pos}, got {tok!r}")
         if len(tok) > MAX_LITERAL_DIGITS:
             raise _ParseError("number literal too long")
         if len(tok) > 1 and tok[0] == "0":
             raise _ParseError(f"leading zero in {tok!r}")
-        pos += 1
-        literals.append(int(tok))
+        self.pos += 1
+        self.literals.append(int(tok))
         return Fraction(int(tok))
-
-    value = expr()
-    if pos != len(tokens):
-        raise _ParseError(f"unexpected {tokens[pos]!r} at token {pos}")
-    return (None if zero_division else value), literals
 
 
 # --- solver -------------------------------------------------------------------------
