@@ -48,7 +48,7 @@ def test_the_sampling_flags_are_the_fields_of_sampling_config_under_the_document
     named = {f.name for f in dataclasses.fields(SamplingConfig)} - {"micro_batch", "engine", "engine_options"}
     assert set(flags) == named  # one flag per field: a new field gets its flag
     assert flags["threshold"].help.startswith(field_docs(SamplingConfig)["threshold"])
-    assert flags["noise"].choices == ("generator", "counter")
+    assert flags["noise"].choices == ("auto", "generator", "counter")
 
 
 def test_eval_sorts_batches_by_prompt_length_when_asked(saved_model, tmp_path, monkeypatch):

@@ -31,6 +31,16 @@ def test_preset_loads_and_its_model_exists(path):
         assert (root / cfg.model.path / "config.json").is_file(), f"{path.name}: {cfg.model.path} does not ship"
 
 
+def test_the_tiny_presets_keep_the_drift_diagnostic_that_the_default_turns_off():
+    # Their runs, reports and figures were made with the reference copy on; a real model's
+    # recipe leaves it off (a second model on every GPU), as the default does.
+    tiny = [p for p in CONFIGS if p.name.startswith(("countdown-", "sudoku-"))]
+    assert len(tiny) >= 10
+    assert all(load_config(TrainConfig, p).drift_kl for p in tiny)
+    assert not TrainConfig().drift_kl
+    assert not any(load_config(TrainConfig, p).drift_kl for p in CONFIGS if p.stem in RECIPES)
+
+
 @pytest.mark.parametrize("name", ["ddp", "fsdp", "deepspeed-zero3"])
 def test_accelerate_example_configs_load(name):
     from accelerate.commands.config.config_args import load_config_from_file

@@ -361,3 +361,27 @@ def test_synced_micro_batches_make_the_calls_of_the_largest_share():
                                                    num_calls=micro_batch_calls(5, 2)))
     assert policy.calls == 3 * 9
     assert torch.equal(padded.completion_ids, alone.completion_ids)
+
+
+@pytest.mark.parametrize("kind", ["tiny", "sdar"])
+def test_a_block_model_decodes_in_its_own_blocks_by_default(kind, tmp_path):
+    # Evaluation's default sampling (block_length unset) on a block model: the tokens of its
+    # blocks of 4 named (and, for the tiny model, whose blocks start at the completion, in order).
+    if kind == "tiny":
+        policy = make_tiny_policy(seed=15, attention_kind="block", block_size=4)
+    else:  # the decoder adapter, its block size read from the SDAR stand-in's config
+        from stabledrl.settings import ModelConfig
+        from stabledrl.models.policy import load_policy
+        from tests.models.test_adapters import save_stand_ins
+
+        policy = load_policy(ModelConfig(path=str(save_stand_ins(tmp_path)["sdar"])))
+    assert policy.attention_kind == "block" and policy.block_size == 4
+    _, default = _run(policy, gen_length=8, steps=8, temperature=1.0, generator=row_generators("blk", 0, len(PROMPTS)))
+    _, named = _run(policy, gen_length=8, steps=8, temperature=1.0, block_length=4,
+                    generator=row_generators("blk", 0, len(PROMPTS)))
+    assert torch.equal(default.completion_ids, named.completion_ids)
+    assert torch.equal(default.unmask_step, named.unmask_step)
+    if kind == "sdar":  # its blocks count from the sequence's first token (prompt_attention sequence_blocks)
+        return
+    done = default.unmask_step  # (B, 8): every slot of block 0 committed before any of block 1
+    assert (done[:, :4] >= 0).all() and (done[:, :4].amax(1)[:, None] <= torch.where(done[:, 4:] >= 0, done[:, 4:], 99)).all()

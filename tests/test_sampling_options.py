@@ -3,6 +3,7 @@ one-line errors from `SamplingConfig`, the one place they are checked."""
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -59,7 +60,7 @@ def test_the_sampler_step_is_the_rule_written_out(monkeypatch, block, remasking)
     (dict(micro_batch=0), "sampling.micro_batch must be a positive integer or null, got 0"),
     (dict(temperature=-1.0), "sampling.temperature must be >= 0, got -1.0"),
     (dict(remasking="lowest"), "sampling.remasking must be one of low_confidence, random; got 'lowest'"),
-    (dict(noise="cuda"), "sampling.noise must be one of generator, counter; got 'cuda'"),
+    (dict(noise="cuda"), "sampling.noise must be one of auto, generator, counter; got 'cuda'"),
     (dict(approx_cache="full"), "sampling.approx_cache must be one of none, prefix, dual; got 'full'"),
     (dict(threshold=0.0), "sampling.threshold must be in (0, 1] or null, got 0.0"),
     (dict(threshold=0.9, remasking="random"), "set remasking: low_confidence or threshold: null"),
@@ -68,3 +69,29 @@ def test_bad_sampling_options_are_one_line_errors(kw, message):
     with pytest.raises(ConfigError) as e:
         SamplingConfig(**kw)
     assert str(e.value) == message or message in str(e.value)
+
+
+@pytest.mark.parametrize("vocab, chosen", [(None, "generator"), (32_768, "counter")])
+def test_auto_noise_is_counter_noise_from_a_vocabulary_of_32k_tokens(vocab, chosen):
+    # The character model (a few dozen tokens) keeps the generator stream of every figure; the same
+    # model with a 32,768-token output layer gets counter noise. The two streams write other tokens,
+    # so each comparison can fail.
+    policy = make_tiny_policy(seed=5, **({} if vocab is None else dict(vocab_size=vocab)))
+    ids, mask = encode_prompts(policy.tokenizer, PROMPTS)
+    out = {}
+    for noise in ("auto", "generator", "counter"):
+        options = SamplingConfig(gen_length=9, temperature=1.0, noise=noise)
+        out[noise] = generate(policy, ids, mask, options, generator=row_generators("auto", 0, 4)).completion_ids
+    other = {"generator": "counter", "counter": "generator"}[chosen]
+    assert torch.equal(out["auto"], out[chosen])
+    assert not torch.equal(out["auto"], out[other])
+    assert SamplingConfig().noise == "auto"
+
+
+def test_auto_noise_reads_the_vocabulary_through_a_ddp_wrapper():
+    policy = make_tiny_policy(vocab_size=40_000)
+    wrapped = copy.copy(policy)
+    wrapped.model = torch.nn.Module()
+    wrapped.model.module = policy.model  # what DDP and DeepSpeed's engine hold: no `config` of their own
+    assert sampling.resolve_noise(wrapped, SamplingConfig()).noise == "counter"
+    assert sampling.resolve_noise(make_tiny_policy(), SamplingConfig()).noise == "generator"

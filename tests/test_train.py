@@ -90,7 +90,7 @@ def _losses(path):
 def test_a_short_run_changes_parameters_and_logs_every_diagnostic(init_model, tmp_path, objective, estimator):
     # keep: a step whose groups all tie still logs its loss row
     cfg = _cfg(init_model, tmp_path / "run", steps=2, objective=objective, estimator=estimator, masks="independent",
-               zero_variance_groups="keep", update_norm=True)
+               zero_variance_groups="keep", update_norm=True, drift_kl=True)
     summary = run_train(cfg, progress=False)
     step_rows = _changed_weights_and_step_rows(init_model, tmp_path / "run")
     assert len(step_rows) == 2
@@ -347,11 +347,16 @@ def test_zero_variance_groups_are_kept_skipped_or_resampled(init_model, tmp_path
         assert resampled > 0 and rows[0]["groups_used"] > sum(map(task.informative, task.generate(P, seed=0)))
 
 
-def test_without_the_drift_diagnostic_no_reference_copy_is_loaded(init_model, tmp_path, monkeypatch):
+def test_by_default_no_reference_copy_is_loaded(init_model, tmp_path, monkeypatch):
+    # The default config (drift_kl off, beta 0) loads the model once: the policy only.
+    loads = []
+    real = training_run.load_policy
+    monkeypatch.setattr(training_run, "load_policy", lambda *a, **k: loads.append(a) or real(*a, **k))
     runs = []
     _capturing_set_up(monkeypatch, runs)
-    run_train(_cfg(init_model, tmp_path / "a", steps=1, drift_kl=False, zero_variance_groups="keep"), progress=False)
-    assert runs[-1].reference is None  # the policy only
+    assert not TrainConfig().drift_kl and not TrainConfig().objective.needs_reference
+    run_train(_cfg(init_model, tmp_path / "a", steps=1, zero_variance_groups="keep"), progress=False)
+    assert runs[-1].reference is None and len(loads) == 1
     rows = [json.loads(x) for x in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
     assert "loss" in rows[1] and "drift_kl" not in rows[1]
     # A KL term needs the reference whatever the diagnostic says: a second copy, frozen.
@@ -365,7 +370,7 @@ def test_without_the_drift_diagnostic_no_reference_copy_is_loaded(init_model, tm
     # With LoRA the reference is the base model (adapters off): no copy, and not scored unless read.
     run_train(_cfg(init_model, tmp_path / "c", steps=1, drift_kl=False, lora={"r": 4}), progress=False)
     assert runs[-1].reference is None
-    run_train(_cfg(init_model, tmp_path / "d", steps=1, lora={"r": 4}), progress=False)
+    run_train(_cfg(init_model, tmp_path / "d", steps=1, drift_kl=True, lora={"r": 4}), progress=False)
     assert runs[-1].reference is not None and runs[-1].reference.model is runs[-1].policy.model
 
 
@@ -511,7 +516,7 @@ def test_bf16_mixed_precision_computes_in_bf16_and_keeps_a_1e_6_step(init_model,
 
     _capturing_set_up(monkeypatch, [], then=watch)
     run_train(_cfg(init_model, tmp_path / "r", steps=1, mu=1, lr=1e-6, mixed_precision="bf16",
-                   zero_variance_groups="keep"), progress=False)
+                   zero_variance_groups="keep", drift_kl=True), progress=False)
     assert dtypes == {torch.bfloat16}
     assert next(r for r in metric_rows(tmp_path / "r") if "drift_kl" in r)["drift_kl"] == 0.0
     before = load_file(init_model / "model.safetensors")
@@ -642,7 +647,7 @@ def test_a_run_whose_completions_end_at_pad_trains_when_pad_is_a_stop_token(init
 def test_a_run_logs_a_sample_table_at_every_evaluation_and_a_nonnegative_drift(init_model, tmp_path):
     # steps 4, eval_every 2: evaluations at steps 0 (initial), 2 and 4 (final), eval_n 4 problems each
     out = tmp_path / "run"
-    run_train(_cfg(init_model, out, eval_every=2), progress=False)
+    run_train(_cfg(init_model, out, eval_every=2, drift_kl=True), progress=False)
     samples = [json.loads(x) for x in (out / "samples.jsonl").read_text().splitlines()]
     assert [s["step"] for s in samples] == [0] * 4 + [2] * 4 + [4] * 4
     assert all(set(s) == {"step", "prompt", "completion", "reward", "correct"} for s in samples)

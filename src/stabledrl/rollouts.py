@@ -72,14 +72,16 @@ def roll_groups(policy, task, problems: list, *, group_size: int, sampling: Samp
     n = len(group_problems)
     p_ids, p_mask = encode_policy_prompts(policy, [p.prompt for p in group_problems])  # (n·G, Lp) all rows
     start, end = shards.bounds(n)
+    k = end - start  # this process's rows; with none (n < processes) it rolls row 0 out and drops it,
+    lo, hi = (0, 1) if k == 0 else (start, end)  # so that processes with sharded parameters make the same calls
     dev = policy.device
     calls = micro_batch_calls(-(-n // shards.world), sampling.micro_batch)  # the largest share's (synced: collectives)
-    roll = roll_out(RolloutRequest(policy, p_ids[start:end].to(dev), p_mask[start:end].to(dev), gen_length,
-                                   row_generators(tag, start, end), sampling, micro_batch=sampling.micro_batch,
+    roll = roll_out(RolloutRequest(policy, p_ids[lo:hi].to(dev), p_mask[lo:hi].to(dev), gen_length,
+                                   row_generators(tag, lo, hi), sampling, micro_batch=sampling.micro_batch,
                                    synced=shards.synced, num_calls=calls))
-    texts = decode_policy_completions(policy, roll.completion_ids.cpu())
+    texts = decode_policy_completions(policy, roll.completion_ids[:k].cpu())
     rewards = torch.tensor(task.reward(texts, group_problems[start:end]), dtype=torch.float32)  # (share,)
-    ids, mask, order, rewards, entropy = (shards.gather(x.to(dev), n).cpu() for x in (
+    ids, mask, order, rewards, entropy = (shards.gather(x[:k].to(dev), n).cpu() for x in (
         roll.completion_ids, roll.completion_mask, roll.unmask_step, rewards, roll.entropy))
     return RolloutBatch(p_ids, p_mask, ids, mask, order, problems=list(problems), rewards=rewards.view(-1, G),
                         entropy=entropy)

@@ -10,8 +10,8 @@ never written. Temperature is Gumbel-max with noise from explicit generators, on
 so a row's completion does not depend on its batch. Block models decode in their own blocks
 (``prompt_attention``, `stabledrl.models.attention`).
 
-Fast decoding, off by default (`SamplingConfig`): ``noise="counter"`` (device-side counter
-noise: other tokens, the same distribution), ``threshold`` (Fast-dLLM's parallel decoding),
+Fast decoding (`SamplingConfig`): ``noise="counter"`` (device-side counter noise: other
+tokens, the same distribution; the default at a vocabulary of 32k tokens up), ``threshold`` (Fast-dLLM's parallel decoding),
 ``approx_cache`` (Fast-dLLM's approximate KV caches of a full-attention model).
 
 Shapes: B batch, P prompt columns, L completion length, V vocabulary; a step runs on A rows
@@ -39,10 +39,10 @@ from stabledrl.models.attention import (
     tail_width,
 )
 from stabledrl.models.policy import Policy
-from stabledrl.settings import SamplingConfig  # defined without torch, for the command line
+from stabledrl.settings import COUNTER_NOISE_VOCAB, SamplingConfig  # defined without torch, for the command line
 
 __all__ = ["SamplingConfig", "GenerationOutput", "RolloutRequest", "generate", "generate_micro_batched",
-           "micro_batch_calls", "row_generators", "row_keys", "check_sampler", "counter_uniform", "categorical",
+           "micro_batch_calls", "row_generators", "row_keys", "check_sampler", "resolve_noise", "counter_uniform", "categorical",
            "concat_outputs"]
 
 
@@ -334,6 +334,16 @@ def check_sampler(policy: Policy, sampling: SamplingConfig) -> None:
                          f"logits), which {type(policy).__name__} lacks (the HF adapters have none): set it to 'none'")
 
 
+def resolve_noise(policy: Policy, sampling: SamplingConfig) -> SamplingConfig:
+    """`sampling` with ``noise: auto`` made concrete for `policy`: counter noise from a
+    vocabulary of `COUNTER_NOISE_VOCAB` tokens up, generator noise below."""
+    if sampling.noise != "auto":
+        return sampling
+    model = getattr(policy.model, "module", policy.model)  # DDP and DeepSpeed hide the model's config
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None) or len(policy.tokenizer)
+    return dataclasses.replace(sampling, noise="counter" if vocab >= COUNTER_NOISE_VOCAB else "generator")
+
+
 def _blocks(policy: Policy, L: int, steps: int, block_length: int | None) -> tuple[int, int]:
     """The block length and the number of blocks of `generate`, checked."""
     if policy.attention_kind == "block":
@@ -381,6 +391,7 @@ def generate(
     reproduce); else it is None. Same tokens either way."""
     if sampling.gen_length is None:
         raise ValueError("generate needs sampling.gen_length (a config's null means the task's completion_length)")
+    sampling = resolve_noise(policy, sampling)
     B, L = prompt_ids.size(0), sampling.gen_length
     steps = L if sampling.steps is None else sampling.steps
     block_length, num_blocks = _blocks(policy, L, steps, sampling.block_length)

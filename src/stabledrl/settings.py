@@ -17,7 +17,7 @@ from typing import Any, ClassVar, Literal, get_args
 
 from stabledrl.config import check
 
-__all__ = ["METHODS", "Method", "Noise", "ApproxCache", "MAX_MU", "ModelConfig", "LoraSettings", "SamplingConfig", "TaskConfig", "TinyModelConfig",
+__all__ = ["METHODS", "Method", "Noise", "COUNTER_NOISE_VOCAB", "ApproxCache", "MAX_MU", "ModelConfig", "LoraSettings", "SamplingConfig", "TaskConfig", "TinyModelConfig",
            "SFTConfig", "EstimatorConfig", "ObjectiveSection", "StableDRLConfig", "GRPOConfig", "WD1Config", "SPGConfig",
            "ObjectiveConfig", "TrainConfig"]
 
@@ -25,8 +25,11 @@ Method = Literal["mc", "sdmc", "mean_field", "exact", "blockwise", "path", "coup
 """The likelihood estimators (`stabledrl.likelihood`, whose `PLANNERS` has one planner for each)."""
 METHODS: tuple[str, ...] = get_args(Method)
 
-Noise = Literal["generator", "counter"]
+Noise = Literal["auto", "generator", "counter"]
 """Where the sampler's noise comes from (`SamplingConfig.noise`)."""
+
+COUNTER_NOISE_VOCAB = 32_768
+"""`noise: auto` draws counter noise from a vocabulary of this many tokens up (`SamplingConfig.noise`)."""
 ApproxCache = Literal["none", "prefix", "dual"]
 """Fast-dLLM's approximate caches of the full-attention sampler (`SamplingConfig.approx_cache`)."""
 
@@ -138,7 +141,10 @@ class SamplingConfig:
     steps: int | None = None
     """Denoising steps T; None = L (one slot per step)."""
     block_length: int | None = None
-    """Semi-autoregressive block size; None = one block of L (block models: their own block size)."""
+    """Semi-autoregressive block size. None: a block model (the tiny block models, the decoder
+    adapter: SDAR) decodes in its own blocks of `block_size`, and any other value is refused; a
+    full-attention model (LLaDA, Dream) decodes one block of L, as its checkpoint stores no block
+    convention of its own: their recipes set block_length and steps for rollouts and evaluation."""
     temperature: float = 0.0
     """Gumbel temperature; 0 = greedy."""
     remasking: Literal["low_confidence", "random"] = "low_confidence"
@@ -153,14 +159,19 @@ class SamplingConfig:
     call dropping the left padding its rows all have (prompts of very different lengths: GSM8K,
     MATH). Outputs in the given order; a row's tokens are the same but for rounding (a different
     number of hidden padding keys; `stabledrl.sampling.generate_micro_batched`)."""
-    noise: Noise = "generator"
+    noise: Noise = "auto"
     """Where the sampling noise comes from. generator: each row's CPU generator, float64 Gumbel
     noise over every completion column and the whole vocabulary, copied to the device (the stream
     every figure of the README was made with). counter: one counter-based uniform per decoded
     slot, a hash of (the row's key, drawn from its generator; the step; the column), made on the
     model's device for the slots being decoded only, and an inverse-CDF draw: far cheaper at a
     large vocabulary, still reproducible per row. Same distribution, other tokens: switching
-    changes every sampled completion (greedy decoding is unchanged)."""
+    changes every sampled completion (greedy decoding is unchanged). auto: counter when the
+    model's vocabulary has at least 32,768 tokens (`COUNTER_NOISE_VOCAB`), else generator. At
+    LLaDA's 126k tokens the generator's noise is 8 GB of float64 per step of 32 rows of 256
+    slots, made on the CPU; the shipped tiny models (a few dozen tokens) pay nothing for it and
+    keep their figures. Every real dLLM has 100k+ tokens, every character model < 1k: any
+    threshold between splits them; a power of two near the smallest BPE vocabularies (32k) does."""
     threshold: float | None = None
     """Confidence-threshold parallel decoding (Fast-dLLM), in (0, 1]: each step also commits every
     eligible slot whose confidence exceeds the threshold, and at least the schedule's
@@ -500,7 +511,8 @@ class TrainConfig:
     rollout: SamplingConfig = field(default_factory=lambda: SamplingConfig(temperature=1.0))
     """Sampling of the rollouts (temperature > 0 for diverse groups)."""
     eval_sampling: SamplingConfig = field(default_factory=SamplingConfig)
-    """Sampling of the held-out evaluation (greedy by default, as `stabledrl eval`)."""
+    """Sampling of the held-out evaluation (greedy by default, as `stabledrl eval`); a block
+    model in its own blocks (`SamplingConfig.block_length`)."""
     masks: Literal["shared", "independent"] = "shared"
     """shared: ℓ_θ on ℓ_old's masks (common random numbers); independent: fresh masks."""
     zero_variance_groups: Literal["keep", "skip", "resample"] = "skip"
@@ -561,10 +573,11 @@ class TrainConfig:
     also the gathered parameters) while the weights, gradients and AdamW states stay in
     model.dtype, float32: the recommended precision on GPUs, no update lost to rounding
     (docs/scale-out.md). It overrides the accelerate config's mixed_precision."""
-    drift_kl: bool = True
-    """Score the rollouts under the initial policy each step for the `drift_kl` diagnostic. Costs
-    a forward and, without LoRA, a second copy of the model: turn it off for large models
-    when beta is 0 (a KL term needs the reference anyway)."""
+    drift_kl: bool = False
+    """Score the rollouts under the initial policy each step for the `drift_kl` and `drift_k3`
+    diagnostics. Costs a forward and, without LoRA, a second full copy of the model on every
+    process, hence off by default (an 8B model's is 32 GB in float32); the shipped tiny presets
+    turn it on. A KL term (beta > 0) loads the reference whatever this says."""
 
     def __post_init__(self) -> None:
         check(0 <= self.max_resample_rounds <= 63,  # _resample_seed keeps 64 streams per step

@@ -24,7 +24,8 @@ class Shards:
         self.synced = accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED)
 
     def bounds(self, n: int, rank: int | None = None) -> tuple[int, int]:
-        """The rows [start, end) of a batch of n rows that process `rank` (default: this one) holds."""
+        """The rows [start, end) of a batch of n rows that process `rank` (default: this one) holds;
+        empty for some processes when n < the number of processes."""
         r = self.rank if rank is None else rank
         return r * n // self.world, (r + 1) * n // self.world
 

@@ -9,7 +9,8 @@ loss or gradient: skipped, counted, the weights untouched) → log, evaluate, sa
 The objective is `objectives.OBJECTIVES[cfg.objective.name]`, a function of a `ScoredBatch`.
 Several processes (``accelerate launch``) share each batch's rows (`stabledrl.shards`): every
 process sees every group, the objective runs on the gathered ℓ of all rows with only this
-process's rows carrying a graph, and the loss is scaled by N because DDP averages gradients.
+process's rows carrying a graph (a process with none scores a stand-in row with gradient 0),
+and the loss is scaled by N because DDP averages gradients.
 Every random draw comes from a generator seeded by (seed, step, purpose), so N processes
 compute the update of one and a resumed run continues exactly. Deviations from the named
 algorithms and the multi-process details: docs/methods.md, "The training step".
@@ -148,12 +149,27 @@ def _rollout_metrics(first: RolloutBatch) -> dict[str, float]:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Share:
-    """This process's rows of the kept groups: rows [start, end) of B', on its device."""
+    """This process's rows of the kept groups: rows [start, end) of B', on its device. A process
+    with none (B' < N) scores row 0 in their place, a stand-in whose result is dropped and whose
+    gradient is 0: DDP and FSDP need a forward and a backward on every process."""
 
-    rows: RolloutBatch
+    rows: RolloutBatch  # the rows `span` of B'
     start: int
     end: int
     n: int  # B'
+
+    @property
+    def stand_in(self) -> bool:
+        return self.start == self.end
+
+    @property
+    def span(self) -> tuple[int, int]:
+        """The rows [lo, hi) of B' this process scores: its own, or the stand-in row 0."""
+        return (0, 1) if self.stand_in else (self.start, self.end)
+
+    def own(self, x: torch.Tensor) -> torch.Tensor:
+        """(scored rows, ...) -> (end - start, ...): the stand-in's row dropped."""
+        return x[: self.end - self.start]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -179,7 +195,7 @@ def _plan(run: Run, groups: RolloutBatch, step: int, slot: int, share: Share) ->
     est = run.cfg.estimator
     generator = torch.Generator().manual_seed(run.cfg.seed * 1_000_003 + step * _SEED_SLOTS + slot)
     return plan_for(run.policy, est.method, groups, generator=generator, num_samples=est.num_samples,
-                    **est.options).rows(share.start, share.end)
+                    **est.options).rows(*share.span)
 
 
 def _old_scores(run: Run, groups: RolloutBatch, step: int, row: dict[str, Any]) -> OldScores:
@@ -187,7 +203,8 @@ def _old_scores(run: Run, groups: RolloutBatch, step: int, row: dict[str, Any]) 
     into `row`), and the weights' ℓ_old on their own plan when the objective reads them."""
     n = groups.completion_ids.size(0)
     start, end = run.shards.bounds(n)
-    share = Share(groups.rows(start, end, run.device), start, end, n)
+    lo, hi = (0, 1) if start == end else (start, end)  # no row of B': the stand-in row 0 (`Share`)
+    share = Share(groups.rows(lo, hi, run.device), start, end, n)
     plan = _plan(run, groups, step, 1, share)
     logp, ref = _scores(run, run.policy, plan, share), None
     if run.reference is not None:
@@ -218,7 +235,7 @@ def _scores(run: Run, policy, plan: ViewPlan, share: Share) -> torch.Tensor:
     """ℓ under `policy` of all B' rows (each process scores its own), no graph."""
     with torch.no_grad():
         logp, _ = _own_scores(run, policy, plan, share.rows)
-    return run.shards.gather(logp, share.n).cpu()
+    return run.shards.gather(share.own(logp), share.n).cpu()
 
 
 def _scored_batch(run: Run, groups: RolloutBatch, old: OldScores, plan: ViewPlan, advantages: torch.Tensor, *,
@@ -237,8 +254,9 @@ def _scored_batch(run: Run, groups: RolloutBatch, old: OldScores, plan: ViewPlan
         logp, eubo_ = (old.logp.clone() if same else _scores(run, run.policy, plan, share)).requires_grad_(), None
     else:
         logp, eubo_ = _own_scores(run, run.policy, plan, share.rows, eubo_beta=cfg.objective.eubo_beta)
-        logp = run.shards.gather_keeping_graph(logp, share.n).cpu()
-        eubo_ = None if eubo_ is None else run.shards.gather_keeping_graph(eubo_, share.n).cpu()
+        # A stand-in's empty slice keeps its graph: the backward reaches every weight, with gradient 0
+        logp = run.shards.gather_keeping_graph(share.own(logp), share.n).cpu()
+        eubo_ = None if eubo_ is None else run.shards.gather_keeping_graph(share.own(eubo_), share.n).cpu()
     return ScoredBatch(logp, old.logp, advantages, cfg.group_size, groups.completion_mask, ref_logp=old.ref_logp,
                        eubo=eubo_, **weights)
 
@@ -256,7 +274,10 @@ def _backward(run: Run, loss: torch.Tensor, batch: ScoredBatch, plan: ViewPlan, 
         acc.backward(loss * world)
     else:
         loss.backward()  # ℓ_θ is a leaf: ∂loss/∂ℓ, then back through the views a batch at a time
-        backward_views(run.policy, plan, share.rows, batch.logp.grad[share.start:share.end] * world,
+        grad = batch.logp.grad[share.start:share.end] * world
+        if share.stand_in:  # the stand-in row, with a zero gradient
+            grad = torch.zeros_like(batch.logp.grad[:1])
+        backward_views(run.policy, plan, share.rows, grad,
                        reduction=est.reduction, max_views_per_forward=est.max_views_per_forward,
                        backward=acc.backward, no_sync=lambda: acc.no_sync(run.policy.model))
 

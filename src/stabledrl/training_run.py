@@ -160,10 +160,9 @@ def set_up(cfg: TrainConfig, *, resume: bool = False, task: Any = None) -> Run:
 
 
 def check_processes(cfg: TrainConfig, world: int) -> None:
-    """Every process needs a row of every batch (DDP needs a backward on each)."""
+    """Settings that several processes cannot run. Any group size can: a process whose share of
+    a step's rows is empty scores a stand-in row with weight 0 (`stabledrl.train.Share`)."""
     if world > 1:
-        check(cfg.group_size >= world, f"group_size ({cfg.group_size}) must be >= the number of processes "
-              f"({world}): a step may keep a single group, and every process needs a row of it")
         check(cfg.eval_n >= world, f"eval_n ({cfg.eval_n}) must be >= the number of processes ({world})")
         check(not cfg.grad_agreement, "grad_agreement runs in one process only")
 
@@ -197,6 +196,7 @@ def _policy_and_reference(cfg: TrainConfig, initial, ckpt: Path | None, device, 
     needs_reference = cfg.drift_kl or cfg.objective.needs_reference
     if ckpt is not None:  # the checkpoint holds the weights (or the LoRA adapters) of the policy
         policy = load_policy(dataclasses.replace(cfg.model, path=str(ckpt)), device=device, trainable=True)
+        initial = initial if needs_reference else None
     elif cfg.lora is not None:
         policy = add_lora(initial, cfg.lora, seed=cfg.seed)
     else:  # the reference is a second copy, loaded only if something reads it
