@@ -748,11 +748,11 @@ class Recipe:
     prompt_length: int = 256  # Pl: the chat-templated GSM8K / MATH prompt, as docs/scale-out.md assumes
     gen_length: int = 256
     block_length: int = 32
-    prompts: int = 32
+    prompts: int = 8  # the recipes' prompts_per_step: one of the authors' 4 rounds of 8 prompts
     group_size: int = 16
     views: int = 2  # K noised views a rollout (SPG's block_random: 2 Monte Carlo samples)
     processes: int = 8
-    rounds: int = 4  # rollout rounds accumulated into one optimizer step (the authors: 8 GPUs x 4)
+    rounds: int = 1  # rollout rounds accumulated into one optimizer step (the trainer: 1; the authors: 4)
 
 
 RECIPES = {

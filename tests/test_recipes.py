@@ -40,7 +40,8 @@ def test_recipe_parses_and_names_its_commands(name):
 @pytest.mark.parametrize("name", [n for n in RECIPES if n.endswith("-stabledrl")])
 def test_stabledrl_recipes_hold_the_authors_settings(name):
     cfg = load(name)
-    assert (cfg.group_size, cfg.mu, cfg.prompts_per_step, cfg.lr, cfg.seed) == (16, 2, 32, 2e-6, 113)
+    # 8 prompts a step: one of the authors' 4 accumulation rounds (the trainer does not accumulate rounds)
+    assert (cfg.group_size, cfg.mu, cfg.prompts_per_step, cfg.lr, cfg.seed) == (16, 2, 8, 2e-6, 113)
     assert (cfg.objective.name, cfg.objective.clip, cfg.objective.clip_max) == ("stabledrl", "upper", 5.0)
     assert cfg.task.options["convention"] == "stabledrl" and cfg.model.gradient_checkpointing
     if name.startswith("sdar"):  # a block model: the staircase estimator, blocks from its config
@@ -75,3 +76,16 @@ def test_recipe_task_builds_from_a_local_file(tmp_path, name):
     problem = task.generate(1, split="test")[0]
     assert problem.prompt.startswith("2+2?") or problem.prompt.endswith("2+2?")
     getattr(task, "close", lambda: None)()
+
+
+def test_the_memory_table_predicts_the_recipes_as_shipped():
+    # benchmarks/scale.py's recipes (the README's memory table) have the configs' batch and lengths
+    import sys
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import scale
+
+    for name, r in scale.RECIPES.items():
+        cfg = load(name)
+        assert (r.prompts * r.rounds, r.group_size, r.gen_length) == \
+            (cfg.prompts_per_step, cfg.group_size, cfg.rollout.gen_length), name
