@@ -38,10 +38,6 @@ class _ParseError(ValueError):
     pass
 
 
-class _DivisionByZero(ArithmeticError):
-    pass
-
-
 def parse_expression(text: str) -> tuple[Fraction | None, list[int]]:
     """Parse an arithmetic expression of non-negative integers, + - * / and parentheses.
 
