@@ -72,10 +72,9 @@ def roll_groups(policy, task, problems: list, *, group_size: int, sampling: Samp
     n = len(group_problems)
     p_ids, p_mask = encode_policy_prompts(policy, [p.prompt for p in group_problems])  # (n·G, Lp) all rows
     start, end = shards.bounds(n)
-    k = end - start  # this process's rows; with none (n < processes) it rolls row 0 out and drops it,
-    lo, hi = (0, 1) if k == 0 else (start, end)  # so that processes with sharded parameters make the same calls
+    k, (lo, hi) = end - start, shards.run_bounds(n)  # this process's rows; it runs lo:hi (a stand-in if none)
     dev = policy.device
-    calls = micro_batch_calls(-(-n // shards.world), sampling.micro_batch)  # the largest share's (synced: collectives)
+    calls = micro_batch_calls(shards.largest_share(n), sampling.micro_batch)  # the largest share's (synced: collectives)
     roll = roll_out(RolloutRequest(policy, p_ids[lo:hi].to(dev), p_mask[lo:hi].to(dev), gen_length,
                                    row_generators(tag, lo, hi), sampling, micro_batch=sampling.micro_batch,
                                    synced=shards.synced, num_calls=calls))

@@ -29,7 +29,14 @@ class Shards:
         r = self.rank if rank is None else rank
         return r * n // self.world, (r + 1) * n // self.world
 
+    def run_bounds(self, n: int) -> tuple[int, int]:
+        """The rows this process runs the model on: its own, or row 0 as a stand-in (its result
+        dropped) when it holds none, so that processes with sharded parameters make the same calls."""
+        start, end = self.bounds(n)
+        return (0, 1) if start == end else (start, end)
+
     def largest_share(self, n: int) -> int:
+        """The rows of the process that holds the most of n (its sampler calls set everyone's, synced)."""
         return -(-n // self.world)
 
     def gather(self, x: torch.Tensor, n: int) -> torch.Tensor:

@@ -203,8 +203,7 @@ def _old_scores(run: Run, groups: RolloutBatch, step: int, row: dict[str, Any]) 
     into `row`), and the weights' ℓ_old on their own plan when the objective reads them."""
     n = groups.completion_ids.size(0)
     start, end = run.shards.bounds(n)
-    lo, hi = (0, 1) if start == end else (start, end)  # no row of B': the stand-in row 0 (`Share`)
-    share = Share(groups.rows(lo, hi, run.device), start, end, n)
+    share = Share(groups.rows(*run.shards.run_bounds(n), run.device), start, end, n)
     plan = _plan(run, groups, step, 1, share)
     logp, ref = _scores(run, run.policy, plan, share), None
     if run.reference is not None:

@@ -69,7 +69,7 @@ class Run:
         the main process's samples go to the tracker's table for `step`."""
         n, sampling = len(self.eval_problems), self.cfg.eval_sampling
         start, end = self.shards.bounds(n)
-        calls = micro_batch_calls(-(-n // self.shards.world), sampling.micro_batch or EVAL_MICRO_BATCH)
+        calls = micro_batch_calls(self.shards.largest_share(n), sampling.micro_batch or EVAL_MICRO_BATCH)
         res = evaluate(self.policy, self.task, self.eval_problems[start:end], sampling, progress=False,
                        share=EvalShare(start, synced=self.shards.synced, num_calls=calls))
         scores = torch.tensor([[float(s["correct"]), s["reward"]] for s in res.samples],
