@@ -119,8 +119,8 @@ def compare(a_path: Path, b_path: Path) -> int:
             only_a |= set(x) - set(y)
             only_b |= set(y) - set(x)
             diff += [f"step {x.get('step')} {k}: {x[k]!r} vs {y[k]!r}" for k in set(x) & set(y) if x[k] != y[k]]
-        sa = {k: v for k, v in ra["summary"].items()}
-        sb = {k: v for k, v in rb["summary"].items()}
+        sa = ra["summary"]
+        sb = rb["summary"]
         diff += [f"summary {k}" for k in set(sa) | set(sb) if sa.get(k) != sb.get(k)]
         ok = same_w and not diff
         bad += not ok

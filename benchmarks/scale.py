@@ -752,7 +752,6 @@ class Recipe:
     group_size: int = 16
     views: int = 2  # K noised views a rollout (SPG's block_random: 2 Monte Carlo samples)
     processes: int = 8
-    rounds: int = 1  # rollout rounds accumulated into one optimizer step (the trainer: 1; the authors: 4)
 
 
 RECIPES = {
@@ -766,7 +765,7 @@ RECIPES = {
 def recipe_footprint(r: Recipe, **kw) -> Footprint:
     """One GPU's footprint: full fine-tuning sharded over the processes (the trainer's chunked
     foreach AdamW), bf16 autocast, counter noise, gradient checkpointing; `kw` overrides."""
-    rows = r.prompts * r.group_size // (r.processes * r.rounds)
+    rows = r.prompts * r.group_size // r.processes
     base = dict(prompt_length=r.prompt_length, gen_length=r.gen_length, rows_per_call=rows,
                 views_per_forward=rows * r.views, autocast=True, shards=r.processes, optimizer_chunk=2**26,
                 foreach=True, checkpointing=True, noise="counter", block_length=r.block_length, block_size=r.block_size)
@@ -774,14 +773,14 @@ def recipe_footprint(r: Recipe, **kw) -> Footprint:
 
 
 def predict_recipes(gpu_bytes: float) -> dict[str, Any]:
-    """Per GPU, for each recipe: the prediction at its micro-batches (a round's rows sampled and
+    """Per GPU, for each recipe: the prediction at its micro-batches (a step's rows sampled and
     scored in micro-batches of at most 16 rows / 32 views, the largest that fit), beside the
-    same without checkpointing and the whole share of P·G / processes rows at once without
-    checkpointing or rounds (the defaults before micro-batches and rounds)."""
+    same without checkpointing, and the whole share of P·G / processes rows in one call
+    without checkpointing."""
     out: dict[str, Any] = {"gpu_bytes": gpu_bytes}
     for name, r in RECIPES.items():
         shape = SHAPES[r.shape]
-        rows = r.prompts * r.group_size // (r.processes * r.rounds)
+        rows = r.prompts * r.group_size // r.processes
         peak = lambda **kw: predict_memory(shape, recipe_footprint(r, **kw))["peak"]  # noqa: E731
         micro = _largest(lambda k: peak(rows_per_call=k, views_per_forward=1) <= gpu_bytes, min(rows, 16))
         views = _largest(lambda k: peak(rows_per_call=1, views_per_forward=k) <= gpu_bytes, min(rows * r.views, 32))

@@ -18,10 +18,6 @@ README = ROOT / "README.md"
 NOTEBOOK = ROOT / "docs" / "experiments.md"
 MAX_LINES = 300
 
-# Files the README links to that another branch adds. A missing one is tolerated only while it
-# is listed here; `test_pending_files_are_still_missing` fails once it exists, so the list empties.
-PENDING = {
-}
 # Numbers in README prose that are not measurements.
 NOT_FIGURES = {"3.10"}  # the Python version
 
@@ -59,8 +55,7 @@ def _anchors(md: str) -> set[str]:
 
 
 def _exists(rel: str) -> bool:
-    """A repository path that exists now, or one another branch adds (PENDING)."""
-    return (ROOT / rel).exists() or rel in PENDING
+    return (ROOT / rel).exists()
 
 
 def test_slug_matches_github():
@@ -88,8 +83,7 @@ def test_relative_links_resolve(doc):
         file = (doc.parent / path).resolve() if path else doc
         rel = file.relative_to(ROOT).as_posix() if file.is_relative_to(ROOT) else str(file)
         if not file.exists():
-            if rel not in PENDING:
-                bad.append(f"{target}: no file {rel}")
+            bad.append(f"{target}: no file {rel}")
             continue
         if anchor and file.suffix == ".md" and anchor not in _anchors(_text(file)):
             bad.append(f"{target}: no heading #{anchor} in {rel}")
@@ -112,11 +106,6 @@ def test_tables_are_rectangular(doc):
         bad += [f"{len(rows)} rows, {_cells(r)} cells, not {_cells(rows[0])}: {r[:60]}"
                 for r in rows if _cells(r) != _cells(rows[0])]
     assert not bad, "\n".join(bad)
-
-
-def test_pending_files_are_still_missing():
-    arrived = sorted(p for p in PENDING if (ROOT / p).exists())
-    assert not arrived, f"these exist now: remove them from PENDING in tests/test_readme.py: {arrived}"
 
 
 def _shell_commands(md: str) -> list[list[str]]:

@@ -87,5 +87,5 @@ def test_the_memory_table_predicts_the_recipes_as_shipped():
 
     for name, r in scale.RECIPES.items():
         cfg = load(name)
-        assert (r.prompts * r.rounds, r.group_size, r.gen_length) == \
+        assert (r.prompts, r.group_size, r.gen_length) == \
             (cfg.prompts_per_step, cfg.group_size, cfg.rollout.gen_length), name
