@@ -45,8 +45,8 @@ def _imports(path: Path) -> set[str]:
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             names |= {a.name for a in node.names}
-        elif isinstance(node, ast.ImportFrom) and node.module:
-            names.add(node.module)
+        elif isinstance(node, ast.ImportFrom) and node.module:  # `from stabledrl import train` too
+            names |= {node.module, *(f"{node.module}.{a.name}" for a in node.names)}
     return names
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from stabledrl.config import load_config
-from stabledrl.diagnostics import CollapseMonitor, flat_grad_cosine
+from stabledrl.diagnostics import CollapseMonitor, drift_from_initial, flat_grad_cosine
 from stabledrl.likelihood import Completions, plan_views, score_views
 from stabledrl.objectives import group_advantages, stabledrl_loss
 from stabledrl.instruments import backward_measuring_agreement, first_half_loss
@@ -148,3 +148,15 @@ def test_a_quiet_run_is_not_flagged(init_model, tmp_path):
                                     "estimator": {"method": "mc", "num_samples": 1}})
     assert run_train(cfg, progress=False)["collapse"] == []
     assert all(r["collapse"] is False for r in _rows(tmp_path / "run"))
+
+
+def test_drift_from_initial_by_hand():
+    # gap = ℓ_old − ℓ_init = (log 2, 0): k1 = log 2 / 2 = 0.34657;
+    # k3 terms (r − 1) − log r with r = e^{−gap} = (1/2, 1): (−1/2 + log 2, 0), mean (log 2 − 0.5)/2 = 0.09657
+    old, ref = torch.tensor([math.log(2.0), -1.0]), torch.tensor([0.0, -1.0])
+    d = drift_from_initial(old, ref)
+    assert d["drift_kl"] == pytest.approx(math.log(2) / 2, abs=1e-7)
+    assert d["drift_k3"] == pytest.approx((math.log(2) - 0.5) / 2, abs=1e-7)
+    # per-token terms (B, L) are summed per row first: the same gaps
+    d2 = drift_from_initial(torch.tensor([[math.log(2.0), 0.0], [-0.5, -0.5]]), torch.tensor([[0.0, 0.0], [-0.5, -0.5]]))
+    assert d2 == pytest.approx(d, abs=1e-7)

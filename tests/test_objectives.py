@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from stabledrl.objectives import (ScoredBatch, aggregate_tokens, grpo_loss, group_advantages, kl_k3, log_ratios,
-                                  spg_likelihood, spg_loss, stabledrl_loss, wd1_loss)
+                                  objective_for, spg_likelihood, spg_loss, stabledrl_loss, wd1_loss)
+from stabledrl.settings import StableDRLConfig
 
 
 def test_group_advantages_by_hand():
@@ -254,8 +255,8 @@ def test_stabledrl_on_spg_weights_come_from_the_elbo_and_the_gradient_from_the_s
     elbo, old = torch.tensor([-1.0, -3.0]), torch.tensor([-1.0 - math.log(2), -3.0])
     eubo_ = torch.tensor([5.0, -1.0], requires_grad=True)
     adv = torch.tensor([1.0, -1.0])
-    sandwich = spg_likelihood(elbo, eubo_, adv)
-    out = stabledrl_loss(ScoredBatch(sandwich, old, adv, 2, weight_logp=elbo, weight_old_logp=old))
+    # through the registry, as the loop calls it (`likelihood: spg`, ω = 0.5)
+    out = objective_for(StableDRLConfig(likelihood="spg"))(ScoredBatch(elbo, old, adv, 2, eubo=eubo_))
     assert out.loss.item() == pytest.approx(0.0, abs=1e-6)
     assert out.metrics["ess"] == pytest.approx(1 / (4 / 9 + 1 / 9), rel=1e-6)
     out.loss.backward()  # only EUBO_2 (A ≤ 0) reaches the gradient: −w_2·A_2·0.5 = 1/6

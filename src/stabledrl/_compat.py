@@ -64,13 +64,15 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p
     if not all(map(_is_default, unsupported.values())):
         raise NotImplementedError(f"the torch stand-in for flash_attn_func takes no {sorted(unsupported)}; "
                                   "install flash-attn (pip install 'stabledrl[gpu]')")
+    if k.shape[2] != q.shape[2]:  # grouped-query heads, repeated (SDPA's enable_gqa needs torch >= 2.5)
+        k, v = (t.repeat_interleave(q.shape[2] // k.shape[2], dim=2) for t in (k, v))
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, T, Dh)
     T, S = q.shape[-2], k.shape[-2]
     mask = None
     if causal:
         mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)  # (T, S)
     out = torch.nn.functional.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=softmax_scale, enable_gqa=k.shape[1] != q.shape[1])
+        q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=softmax_scale)
     return out.transpose(1, 2)
 
 

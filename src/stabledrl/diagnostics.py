@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["CollapseMonitor", "flat_grad_cosine"]
+__all__ = ["CollapseMonitor", "drift_from_initial", "flat_grad_cosine"]
 
 
 @dataclass
@@ -111,3 +111,13 @@ def flat_grad_cosine(a: list[torch.Tensor | None], b: list[torch.Tensor | None])
     if na == 0 or nb == 0:
         return float("nan")
     return dot / math.sqrt(na * nb)
+
+
+def drift_from_initial(old_logp: torch.Tensor, ref_logp: torch.Tensor) -> dict[str, float]:
+    """KL(π_old ‖ π_init) from π_old's own rollouts, given ℓ_old and ℓ_init on the same masks
+    ((B,) estimates, or (B, L) per-token terms summed per row): ``drift_kl``, the mean of
+    gap = ℓ_old − ℓ_init (k1, which can fall below 0), and ``drift_k3``, the mean of
+    (r − 1) − log r with r = π_init / π_old = e^{−gap} (every term ≥ 0), in float64."""
+    gap = old_logp - ref_logp
+    gap = gap.sum(-1) if gap.dim() == 2 else gap  # (B,)
+    return {"drift_kl": float(gap.mean()), "drift_k3": float((torch.expm1(-gap.double()) + gap.double()).mean())}

@@ -29,6 +29,7 @@ import torch
 from tqdm.auto import tqdm
 
 from stabledrl.checkpoint import save_checkpoint
+from stabledrl.diagnostics import drift_from_initial
 from stabledrl.instruments import backward_measuring_agreement, first_half_loss, step_measuring_update
 from stabledrl.likelihood import ViewPlan, backward_views, eubo, plan_for, score_views
 from stabledrl.objectives import ScoredBatch, group_advantages, objective_for
@@ -209,11 +210,7 @@ def _old_scores(run: Run, groups: RolloutBatch, step: int, row: dict[str, Any]) 
     if run.reference is not None:
         with run.accelerator.autocast():  # a reference copy is not prepared: ℓ_old's precision
             ref = _scores(run, run.reference, plan, share)
-        gap = logp - ref  # KL(π_old ‖ π_init) ≈ the mean over π_old's samples of ℓ_old − ℓ_init
-        gap = gap.sum(-1) if gap.dim() == 2 else gap  # (B',)
-        row["drift_kl"] = float(gap.mean())
-        # k3 = (r − 1) − log r with r = π_init / π_old: the same KL, each term ≥ 0 (the report plots it)
-        row["drift_k3"] = float((torch.expm1(-gap.double()) + gap.double()).mean())
+        row.update(drift_from_initial(logp, ref))
     if not run.cfg.objective.weight_masks:
         return OldScores(share, plan, logp, ref)
     weight_plan = _plan(run, groups, step, 2, share)
@@ -273,9 +270,8 @@ def _backward(run: Run, loss: torch.Tensor, batch: ScoredBatch, plan: ViewPlan, 
         acc.backward(loss * world)
     else:
         loss.backward()  # ℓ_θ is a leaf: ∂loss/∂ℓ, then back through the views a batch at a time
-        grad = batch.logp.grad[share.start:share.end] * world
-        if share.stand_in:  # the stand-in row, with a zero gradient
-            grad = torch.zeros_like(batch.logp.grad[:1])
+        grad = (torch.zeros_like(batch.logp.grad[:1]) if share.stand_in  # the stand-in row: gradient 0
+                else batch.logp.grad[share.start:share.end] * world)
         backward_views(run.policy, plan, share.rows, grad,
                        reduction=est.reduction, max_views_per_forward=est.max_views_per_forward,
                        backward=acc.backward, no_sync=lambda: acc.no_sync(run.policy.model))
@@ -307,7 +303,6 @@ def _over_iterations(rows: list[dict[str, Any]]) -> dict[str, Any]:
     # NaN (a skipped inner iteration) wins: the step's largest norm is then not a number
     out["grad_norm_max"] = max((r["grad_norm"] for r in rows), key=lambda v: (math.isnan(v), v))
     return out
-
 
 
 def _progress(run: Run, row: dict[str, Any]) -> dict[str, str]:

@@ -81,7 +81,7 @@ class Run:
     def evaluate_row(self, step: int) -> dict[str, float]:
         """The held-out evaluation as a metrics row's keys."""
         res = self.evaluate(step)
-        return {"eval_accuracy": res["accuracy"], "eval_reward": res["mean_reward"]}
+        return _eval_keys(res)
 
     def check_collapse(self, row: dict[str, Any]) -> None:
         """Feed the row to the collapse monitor; write `collapse` into it; say so once per reason."""
@@ -99,7 +99,7 @@ class Run:
         """The final held-out evaluation, logged; the final model and summary.json saved (every
         process: under FSDP / ZeRO-3 gathering the weights is a collective). Returns the summary."""
         final = self.history["eval_final"] = self.evaluate(self.cfg.steps)
-        row = {"step": self.cfg.steps, "eval_accuracy": final["accuracy"], "eval_reward": final["mean_reward"]}
+        row = {"step": self.cfg.steps, **_eval_keys(final)}
         self.check_collapse(row)
         self.log(row)
         summary = {**self.history, **self.counters, "processes": self.shards.world,
@@ -233,9 +233,13 @@ def _open_logs(run: Run) -> None:
     if run.start == 0:
         initial = run.history["eval_initial"]
         run.monitor.update({"eval_accuracy": initial["accuracy"]})
-        run.log({"step": 0, "eval_accuracy": initial["accuracy"], "eval_reward": initial["mean_reward"],
-                   "collapse": False})
+        run.log({"step": 0, **_eval_keys(initial), "collapse": False})
     run.timer = StepTimer(run.policy.model, *([run.reference.model] if run.reference is not None else []))
+
+
+def _eval_keys(res: dict[str, float]) -> dict[str, float]:
+    """A held-out evaluation as a metrics row's keys."""
+    return {"eval_accuracy": res["accuracy"], "eval_reward": res["mean_reward"]}
 
 
 class GatheredPolicy:
