@@ -145,3 +145,14 @@ if __name__ == "__main__":
     code = _main(sys.argv[1], sys.argv[2:])
     sys.stdout.flush(), sys.stderr.flush()
     os._exit(code)  # past gloo's threads at interpreter teardown (stabledrl.cli does the same)
+
+
+def test_the_zero3_config_names_a_deepspeed_file_accelerate_accepts():
+    # Checked without deepspeed: the YAML points at its JSON (stage 3, a micro-batch size, which
+    # accelerate needs when prepare() gets no dataloader) and sets no mixed_precision beside it.
+    import yaml
+
+    cfg = yaml.safe_load(ZERO3_CONFIG.read_text())
+    ds = json.loads((ROOT / cfg["deepspeed_config"]["deepspeed_config_file"]).read_text())
+    assert "mixed_precision" not in cfg
+    assert ds["zero_optimization"]["stage"] == 3 and ds["train_micro_batch_size_per_gpu"] >= 1

@@ -100,6 +100,7 @@ def test_same_completions_and_accuracy_as_stabledrl_eval_sampled(task_dir, probl
 def test_lm_eval_command_line_gives_stabledrl_eval_accuracy(task_dir, problems, tmp_path):
     task, _ = problems
     ref = _reference(problems, gen_length=task.completion_length)  # greedy: the default decoding
+    assert 0 < ref.accuracy < 1  # the comparison can tell right from wrong completions
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[1] / "src"),
                                                                      os.environ.get("PYTHONPATH")]))}
     cmd = [sys.executable, "-m", "stabledrl.lm_eval_model", "--model", "stabledrl", "--model_args",

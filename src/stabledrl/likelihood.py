@@ -129,8 +129,10 @@ class LikelihoodEstimate:
 
 @dataclass(frozen=True)
 class Completions:
-    """The rows a likelihood reads: completions and their prompts. A `RolloutBatch` has the
-    same fields and serves as well; planning reads no `completion_ids`, scoring no `unmask_step`."""
+    """The rows a likelihood reads: completions and their prompts. A `RolloutBatch` has the same
+    fields and serves `score_views`, `estimate` and `plan_for` as well (not `plan_views`, for
+    which an `unmask_step` means method path); planning reads no `completion_ids`, scoring no
+    `unmask_step`."""
 
     completion_mask: torch.Tensor
     """(B, L) bool: the scored slots."""
@@ -590,8 +592,8 @@ def plan_views(
     prompt_attention: str = "bidirectional",
     **options,
 ) -> ViewPlan:
-    """Draw the noised views of `method` for `rows` (a `Completions`, a `RolloutBatch`:
-    anything with `completion_mask`, `prompt_ids`, `prompt_mask`, `unmask_step`), whose
+    """Draw the noised views of `method` for `rows` (a `Completions`; a `RolloutBatch` only for
+    path, otherwise use `plan_for`: rows with an `unmask_step` are for path alone), whose
     scored slots are `rows.completion_mask` (B, L). The same generator state gives the same plan.
     `block_size` is the block model's S (blockwise, and path on block models) and
     `prompt_attention` where its prompt's blocks fall (the policy's ``prompt_attention``):

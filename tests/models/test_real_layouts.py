@@ -102,7 +102,7 @@ def _raw_forward(model, boolean_mask: bool):
 def test_the_probe_refuses_a_copy_made_causal_by_a_padding_mask(copies):
     # dLLM-RL's and the StableDRL authors' modeling_llada.py: a (B, T) mask holding a 0 and no
     # bias -> the causal bias, in every row (the issue's measurement)
-    policy = load_policy(ModelConfig(path=str(copies["authors"]["llada"])))  # the adapter passes a bias: loads
+    policy = load_policy(ModelConfig(path=str(copies["authors"]["llada"])))  # the adapter passes no mask: loads
     with pytest.raises(ValueError, match="attends causally"):
         probe_attention(_raw_forward(policy.model, False), vocab=24, avoid=(0, 1, 3), source="modeling_llada.py")
     # ML-GSAI's (key padding, no causal default) passes either way

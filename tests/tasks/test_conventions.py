@@ -239,7 +239,7 @@ def test_export_writes_the_files_the_task_reads(tmp_path, monkeypatch, capsys):
         datasets_main(["export", "sudoku", "--out", str(tmp_path / "x")])
 
 
-def test_problem_built_by_hand_scores_under_each_convention(gsm8k_file, tmp_path):
+def test_problem_built_by_hand_scores_under_d1(gsm8k_file, tmp_path):
     p = Problem("q", "#### 72", {"target": "72", "first": "72", "last": "72"})
     task = get_task("gsm8k", path=gsm8k_file, convention="d1", cache_dir=str(tmp_path / "hf"))
     assert task.reward([STRICT.format("72"), None], [p, p]) == [3.5, 0.0]  # not a string: 0, unread
