@@ -45,7 +45,7 @@ from stabledrl.settings import LoraSettings, SamplingConfig  # noqa: E402
 from stabledrl.tokenizer import build_char_tokenizer  # noqa: E402
 
 GB = 1e9
-SIZES = {"llada-8b": "llada-8b", "tiny": "tiny"}
+SIZES = ("llada-8b", "tiny")  # shapes of benchmarks/scale.py
 
 
 class _Tokens:
@@ -192,7 +192,7 @@ def flops_per_token(n_matmul: int, layers: int, width: int) -> tuple[int, int]:
     return 2 * n_matmul, 4 * layers * width
 
 
-def footprint(args, shape: scale.Shape, lora_params: int, rows: int) -> scale.Footprint:
+def footprint(args, lora_params: int, rows: int) -> scale.Footprint:
     """The memory model's description of this run (one process, no sharding)."""
     views = rows * args.views
     return scale.Footprint(prompt_length=args.prompt_length, gen_length=args.gen_length,
@@ -205,7 +205,7 @@ def footprint(args, shape: scale.Shape, lora_params: int, rows: int) -> scale.Fo
 
 def _args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--size", choices=sorted(SIZES), default="llada-8b", help="the random model's shape")
+    ap.add_argument("--size", choices=SIZES, default="llada-8b", help="the random model's shape")
     ap.add_argument("--model", help="a checkpoint directory instead (stabledrl.models.policy.load_policy)")
     ap.add_argument("--layers", type=int, help="depth of the random model (default: the shape's)")
     ap.add_argument("--train", choices=["lora", "full"], default="lora")
@@ -332,7 +332,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         "measured_phases": measured, "measured_peak": max(measured.values())}
     if shape is not None:
         lora_n = trainable if args.train == "lora" else 0
-        pred = scale.predict_memory(shape, footprint(args, shape, lora_n, args.rows))
+        pred = scale.predict_memory(shape, footprint(args, lora_n, args.rows))
         mem = report.setdefault("memory", {})
         mem.update(predicted_peak=pred["peak"], predicted_phases=pred["phases"], predicted_terms=pred["terms"])
         mem["ratio_predicted_over_measured"] = pred["peak"] / mem["measured_peak"]
