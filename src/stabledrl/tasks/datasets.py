@@ -42,6 +42,13 @@ logger = logging.getLogger(__name__)
 _LOCAL_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
 
 
+def convention_template(templates: dict[str, str], convention: str, given: str | None) -> str:
+    """A task's prompt template: `given`, else its convention's; an unknown convention is refused."""
+    if convention not in templates:
+        raise ValueError(f"convention must be one of {sorted(templates)}, got {convention!r}")
+    return templates[convention] if given is None else given
+
+
 @dataclass
 class DatasetSplits:
     """The rows of a dataset's train, validation and test splits, loaded lazily with `datasets`."""

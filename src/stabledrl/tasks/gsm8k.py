@@ -29,7 +29,7 @@ from typing import Literal
 
 from stabledrl.tasks import d1
 from stabledrl.tasks.base import Problem, Score, ScoredTask, Split, register_task
-from stabledrl.tasks.datasets import DatasetTask, _last_boxed_span, format_prompt
+from stabledrl.tasks.datasets import DatasetTask, _last_boxed_span, convention_template, format_prompt
 from stabledrl.tasks.math import MathVerifier
 
 __all__ = ["GSM8K", "extract_number", "parse_number", "reference_number"]
@@ -98,10 +98,7 @@ class GSM8K(DatasetTask, ScoredTask):
     id_column = "question"
 
     def __post_init__(self) -> None:
-        if self.convention not in TEMPLATES:
-            raise ValueError(f"convention must be one of {sorted(TEMPLATES)}, got {self.convention!r}")
-        if self.prompt_template is None:
-            self.prompt_template = TEMPLATES[self.convention]
+        self.prompt_template = convention_template(TEMPLATES, self.convention, self.prompt_template)
         super().__post_init__()
         if self.completion_length < 1:
             raise ValueError(f"completion_length must be positive, got {self.completion_length}")

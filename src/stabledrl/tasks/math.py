@@ -36,7 +36,7 @@ from typing import Literal
 
 from stabledrl.tasks import d1
 from stabledrl.tasks.base import Problem, Score, ScoredTask, Split, register_task
-from stabledrl.tasks.datasets import DatasetTask, format_prompt, last_boxed
+from stabledrl.tasks.datasets import DatasetTask, convention_template, format_prompt, last_boxed
 
 __all__ = ["MathTask", "MathVerifier", "extract_answer"]
 
@@ -219,10 +219,7 @@ class MathTask(DatasetTask, ScoredTask):
     id_column = "problem"
 
     def __post_init__(self) -> None:
-        if self.convention not in TEMPLATES:
-            raise ValueError(f"convention must be one of {sorted(TEMPLATES)}, got {self.convention!r}")
-        if self.prompt_template is None:
-            self.prompt_template = TEMPLATES[self.convention]
+        self.prompt_template = convention_template(TEMPLATES, self.convention, self.prompt_template)
         super().__post_init__()
         if self.timeout_s <= 0 or self.verify_timeout_s < 1:
             raise ValueError("timeout_s must be positive and verify_timeout_s at least 1 (whole seconds)")
