@@ -110,14 +110,15 @@ class _Recording:
         return self._policy.logits(input_ids, *args, **kwargs)
 
 
-class _OneProcess:
-    world, synced = 1, False
+def _one_process():
+    """The real `Shards` of rank 0 of 1 (no accelerator needed)."""
+    from types import SimpleNamespace
 
-    def bounds(self, n):
-        return 0, n
+    from accelerate.utils import DistributedType
 
-    def gather(self, x, n):
-        return x
+    from stabledrl.shards import Shards
+
+    return Shards(SimpleNamespace(process_index=0, num_processes=1, distributed_type=DistributedType.NO))
 
 
 @pytest.mark.parametrize("chat", [True, False])
@@ -133,7 +134,7 @@ def test_evaluation_and_rollouts_feed_the_model_the_prompt_text_of_the_policy_se
             == chat).all()
     policy.inputs.clear()
     groups = roll_groups(policy, task, problems[:2], group_size=2, sampling=TrainConfig().rollout, gen_length=11, tag="t",
-                         shards=_OneProcess())
+                         shards=_one_process())
     assert torch.equal(groups.prompt_ids, expected[:2].repeat_interleave(2, 0)[:, -groups.prompt_ids.size(1):])
     assert torch.equal(policy.inputs[0][:, :groups.prompt_ids.size(1)], groups.prompt_ids)
 
