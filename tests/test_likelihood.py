@@ -366,9 +366,17 @@ def test_loud_errors(setup):
         estimate(policy, Completions(empty, prompt_ids=p_ids, completion_ids=c_ids), method="mc", generator=gen)
     with pytest.raises(ValueError, match="does not match"):
         estimate(policy, Completions(c_mask[:, :5], prompt_ids=p_ids, completion_ids=c_ids), method="mc", generator=gen)
-    with pytest.raises(ValueError, match="PAD or MASK"):
+    with pytest.raises(ValueError, match="stop token before the last scored slot"):  # EOS, PAD scored mid-row
         estimate(policy, Completions(torch.ones_like(c_mask), prompt_ids=p_ids, completion_ids=c_ids), method="mc",
                  generator=gen)
+    masked = c_ids.clone()
+    masked[0, 0] = policy.mask_token_id
+    with pytest.raises(ValueError, match="never draws"):
+        estimate(policy, Completions(c_mask, prompt_ids=p_ids, completion_ids=masked), method="mc", generator=gen)
+    after = c_ids.clone()
+    after[~c_mask] = policy.eos_token_id
+    with pytest.raises(ValueError, match="not PAD"):
+        estimate(policy, Completions(c_mask, prompt_ids=p_ids, completion_ids=after), method="mc", generator=gen)
     with pytest.raises(ValueError, match="generator"):
         estimate(policy, Completions(c_mask, prompt_ids=p_ids, completion_ids=c_ids), method="sdmc")
     with pytest.raises(ValueError, match="bernoulli"):
@@ -441,23 +449,19 @@ def test_mean_field_prompt_columns_all_masks_bos_and_padding_as_d1(setup):
                    generator=torch.Generator())
 
 
-def test_a_pad_that_ends_a_completion_may_be_scored_only_when_pad_is_a_stop_token(setup):
-    """`model.stop_tokens: ["[PAD]"]`: a completion may end at a PAD instead of EOS, and that
-    PAD is scored like EOS would be; a PAD after it, or any PAD of a policy that samples none, is not."""
+def test_a_pad_that_ends_a_completion_is_scored_like_eos(setup):
+    """PAD is a stop token of every policy (`stabledrl.data.completion_stop_ids`): a completion
+    may end at a PAD instead of EOS, and that PAD is scored as EOS would be; a PAD after it is not."""
     policy, p_ids, p_mask, c_ids, _ = setup
-    pad_stops = TinyPolicy(policy.model, policy.tokenizer, stop_tokens=("[PAD]",))
-    assert pad_stops.stop_token_ids == (policy.eos_token_id, policy.pad_token_id)
+    assert policy.stop_token_ids == (policy.eos_token_id, policy.pad_token_id)
     ids = c_ids.masked_fill(c_ids == policy.eos_token_id, policy.pad_token_id)  # "3*5" then PAD only
-    mask = make_completion_mask(ids, pad_stops.stop_token_ids)
+    mask = make_completion_mask(ids, policy.stop_token_ids)
     assert mask.sum(1).tolist() == [4, 7] and (ids[mask] == policy.pad_token_id).sum() == 2
-    est = estimate(pad_stops, Completions(mask, prompt_ids=p_ids, completion_ids=ids, prompt_mask=p_mask), method="mc",
+    est = estimate(policy, Completions(mask, prompt_ids=p_ids, completion_ids=ids, prompt_mask=p_mask), method="mc",
                    num_samples=2, generator=torch.Generator().manual_seed(0))
     assert torch.isfinite(est.sequence).all()
-    with pytest.raises(ValueError, match="PAD or MASK"):
-        estimate(policy, Completions(mask, prompt_ids=p_ids, completion_ids=ids, prompt_mask=p_mask), method="mc",
-                 generator=torch.Generator())
     longer = mask.clone()
     longer[0, 4] = True  # the PAD after the one that ended row 0
-    with pytest.raises(ValueError, match="PAD or MASK"):
-        estimate(pad_stops, Completions(longer, prompt_ids=p_ids, completion_ids=ids, prompt_mask=p_mask), method="mc",
+    with pytest.raises(ValueError, match="stop token before the last scored slot"):
+        estimate(policy, Completions(longer, prompt_ids=p_ids, completion_ids=ids, prompt_mask=p_mask), method="mc",
                  generator=torch.Generator())

@@ -76,7 +76,7 @@ def test_the_shipped_models_have_no_template_and_encode_prompts_as_before(name):
     policy = load_policy(ROOT / "checkpoints" / name)
     tok = policy.tokenizer
     assert policy.chat_template is False and not tok.chat_template
-    assert policy.stop_token_ids == (tok.eos_token_id,)
+    assert policy.stop_token_ids == (tok.eos_token_id, tok.pad_token_id)
     prompts = ["3,5,7=22", "12,4,6=9"]
     ids, mask = encode_policy_prompts(policy, prompts)
     for row, m, p in zip(ids.tolist(), mask.tolist(), prompts):
@@ -146,7 +146,7 @@ def test_stop_tokens_by_text_or_id_join_eos_and_bad_ones_are_refused():
     tok = build_char_tokenizer()
     plus, star = tok.convert_tokens_to_ids("+"), tok.convert_tokens_to_ids("*")
     policy = TinyPolicy(make_tiny_policy().model, tok, stop_tokens=("+", star, tok.eos_token_id))
-    assert policy.stop_token_ids == (tok.eos_token_id, plus, star)
+    assert policy.stop_token_ids == (tok.eos_token_id, plus, star, tok.pad_token_id)  # PAD ends one too
     with pytest.raises(ValueError, match=r"'\+\+' is not one token"):
         TinyPolicy(make_tiny_policy().model, tok, stop_tokens=("++",))
     with pytest.raises(ValueError, match="'<|eot_id|>' is not one token"):
@@ -223,7 +223,7 @@ def test_an_adapter_policy_saves_its_template_switch_and_stop_tokens(tmp_path):
     policy = load_policy(ModelConfig(path=str(base), adapter="masked_lm", chat_template=False,
                                      stop_tokens=["<|end|>", 9]))
     end = policy.tokenizer.convert_tokens_to_ids("<|end|>")
-    assert policy.chat_template is False and policy.stop_token_ids == (policy.eos_token_id, end, 9)
+    assert policy.chat_template is False and policy.stop_token_ids == (policy.eos_token_id, end, 9, policy.pad_token_id)
     policy.save(tmp_path / "final")
     again = load_policy(tmp_path / "final")
     assert again.chat_template is False and again.stop_token_ids == policy.stop_token_ids

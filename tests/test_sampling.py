@@ -45,7 +45,7 @@ def test_fills_every_mask_keeps_prompt_and_pads_after_eos(kw):
     assert torch.equal(out.sequences[:, : ids.size(1)], ids)  # the prompt is never altered
     assert torch.equal(out.sequences[:, ids.size(1):], comp)
     for row, m in zip(comp, out.completion_mask):
-        eos = (row == policy.eos_token_id).nonzero()
+        eos = ((row == policy.eos_token_id) | (row == policy.pad_token_id)).nonzero()  # both end a completion
         if len(eos):
             first = int(eos[0])
             assert (row[first + 1:] == policy.pad_token_id).all()
@@ -104,12 +104,12 @@ def test_low_confidence_commits_the_most_confident_slot_first_and_eos_pads_the_r
     assert out.completion_mask[0].tolist() == [True, True, True, False, False, False]
     # Slots were filled early, so the remaining steps did not call the model.
     assert out.forward_passes == 3 == len(policy.calls)
-    # Entropy: a slot with margin c over 19 other allowed tokens (24 − MASK, PAD, BOS, UNK)
-    # has H(c) = −p log p − 19 q log q, p = e^c/(e^c+19), q = 1/(e^c+19); the three
-    # committed slots had c = 9, 2, 1 (the PAD fills are not commitments).
+    # Entropy: a slot with margin c over 20 other allowed tokens (24 − MASK, BOS, UNK; PAD
+    # ends a completion, so it is allowed) has H(c) = −p log p − 20 q log q, p = e^c/(e^c+20),
+    # q = 1/(e^c+20); the three committed slots had c = 9, 2, 1 (the PAD fills are not commitments).
     def H(c):
-        z = math.exp(c) + 19
-        return -(math.exp(c) / z) * math.log(math.exp(c) / z) - 19 * (1 / z) * math.log(1 / z)
+        z = math.exp(c) + 20
+        return -(math.exp(c) / z) * math.log(math.exp(c) / z) - 20 * (1 / z) * math.log(1 / z)
 
     assert out.entropy[0].item() == pytest.approx((H(9) + H(2) + H(1)) / 3, rel=1e-5)
     # The model was shown the PAD after EOS from the second call on.

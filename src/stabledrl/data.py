@@ -4,8 +4,10 @@ Layout of every sequence: ``[PAD .. PAD, BOS, prompt ; completion]`` (no BOS whe
 tokenizer has none, as SDAR's and other Qwen-family tokenizers). Prompts are
 left-padded (attention mask 0 on padding) so that all completions start at the same
 column P. A completion is the answer, one EOS, then PAD up to its fixed length L; the
-*scored* positions (``completion_mask``) are those up to and including the first EOS (or
-the first of several stop tokens, `stabledrl.models.HFPolicy.stop_token_ids`).
+*scored* positions (``completion_mask``) are those up to and including the first stop token.
+One convention holds in SFT targets, the sampler and the likelihood: PAD fills the slots
+after a completion's end and PAD is itself a stop token (`completion_stop_ids`), so the
+sampler bans (`banned_token_ids`) nothing that SFT targets contain (docs/decoding.md).
 
 With a chat template (an instruct checkpoint's tokenizer), the prompt text is the template
 applied to one user turn holding the prompt, with the assistant's generation prompt after
@@ -25,7 +27,8 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 __all__ = ["encode_prompts", "encode_policy_prompts", "encode_completions", "completion_mask", "decode_completions",
-           "decode_policy_completions", "chat_prompt", "position_ids"]
+           "decode_policy_completions", "chat_prompt", "position_ids", "completion_stop_ids", "stop_ids_of",
+           "banned_token_ids"]
 
 
 def chat_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str) -> str:
@@ -102,11 +105,32 @@ def completion_mask(completion_ids: torch.Tensor, eos_token_id: int | Sequence[i
     return eos_before == 0
 
 
+def completion_stop_ids(tokenizer: PreTrainedTokenizerBase, named: Sequence[int]) -> tuple[int, ...]:
+    """The tokens that end a completion: `named` (EOS first), then PAD. SFT targets put PAD
+    after the answer's EOS, so a model learns to predict PAD where a completion is over; were
+    PAD not a stop token the sampler would have to ban it, and the model's answer would have to
+    fit around the slots it is surest are PAD (docs/decoding.md). LLaDA, Dream and SDAR pad with
+    EOS, for which this adds nothing."""
+    return tuple(dict.fromkeys((*map(int, named), int(tokenizer.pad_token_id))))
+
+
+def stop_ids_of(policy) -> tuple[int, ...]:
+    """``policy.stop_token_ids``; for a policy that names none, EOS and PAD."""
+    named = getattr(policy, "stop_token_ids", None)
+    return tuple(named) if named is not None else completion_stop_ids(policy.tokenizer, (policy.eos_token_id,))
+
+
+def banned_token_ids(policy) -> list[int]:
+    """The tokens the sampler never draws and the likelihood refuses to score: MASK and the
+    tokenizer's special tokens, less the policy's stop tokens (EOS and PAD among them)."""
+    return sorted({policy.mask_token_id, *policy.tokenizer.all_special_ids} - set(stop_ids_of(policy)))
+
+
 def decode_completions(tokenizer: PreTrainedTokenizerBase, completion_ids: torch.Tensor,
                        stop_token_ids: int | Sequence[int] | None = None) -> list[str]:
     """Text of each completion up to (not including) its first stop token, specials dropped.
-    `stop_token_ids`: the tokens that end a completion; None: the tokenizer's EOS."""
-    stops = ([tokenizer.eos_token_id] if stop_token_ids is None else
+    `stop_token_ids`: the tokens that end a completion; None: EOS and PAD."""
+    stops = (completion_stop_ids(tokenizer, [tokenizer.eos_token_id]) if stop_token_ids is None else
              [stop_token_ids] if isinstance(stop_token_ids, int) else list(stop_token_ids))
     is_stop = torch.isin(completion_ids, torch.as_tensor(stops, device=completion_ids.device))  # (B, L)
     keep = completion_mask(completion_ids, stops) & ~is_stop  # (B, L)
@@ -123,5 +147,5 @@ def encode_policy_prompts(policy, prompts: Sequence[str], *, strict: bool = Fals
 
 
 def decode_policy_completions(policy, completion_ids: torch.Tensor) -> list[str]:
-    """`decode_completions` cut at the policy's stop tokens (``policy.stop_token_ids``; else EOS)."""
-    return decode_completions(policy.tokenizer, completion_ids, getattr(policy, "stop_token_ids", None))
+    """`decode_completions` cut at the policy's stop tokens (`stop_ids_of`)."""
+    return decode_completions(policy.tokenizer, completion_ids, stop_ids_of(policy))

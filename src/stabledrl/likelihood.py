@@ -31,7 +31,7 @@ from typing import Any, Callable, ContextManager, Literal
 import numpy as np
 import torch
 
-from stabledrl.data import position_ids
+from stabledrl.data import banned_token_ids, position_ids, stop_ids_of
 from stabledrl.models.attention import (
     block_causal_attention_mask,
     block_offset,
@@ -177,16 +177,24 @@ def _check_inputs(
     if not scored.any(dim=1).all():
         empty = (~scored.any(dim=1)).nonzero().flatten().tolist()
         raise ValueError(f"empty completions (no scored slot) at rows {empty[:10]}: drop them before estimating")
-    bad = completion_ids == policy.mask_token_id
-    if policy.pad_token_id != getattr(policy, "eos_token_id", None):  # some tokenizers pad with EOS
-        pad = completion_ids == policy.pad_token_id
-        if policy.pad_token_id in getattr(policy, "stop_token_ids", ()):  # a PAD may end a completion
-            pad = pad & (scored.long().cumsum(-1) < scored.sum(-1, keepdim=True))  # scored only as its last slot
-        bad = bad | pad
-    if (scored & bad).any():
-        raise ValueError("completion_mask scores PAD or MASK tokens: it does not match completion_ids "
-                         "(use stabledrl.data.completion_mask(ids, eos_token_id))")
+    _check_convention(policy, completion_ids, scored)
     return scored
+
+
+def _check_convention(policy: Policy, completion_ids: torch.Tensor, scored: torch.Tensor) -> None:
+    """What the sampler can write (`stabledrl.data`'s convention): no scored token the sampler
+    bans, a stop token only as the last scored slot, and PAD in every slot after the scored ones."""
+    banned = torch.isin(completion_ids, torch.as_tensor(banned_token_ids(policy), device=completion_ids.device))
+    if (scored & banned).any():
+        raise ValueError("completion_mask scores MASK or special tokens the sampler never draws "
+                         f"({banned_token_ids(policy)}): they cannot be in a completion")
+    stop = torch.isin(completion_ids, torch.as_tensor(stop_ids_of(policy), device=completion_ids.device))
+    if (stop & scored & (scored.long().cumsum(-1) < scored.sum(-1, keepdim=True))).any():
+        raise ValueError("completion_mask scores a stop token before the last scored slot: it does not match "
+                         "completion_ids (use stabledrl.data.completion_mask(ids, stop_ids_of(policy)))")
+    if (~scored & (completion_ids != policy.pad_token_id)).any():
+        raise ValueError("an unscored completion slot is not PAD: after a completion's end only PAD may follow, "
+                         "as in SFT targets and the sampler's fill (stabledrl.data.encode_completions)")
 
 
 def _need_generator(generator: torch.Generator | None, method: str) -> torch.Generator:

@@ -5,7 +5,8 @@ Start from L mask tokens after the prompt; over T steps, predict every masked sl
 commit the ones the remasking rule picks: ``low_confidence`` the most probable (LLaDA, Nie
 et al. 2025, Alg. 5), ``random`` uniformly; with ``block_length`` < L in semi-autoregressive
 blocks, left to right. Each step commits ceil(masked left in the block / steps left) slots,
-and once a slot decodes to a stop token every later slot becomes PAD. The prompt columns are
+and once a slot decodes to a stop token (EOS, PAD, named ones) every later slot becomes PAD,
+as in SFT targets; the sampler never draws MASK or other special tokens (`banned_token_ids`). The prompt columns are
 never written. Temperature is Gumbel-max with noise from explicit generators, one per row,
 so a row's completion does not depend on its batch. Block models decode in their own blocks
 (``prompt_attention``, `stabledrl.models.attention`).
@@ -29,8 +30,8 @@ from typing import Sequence
 import torch
 from tqdm.auto import tqdm
 
+from stabledrl.data import banned_token_ids, position_ids, stop_ids_of
 from stabledrl.data import completion_mask as _completion_mask
-from stabledrl.data import position_ids
 from stabledrl.models.attention import (
     block_causal_attention_mask,
     block_offset,
@@ -261,8 +262,8 @@ class _Decoding:
                  generator: Generators, synced: bool, record_logprob: bool) -> None:
         self.policy, self.sampling, self.generator, self.synced = policy, sampling, generator, synced
         self.mask_id, self.pad_id = policy.mask_token_id, policy.pad_token_id
-        self.stop_ids = tuple(getattr(policy, "stop_token_ids", (policy.eos_token_id,)))  # ends a completion
-        self.banned = sorted({self.mask_id, self.pad_id, *policy.tokenizer.all_special_ids} - set(self.stop_ids))
+        self.stop_ids = stop_ids_of(policy)  # ends a completion; PAD fills the slots after it
+        self.banned = banned_token_ids(policy)
         L = sampling.gen_length
         self.comp = torch.full((B, L), self.mask_id, dtype=torch.long, device=device)  # (B, L)
         self.unmask_step = torch.full((B, L), -1, dtype=torch.long, device=device)
@@ -281,7 +282,7 @@ class _Decoding:
         self.commit(at.rows, cols, chosen, x0, ent, logp, at.step)
 
     def commit(self, rows: torch.Tensor, cols: slice, chosen, x0, ent, logp, step: int | torch.Tensor) -> None:
-        """Write the chosen tokens of rows `rows` in columns `cols`; PAD after any EOS.
+        """Write the chosen tokens of rows `rows` in columns `cols`; PAD after the first stop token.
         `step`: the step number, or (A,) each row's own."""
         self.entropy_sum[rows] += (ent * chosen).sum(-1)
         if self.logprob is not None:
@@ -291,7 +292,7 @@ class _Decoding:
         self.committed[rows] += chosen.sum(-1)
         comp = self.comp[rows]  # (A, L)
         comp[:, cols] = torch.where(chosen, x0, comp[:, cols])
-        # After the first EOS only PAD, whether those slots were decoded or not.
+        # After the first stop token only PAD, whether those slots were decoded or not.
         after_eos = ~_completion_mask(comp, self.stop_ids)  # (A, L)
         self.comp[rows] = comp.masked_fill(after_eos, self.pad_id)
         newly = after_eos.clone()

@@ -7,7 +7,8 @@ independently with probability t (the prompt is never masked) and take
     L = -(1 / (B L)) Σ_b (1 / t_b) Σ_{i masked} log p_θ(y_i | x_t, q),
 
 an upper bound on the completion's negative log-likelihood. Every slot is a target,
-EOS and the PAD after it included, so the sampler learns where the answer ends.
+EOS and the PAD after it included, so the model learns where the answer ends; PAD is a stop
+token of every policy (`stabledrl.data.completion_stop_ids`), so the sampler may write it.
 Deviations, variance reductions that keep t's marginal U(t_min, 1]: t is stratified across
 the batch (t_b = 1 - (1 - t_min) frac(u + b / B)), and t_min = 1e-3 keeps 1/t finite.
 Block models train with BD3-LM's one-pass block-diffusion loss (Arriola et al. 2025, Eq. 8):

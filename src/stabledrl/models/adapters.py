@@ -31,6 +31,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from stabledrl import _compat
 from stabledrl.models.attention import PromptAttention, check_prompt_attention
+from stabledrl.data import completion_stop_ids
 from stabledrl.models.prompting import resolve_chat_template, resolve_stop_tokens
 from stabledrl.settings import ModelConfig
 
@@ -94,11 +95,11 @@ class HFPolicy:
         self.chat_template = resolve_chat_template(tok, self.chat_template)
         self.stop_tokens = resolve_stop_tokens(tok, self.stop_tokens, vocab)
         named = _stop_ids(self.eos_token_id, getattr(self.model, "generation_config", None))
-        self.stop_token_ids = tuple(dict.fromkeys(named + self.stop_tokens))
-        if self.mask_token_id in self.stop_token_ids:
-            raise ValueError(f"mask_token_id {self.mask_token_id} is one of the stop tokens {self.stop_token_ids}")
+        self.stop_token_ids = completion_stop_ids(tok, named + self.stop_tokens)
         if self.mask_token_id == self.pad_token_id:
             raise ValueError(f"mask_token_id {self.mask_token_id} equals pad_token_id: they must differ")
+        if self.mask_token_id in self.stop_token_ids:
+            raise ValueError(f"mask_token_id {self.mask_token_id} is one of the stop tokens {self.stop_token_ids}")
         if not 0 <= self.mask_token_id < vocab:
             raise ValueError(f"mask_token_id {self.mask_token_id} is outside the model's vocabulary of {vocab}")
         self._dtype = self.model.get_input_embeddings().weight.dtype  # before any DDP/FSDP wrapping

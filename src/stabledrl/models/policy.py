@@ -32,6 +32,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase, PreTrainedTok
 
 from stabledrl.models.adapters import ADAPTER_FILE, ADAPTERS, load_hf_policy
 from stabledrl.models.attention import check_prompt_attention
+from stabledrl.data import completion_stop_ids
 from stabledrl.models.prompting import resolve_chat_template, resolve_stop_tokens
 from stabledrl.models.tiny import KVCache, TinyDiffusionConfig, TinyDiffusionLM
 from stabledrl.settings import ModelConfig  # defined without torch, for the command line
@@ -94,7 +95,7 @@ class TinyPolicy:
         self.chat_template = resolve_chat_template(self.tokenizer, self.chat_template)
         self.stop_tokens = resolve_stop_tokens(self.tokenizer, self.stop_tokens,
                                                getattr(cfg, "vocab_size", len(self.tokenizer)))
-        self.stop_token_ids = tuple(dict.fromkeys((self.eos_token_id, *self.stop_tokens)))
+        self.stop_token_ids = completion_stop_ids(self.tokenizer, (self.eos_token_id, *self.stop_tokens))
         if self.mask_token_id in self.stop_token_ids:
             raise ValueError(f"mask_token_id {self.mask_token_id} is one of the stop tokens {self.stop_token_ids}")
         self.attention_kind = getattr(cfg, "attention_kind", "full")
