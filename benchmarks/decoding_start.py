@@ -1,5 +1,5 @@
-"""Does a shipped model leave RL room from a sound start? For each model and each decoder
-(the default, and one block with PAD allowed as a stop token): greedy accuracy and the
+"""Does a shipped model leave RL room from a sound start? For each model and decoder (the
+default; `--decoders` names others of `DECODERS`, stop tokens added): greedy accuracy and the
 share of well-formed greedy answers; at each temperature, k samples per problem: pass@1,
 pass@k, the share of well-formed samples, and the share of groups of k whose rewards are
 all equal (a group RL learns nothing from).
@@ -28,7 +28,7 @@ from stabledrl.tasks import get_task
 from stabledrl.tasks.countdown import parse_expression
 
 ROOT = Path(__file__).resolve().parents[1]
-DECODERS = {"default": [], "PAD allowed": ["[PAD]"]}
+DECODERS = {"default": []}  # name -> stop tokens besides EOS and PAD (which end a completion by default)
 
 
 def well_formed(task_name: str, completion: str, problem) -> bool:

@@ -17,9 +17,9 @@ model with the same G samples per prompt, so that `reward − reward_initial` pe
 shows learning, not easier prompts (`summarise_gaps`: by sixths, the second half with its
 standard error, the slope). `controlled`: that measurement alone, for a finished run.
 `decoders`: greedy accuracy of each model under each greedy decoder of `DECODERS` (the
-default one block of L slots, one a step; threshold 0.9; blocks of 4; one block with PAD
-allowed as a stop token, where the default never samples PAD): does a gain survive a change
-of decoder, and how much of it does a decoder alone give the initial model?
+default one block of L slots, one a step; threshold 0.9; blocks of 2; blocks of 4): does a
+gain survive a change of decoder, and how much of it does a decoder alone give the initial
+model?
 Writes benchmarks/results/rl_learns-<tag>.json.
 
 Choose settings with `--split validation`; report `--split test` (the test split has
@@ -41,7 +41,7 @@ from stabledrl.checkpoint import finished_summary
 from stabledrl.config import load_config
 from stabledrl.data import encode_policy_prompts
 from stabledrl.evaluate import evaluate
-from stabledrl.models import ModelConfig, load_policy
+from stabledrl.models import load_policy
 from stabledrl.report import load_metrics
 from stabledrl.sampling import SamplingConfig
 from stabledrl.tasks import get_task
@@ -100,11 +100,11 @@ def summarise_gaps(gaps: dict[int, float]) -> dict[str, float]:
             "slope_per_100_steps": 100 * slope, "slope_per_100_steps_se": 100 * se_slope}
 
 
-DECODERS = {  # name -> (greedy SamplingConfig options, the policy's extra stop tokens)
-    "one block": ({}, []),
-    "threshold 0.9": ({"threshold": 0.9}, []),
-    "blocks of 4": ({"block_length": 4}, []),
-    "one block, PAD allowed": ({}, ["[PAD]"]),
+DECODERS = {  # name -> the greedy SamplingConfig's options
+    "one block": {},
+    "threshold 0.9": {"threshold": 0.9},
+    "blocks of 2": {"block_length": 2},
+    "blocks of 4": {"block_length": 4},
 }
 
 
@@ -134,14 +134,17 @@ def cmd_decoders(args) -> dict:
     rows, chars, pad = {}, {}, {}
     for model in args.models:
         rows[model], chars[model] = {}, {}
-        pad[model] = pad_at_first_step(load_policy(model), problems, task.completion_length)
-        for name, (options, stops) in DECODERS.items():
-            policy = load_policy(ModelConfig(path=model, stop_tokens=stops))
+        policy = load_policy(model)
+        pad[model] = pad_at_first_step(policy, problems, task.completion_length)
+        for name, options in DECODERS.items():
+            if getattr(policy, "block_size", None) and options.get("block_length", policy.block_size) != policy.block_size:
+                rows[model][name] = chars[model][name] = None  # a block model decodes in its own blocks only
+                continue
             res = evaluate(policy, task, problems, SamplingConfig(**options), progress=False)
             rows[model][name] = res.accuracy
             chars[model][name] = statistics.mean(len(s["completion"]) for s in res.samples)
         print(model, "  ".join(f"{name} {100 * acc:.2f}% ({chars[model][name]:.2f} chars)"
-                               for name, acc in rows[model].items()),
+                               for name, acc in rows[model].items() if acc is not None),
               "p(PAD) at the first step", pad[model] and [round(v, 2) for v in pad[model]], flush=True)
     return {"split": args.split, "n": args.n, "decoders": DECODERS, "accuracy": rows, "mean_completion_chars": chars,
             "pad_at_first_step": pad}
