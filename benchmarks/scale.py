@@ -148,6 +148,17 @@ def lora_param_count(shape: Shape, r: int) -> int:
     return shape.num_hidden_layers * r * ((2 * d + 2 * kv) + 2 * d + d + 2 * I + I + d)
 
 
+def llada_lora_param_count(shape: Shape, r: int, targets: list[str]) -> int:
+    """LoRA adapters of rank r on LLaDA's own linear modules named in `targets`, r·(in + out) each
+    per layer: q_proj, attn_out (d -> d), k_proj, v_proj (d -> kv), ff_proj, up_proj (d -> I),
+    ff_out (I -> d); "all-linear" names all seven (r·(11d + 3I) per layer without GQA)."""
+    d, I, kv = shape.hidden_size, shape.intermediate_size, shape.kv_width
+    sizes = {"q_proj": 2 * d, "attn_out": 2 * d, "k_proj": d + kv, "v_proj": d + kv, "ff_proj": d + I,
+             "up_proj": d + I, "ff_out": I + d}
+    names = list(sizes) if "all-linear" in targets else targets
+    return shape.num_hidden_layers * r * sum(sizes[n] for n in names)
+
+
 def buildable(shape: Shape) -> bool:
     """Whether `TinyDiffusionLM` has this shape: no grouped-query attention, biases or q/k norms."""
     return shape.kv_width == shape.hidden_size and not (shape.qkv_bias or shape.qk_norm)
@@ -761,6 +772,8 @@ RECIPES = {
     "llada-8b-instruct-gsm8k-stabledrl": Recipe("llada-8b"),
     "dream-7b-instruct-gsm8k-stabledrl": Recipe("dream-7b"),
     "sdar-8b-chat-gsm8k-stabledrl": Recipe("sdar-8b", block_size=4),
+    # d1's diffu-GRPO: LoRA over a bfloat16 base (the memory model leaves the frozen base unsharded)
+    "llada-8b-instruct-gsm8k-d1-diffu-grpo": Recipe("llada-8b"),
 }
 
 
@@ -772,9 +785,12 @@ def recipe_config(name: str, overrides: list[str] = ()) -> TrainConfig:
 
 
 def recipe_footprint(r: Recipe, cfg: TrainConfig) -> Footprint:
-    """One GPU's footprint of `cfg` on the recipe's processes: full fine-tuning sharded over them
-    (the trainer's chunked foreach AdamW), the config's precision, noise, rollout blocks and checkpointing."""
-    f = footprint(cfg, r.prompt_length, shards=r.processes, optimizer_chunk=2**26, foreach=True)
+    """One GPU's footprint of `cfg` on the recipe's processes: full fine-tuning sharded over them,
+    or the config's LoRA adapters (the trainer's chunked foreach AdamW), the config's precision,
+    noise, rollout blocks and checkpointing."""
+    lora = llada_lora_param_count(SHAPES[r.shape], cfg.lora.r, cfg.lora.target_modules) if cfg.lora else 0
+    f = footprint(cfg, r.prompt_length, lora_params=lora, weight_bytes=2 if cfg.model.dtype == "bfloat16" else 4,
+                  shards=r.processes, optimizer_chunk=2**26, foreach=True)
     return dataclasses.replace(f, checkpointing=cfg.model.gradient_checkpointing, noise=cfg.rollout.noise,
                                block_length=cfg.rollout.block_length, block_size=r.block_size)
 
