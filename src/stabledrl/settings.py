@@ -375,7 +375,8 @@ class ObjectiveSection:
 
     @property
     def token_weighted(self) -> bool:
-        """Whether the loss is a mean over scored tokens rather than over groups (for grad_agreement)."""
+        """Whether the loss is a mean over scored tokens rather than over groups (how grad_agreement's
+        halves and the accumulation rounds weigh their part of it)."""
         return False
 
 

@@ -4,7 +4,9 @@
 rollouts each from θ_old → rewards and group advantages (groups whose rewards all tie:
 kept, skipped or replaced, `zero_variance_groups`) → a mask plan, ℓ_old and ℓ_ref, no grad
 → μ inner iterations of ℓ_θ → objective → backward → clip → optimizer step (a non-finite
-loss or gradient: skipped, counted, the weights untouched) → log, evaluate, save.
+loss or gradient: skipped, counted, the weights untouched) → log, evaluate, save. With
+`accumulation_rounds` R, scoring and backward run a round of whole groups at a time, each
+round's loss weighted by its share of the step's, the gradients adding up before the step.
 
 The objective is `objectives.OBJECTIVES[cfg.objective.name]`, a function of a `ScoredBatch`.
 Several processes (``accelerate launch``) share each batch's rows (`stabledrl.shards`): every
