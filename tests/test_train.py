@@ -132,16 +132,22 @@ def test_resume_continues_exactly(init_model, tmp_path, lora, monkeypatch):
 
 
 @pytest.mark.filterwarnings("ignore:Detected call of")  # no optimizer step ran: intended
-def test_a_non_finite_loss_is_skipped_and_never_reaches_the_weights(init_model, tmp_path, monkeypatch):
-    real = OBJECTIVES["stabledrl"]
+@pytest.mark.parametrize("rounds", [1, 2])
+def test_a_non_finite_loss_is_skipped_and_never_reaches_the_weights(init_model, tmp_path, monkeypatch, rounds):
+    # with 2 accumulation rounds the second round's loss is the bad one: the first round's
+    # gradient, already in .grad, is dropped with it
+    real, calls = OBJECTIVES["stabledrl"], []
 
     def poisoned(cfg, batch):
         out = real(cfg, batch)
-        out.loss = out.loss * float("nan")
+        calls.append(batch.advantages.size(0))
+        if len(calls) % rounds == 0:
+            out.loss = out.loss * float("nan")
         return out
 
     monkeypatch.setitem(OBJECTIVES, "stabledrl", poisoned)
-    summary = run_train(_cfg(init_model, tmp_path / "nan", steps=2), progress=False)
+    summary = run_train(_cfg(init_model, tmp_path / "nan", steps=2, accumulation_rounds=rounds), progress=False)
+    assert calls == [8 // rounds] * 4 * rounds  # 2 steps x mu 2 x the rounds, each of 8 / rounds rows
     assert summary["skipped_steps"] == 4  # 2 steps x mu 2
     before = load_file(init_model / "model.safetensors")
     after = load_file(tmp_path / "nan" / "final" / "model.safetensors")
