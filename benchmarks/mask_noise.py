@@ -37,7 +37,7 @@ import torch
 from stabledrl.config import load_config
 from stabledrl.diagnostics import flat_grad_cosine
 from stabledrl.objectives import ScoredBatch, grpo_loss, group_advantages, stabledrl_loss
-from stabledrl.train import Share, TrainConfig, _groups_to_train_on, _own_scores, _plan, _roll, set_up
+from stabledrl.train import TrainConfig, _groups_to_train_on, _own_scores, _plan, _roll, set_up
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -59,14 +59,12 @@ def measure_batch(run, step: int, *, draws: int, reference_draws: int) -> dict:
     cfg = run.cfg
     problems = run.task.generate(cfg.prompts_per_step, split="train", seed=cfg.seed * 1_000_003 + step)
     groups = _groups_to_train_on(run, _roll(run, problems, step, round_=0), step)
-    n = groups.completion_ids.size(0)
-    share = Share(groups, 0, n, n)  # one process: all rows
     G = cfg.group_size
     adv = group_advantages(groups.rewards.flatten(), G, cfg.objective.advantage_scale)
     policy = run.policy
 
     def plan(k: int):  # mask draw k of this batch (seeds apart from the trainer's slots)
-        return _plan(dataclasses.replace(run, cfg=dataclasses.replace(cfg, seed=10_000 + k)), groups, step, 1, share)
+        return _plan(dataclasses.replace(run, cfg=dataclasses.replace(cfg, seed=10_000 + k)), groups, step, 1)  # all rows: one process
 
     def logp(k: int, grad: bool) -> torch.Tensor:
         with torch.set_grad_enabled(grad):

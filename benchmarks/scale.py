@@ -148,6 +148,17 @@ def lora_param_count(shape: Shape, r: int) -> int:
     return shape.num_hidden_layers * r * ((2 * d + 2 * kv) + 2 * d + d + 2 * I + I + d)
 
 
+def llada_lora_param_count(shape: Shape, r: int, targets: list[str]) -> int:
+    """LoRA adapters of rank r on LLaDA's own linear modules named in `targets`, r·(in + out) each
+    per layer: q_proj, attn_out (d -> d), k_proj, v_proj (d -> kv), ff_proj, up_proj (d -> I),
+    ff_out (I -> d); "all-linear" names all seven (r·(11d + 3I) per layer without GQA)."""
+    d, I, kv = shape.hidden_size, shape.intermediate_size, shape.kv_width
+    sizes = {"q_proj": 2 * d, "attn_out": 2 * d, "k_proj": d + kv, "v_proj": d + kv, "ff_proj": d + I,
+             "up_proj": d + I, "ff_out": I + d}
+    names = list(sizes) if "all-linear" in targets else targets
+    return shape.num_hidden_layers * r * sum(sizes[n] for n in names)
+
+
 def buildable(shape: Shape) -> bool:
     """Whether `TinyDiffusionLM` has this shape: no grouped-query attention, biases or q/k norms."""
     return shape.kv_width == shape.hidden_size and not (shape.qkv_bias or shape.qk_norm)
@@ -389,21 +400,26 @@ def predict_memory(shape: Shape, f: Footprint) -> dict[str, Any]:
 
 
 def views_per_row(cfg: TrainConfig) -> int:
-    """Noised views a rollout gets from the estimator (ℓ_old's plan; the update reuses its size)."""
+    """Noised views a rollout gets from the estimator (ℓ_old's plan; the update reuses its size):
+    K draws, each of sdmc's nodes (its default if unset); a blockwise draw is one staircase view."""
     e = cfg.estimator
-    if e.method == "sdmc":
-        return e.num_samples * {**planner_options("sdmc"), **e.options}["num_nodes"]  # the estimator's default if unset
-    if e.method in ("mc", "mean_field"):
+    inner = e.options.get("inner", "mc") if e.method == "blockwise" else e.method
+    if inner == "sdmc":
+        return e.num_samples * {**planner_options("sdmc"), **e.options}["num_nodes"]
+    if inner in ("mc", "mean_field", "block_random"):
         return e.num_samples
-    raise ValueError(f"estimator.method {e.method!r}: the benchmark runs mc, sdmc and mean_field")
+    raise ValueError(f"estimator.method {e.method!r}: the benchmark reads mc, sdmc, mean_field, block_random and "
+                     "blockwise (inner mc or sdmc)")
 
 
 def footprint(cfg: TrainConfig, prompt_length: int, *, lora_params: int = 0, weight_bytes: int = 4,
               shards: int = 1, optimizer_chunk: int | None = None, foreach: bool = False) -> Footprint:
-    """The footprint of one process of `shards` running `cfg` (its share of the P·G rows)."""
+    """The footprint of one process of `shards` running `cfg`: its share of the P·G rows is
+    sampled (in micro-batches), its share of one accumulation round's P/R·G rows scored and
+    back-propagated (in view batches)."""
 
     rows = -(-cfg.prompts_per_step * cfg.group_size // shards)
-    views = rows * views_per_row(cfg)
+    views = -(-cfg.prompts_per_step // cfg.accumulation_rounds * cfg.group_size // shards) * views_per_row(cfg)
     budget = cfg.estimator.max_views_per_forward
     return Footprint(prompt_length=prompt_length, gen_length=cfg.rollout.gen_length,
                      rows_per_call=min(rows, cfg.rollout.micro_batch or rows),
@@ -517,7 +533,7 @@ def rl_step(run: _Run, step: int, clock: _Clock) -> dict[str, int]:
     """One step of the trainer (stabledrl.train, one process) on random prompts and rewards."""
     from stabledrl.objectives import ScoredBatch, objective_for
     from stabledrl.rollouts import RolloutBatch
-    from stabledrl.train import Share, _own_scores, _plan
+    from stabledrl.train import _own_scores, _plan
 
     cfg, policy, acc = run.cfg, run.policy, run.accelerator
     B, G, L = run.prompt_ids.size(0), cfg.group_size, cfg.rollout.gen_length
@@ -533,7 +549,7 @@ def rl_step(run: _Run, step: int, clock: _Clock) -> dict[str, int]:
     advantages = group_advantages(rewards, G, cfg.objective.advantage_scale)  # (B,)
 
     def plan(slot: int):  # the trainer's plan of seed slot `slot`
-        return _plan(run, batch, step, slot, Share(batch, 0, B, B))
+        return _plan(run, batch, step, slot)
 
     def score(pol, pl) -> torch.Tensor:  # (B,) or (B, L), on the CPU as in the trainer
         return _own_scores(run, pol, pl, batch)[0].cpu()
@@ -741,77 +757,82 @@ def predict_layouts(shape_name: str, pre: Preset, *, shards: int, lora: LoraSett
 # ----------------------------------------------------------------------------- the recipes
 @dataclass(frozen=True)
 class Recipe:
-    """One shipped recipe's sizes, as the memory model reads them (8 GPUs, FSDP full shard, bf16, AdamW)."""
+    """What the memory model reads of a shipped recipe besides its config (configs/<name>.yaml,
+    whose batch, rounds, lengths, estimator, micro-batches, precision and checkpointing it takes):
+    the model's shape, the prompt length it meets, the processes (FSDP full shard, AdamW)."""
 
     shape: str
-    block_size: int | None = None  # a block model's S (staircase scoring, KV-cached rollouts)
+    block_size: int | None = None  # a block model's S, from its checkpoint (staircase scoring, KV-cached rollouts)
     prompt_length: int = 256  # Pl: the chat-templated GSM8K / MATH prompt, as docs/scale-out.md assumes
-    gen_length: int = 256
-    block_length: int = 32
-    prompts: int = 8  # the recipes' prompts_per_step: one of the authors' 4 rounds of 8 prompts
-    group_size: int = 16
-    views: int = 2  # K noised views a rollout (SPG's block_random: 2 Monte Carlo samples)
     processes: int = 8
 
 
 RECIPES = {
-    # the StableDRL authors' GSM8K / MATH run (docs/recipes.md)
+    # the StableDRL authors' GSM8K / MATH run (docs/recipes.md); the MATH recipe has the same sizes
     "llada-8b-instruct-gsm8k-stabledrl": Recipe("llada-8b"),
     "dream-7b-instruct-gsm8k-stabledrl": Recipe("dream-7b"),
-    "sdar-8b-chat-gsm8k-stabledrl": Recipe("sdar-8b", block_size=4, block_length=4),
+    "sdar-8b-chat-gsm8k-stabledrl": Recipe("sdar-8b", block_size=4),
+    # d1's diffu-GRPO: LoRA over a bfloat16 base (the memory model leaves the frozen base unsharded)
+    "llada-8b-instruct-gsm8k-d1-diffu-grpo": Recipe("llada-8b"),
 }
 
 
-def recipe_footprint(r: Recipe, **kw) -> Footprint:
-    """One GPU's footprint: full fine-tuning sharded over the processes (the trainer's chunked
-    foreach AdamW), bf16 autocast, counter noise, gradient checkpointing; `kw` overrides."""
-    rows = r.prompts * r.group_size // r.processes
-    base = dict(prompt_length=r.prompt_length, gen_length=r.gen_length, rows_per_call=rows,
-                views_per_forward=rows * r.views, autocast=True, shards=r.processes, optimizer_chunk=2**26,
-                foreach=True, checkpointing=True, noise="counter", block_length=r.block_length, block_size=r.block_size)
-    return Footprint(**{**base, **kw})
+def recipe_config(name: str, overrides: list[str] = ()) -> TrainConfig:
+    """The shipped recipe configs/<name>.yaml."""
+    from stabledrl.config import load_config  # imported here: gpu_check runs without dacite
+
+    return load_config(TrainConfig, ROOT / "configs" / f"{name}.yaml", list(overrides))
+
+
+def recipe_footprint(r: Recipe, cfg: TrainConfig) -> Footprint:
+    """One GPU's footprint of `cfg` on the recipe's processes: full fine-tuning sharded over them,
+    or the config's LoRA adapters (the trainer's chunked foreach AdamW), the config's precision,
+    noise, rollout blocks and checkpointing."""
+    lora = llada_lora_param_count(SHAPES[r.shape], cfg.lora.r, cfg.lora.target_modules) if cfg.lora else 0
+    f = footprint(cfg, r.prompt_length, lora_params=lora, weight_bytes=2 if cfg.model.dtype == "bfloat16" else 4,
+                  shards=r.processes, optimizer_chunk=2**26, foreach=True)
+    return dataclasses.replace(f, checkpointing=cfg.model.gradient_checkpointing, noise=cfg.rollout.noise,
+                               block_length=cfg.rollout.block_length, block_size=r.block_size)
 
 
 def predict_recipes(gpu_bytes: float) -> dict[str, Any]:
-    """Per GPU, for each recipe: the prediction at its micro-batches (a step's rows sampled and
-    scored in micro-batches of at most 16 rows / 32 views, the largest that fit), beside the
-    same without checkpointing, and the whole share of P·G / processes rows in one call
-    without checkpointing."""
+    """Per GPU, for each recipe as shipped (a round's rows scored and back-propagated at once, the
+    rollouts in the config's micro-batches): the prediction, beside the same without
+    checkpointing, and the step's P prompts in one round (accumulation_rounds: 1)."""
     out: dict[str, Any] = {"gpu_bytes": gpu_bytes}
     for name, r in RECIPES.items():
-        shape = SHAPES[r.shape]
-        rows = r.prompts * r.group_size // r.processes
-        peak = lambda **kw: predict_memory(shape, recipe_footprint(r, **kw))["peak"]  # noqa: E731
-        micro = _largest(lambda k: peak(rows_per_call=k, views_per_forward=1) <= gpu_bytes, min(rows, 16))
-        views = _largest(lambda k: peak(rows_per_call=1, views_per_forward=k) <= gpu_bytes, min(rows * r.views, 32))
-        f = recipe_footprint(r, rows_per_call=max(micro, 1), views_per_forward=max(views, 1))
+        shape, cfg = SHAPES[r.shape], recipe_config(name)
+        f = recipe_footprint(r, cfg)
         pred = predict_memory(shape, f)
-        share = r.prompts * r.group_size // r.processes
-        whole = predict_memory(shape, recipe_footprint(r, rows_per_call=share, views_per_forward=share * r.views,
-                                                        checkpointing=False))
-        out[name] = {"recipe": dataclasses.asdict(r), "params": param_count(shape), "rows_per_round": rows,
-                     "rollout.micro_batch": micro, "estimator.max_views_per_forward": views,
-                     "footprint": dataclasses.asdict(f), "peak": pred["peak"], "phases": pred["phases"],
-                     "terms": pred["terms"], "fits": pred["peak"] <= gpu_bytes,
+        one = predict_memory(shape, recipe_footprint(r, recipe_config(name, ["accumulation_rounds=1"])))
+        P, G, R = cfg.prompts_per_step, cfg.group_size, cfg.accumulation_rounds
+        out[name] = {"recipe": dataclasses.asdict(r), "params": param_count(shape),
+                     "batch": {"prompts_per_step": P, "group_size": G, "accumulation_rounds": R,
+                               "gen_length": cfg.rollout.gen_length, "views_per_row": views_per_row(cfg)},
+                     "rows_per_round": -(-P // R * G // r.processes), "rollout.micro_batch": f.rows_per_call,
+                     "views_per_forward": f.views_per_forward, "footprint": dataclasses.asdict(f),
+                     "peak": pred["peak"], "phases": pred["phases"], "terms": pred["terms"],
+                     "fits": pred["peak"] <= gpu_bytes,
                      "peak_without_checkpointing":
                          predict_memory(shape, dataclasses.replace(f, checkpointing=False))["peak"],
-                     "whole_share_at_once": {"rows": share, "phases": whole["phases"], "peak": whole["peak"]}}
+                     "one_round": {"rows": -(-P * G // r.processes), "phases": one["phases"], "peak": one["peak"]}}
     return out
 
 
 def recipes_table(pred: dict[str, Any]) -> str:
     """The markdown table of `predict_recipes`."""
-    lines = ["| recipe | parameters | rows per GPU and round | rollout.micro_batch | views per forward | "
-             "predicted peak per GPU | largest phase | without checkpointing | whole share at once, no checkpointing |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| recipe | parameters | prompts × G, rounds | rows per GPU and round | rollout.micro_batch | "
+             "views per forward | predicted peak per GPU | largest phase | without checkpointing | "
+             "in one round |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for name, e in pred.items():
         if not isinstance(e, dict):
             continue
-        phase = max(e["phases"], key=e["phases"].get)
-        lines.append(f"| {name} | {e['params'] / 1e9:.2f} B | {e['rows_per_round']} | {e['rollout.micro_batch']} | "
-                     f"{e['estimator.max_views_per_forward']} | {_gb(e['peak'])} | {phase} | "
-                     f"{_gb(e['peak_without_checkpointing'])} | {_gb(e['whole_share_at_once']['peak'])} "
-                     f"({e['whole_share_at_once']['rows']} rows) |")
+        phase, b = max(e["phases"], key=e["phases"].get), e["batch"]
+        lines.append(f"| {name} | {e['params'] / 1e9:.2f} B | {b['prompts_per_step']} × {b['group_size']}, "
+                     f"{b['accumulation_rounds']} | {e['rows_per_round']} | {e['rollout.micro_batch']} | "
+                     f"{e['views_per_forward']} | {_gb(e['peak'])} | {phase} | {_gb(e['peak_without_checkpointing'])} | "
+                     f"{_gb(e['one_round']['peak'])} ({e['one_round']['rows']} rows) |")
     return "\n".join(lines)
 
 

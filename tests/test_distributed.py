@@ -56,11 +56,13 @@ def _free_port() -> int:
 
 
 def _launch(overrides: list[str], processes: int, tmp_path, timeout: float = 300, *, fsdp: bool = False,
-            resume: bool = False, stop_after_save: bool = False, launcher: tuple[str, ...] = ()) -> None:
+            resume: bool = False, stop_after_save: bool = False, launcher: tuple[str, ...] = (),
+            report: Path | None = None) -> None:
     """`accelerate launch ... -m stabledrl train` on `processes` CPU processes. `fsdp`: with
     configs/accelerate/fsdp.yaml, through `_cpu_fsdp_main`; `stop_after_save`: every process
     stops right after the first checkpoint (the launch must then fail); `launcher`: more
-    options of `accelerate launch`."""
+    options of `accelerate launch`; `report`: a JSON file where the main process says how its
+    model was prepared (`_report_run`)."""
     empty = tmp_path / "empty.yaml"  # every field comes from --set
     empty.write_text("{}\n")
     # --multi_gpu selects accelerate's torchrun launcher; the trainer's Accelerator(cpu=True)
@@ -68,12 +70,12 @@ def _launch(overrides: list[str], processes: int, tmp_path, timeout: float = 300
     layout = ["--config_file", str(FSDP_CONFIG)] if fsdp else ["--multi_gpu"]
     cmd = [sys.executable, "-m", "accelerate.commands.launch", *layout, *launcher, "--num_processes", str(processes),
            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-           "--main_process_port", str(_free_port()), "-m", "tests.test_distributed" if fsdp or stop_after_save
+           "--main_process_port", str(_free_port()), "-m", "tests.test_distributed" if fsdp or stop_after_save or report
            else "stabledrl", "train", "--config", str(empty), *(["--resume"] if resume else [])]
     for o in overrides:
         cmd += ["--set", o]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "STABLEDRL_TEST_FSDP": str(int(fsdp)),
-           "STABLEDRL_TEST_STOP_AFTER_SAVE": str(int(stop_after_save))}
+           "STABLEDRL_TEST_STOP_AFTER_SAVE": str(int(stop_after_save)), "STABLEDRL_TEST_REPORT": str(report or "")}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                             cwd=Path(__file__).parents[1])
     try:
@@ -126,6 +128,8 @@ def assert_same_update(a: dict, b: dict) -> None:
     # FSDP (configs/accelerate/fsdp.yaml, on CPU: see _cpu_fsdp_main): each process holds
     # half of every weight; sampling in lockstep, gathered weights saved
     ("stabledrl", {}, {}, True),
+    # and in 3 accumulation rounds of one group (2 rows a process each) against one process in one round
+    pytest.param("stabledrl", {}, {"accumulation_rounds": 3}, True, id="fsdp-rounds"),
 ])
 def test_two_processes_make_the_update_of_one(init_model, tmp_path, objective, common, extra, fsdp):
     one = tmp_path / "one"
@@ -202,15 +206,20 @@ def _resume_overrides(init_model, out) -> list[str]:
                       prompts_per_step=2, mu=2)
 
 
-# layout -> (under FSDP, fsdp_state_dict_type), what accelerate writes in a checkpoint
+# What a run under FSDP sets besides the resume's settings: bf16 autocast, each block recomputed in
+# the backward, rollouts and evaluation 2 rows a call, the backward 2 views at a time, 2 rounds a step
+_EVERYTHING = {"mixed_precision": "bf16", "model.gradient_checkpointing": "true", "rollout.micro_batch": 2,
+               "eval_sampling.micro_batch": 1, "estimator.max_views_per_forward": 2, "accumulation_rounds": 2}
+# layout -> (accelerate launch's options, the run's other settings, what accelerate writes in a checkpoint)
 _LAYOUTS = {
-    "ddp": (None, {"optimizer.bin", "random_states_0.pkl", "random_states_1.pkl"}),  # the weights: the policy's
-    # gathered into one file by the main process (configs/accelerate/fsdp.yaml)
-    "fsdp-full": ("FULL_STATE_DICT", {"optimizer.bin", "pytorch_model_fsdp.bin", "random_states_0.pkl",
-                                      "random_states_1.pkl"}),
-    # every process writes its shards (torch.distributed.checkpoint folders)
-    "fsdp-sharded": ("SHARDED_STATE_DICT", {"optimizer_0", "pytorch_model_fsdp_0", "random_states_0.pkl",
-                                            "random_states_1.pkl"}),
+    "ddp": (None, {}, {"optimizer.bin", "random_states_0.pkl", "random_states_1.pkl"}),  # the weights: the policy's
+    # gathered into one file by the main process
+    "fsdp-full": (("--fsdp_state_dict_type", "FULL_STATE_DICT"), {}, {
+        "optimizer.bin", "pytorch_model_fsdp.bin", "random_states_0.pkl", "random_states_1.pkl"}),
+    # configs/accelerate/fsdp.yaml as shipped: every process writes its shards (torch.distributed.checkpoint
+    # folders); with everything a real-scale recipe turns on
+    "fsdp-sharded": ((), _EVERYTHING, {"optimizer_0", "pytorch_model_fsdp_0", "random_states_0.pkl",
+                                       "random_states_1.pkl"}),
 }
 
 
@@ -221,14 +230,14 @@ def test_two_processes_resume_exactly(init_model, tmp_path, layout):
     # two processes uninterrupted: the same metrics and final weights, bit for bit. Under FSDP
     # each process holds half of the weights and of AdamW's state; a checkpoint that kept only
     # the main process's half (or none of it) resumes with other moments and drifts.
-    state_dict_type, files = _LAYOUTS[layout]
-    fsdp = state_dict_type is not None
-    kw = {"fsdp": fsdp, "launcher": ("--fsdp_state_dict_type", state_dict_type) if fsdp else ()}
+    launcher, extra, files = _LAYOUTS[layout]
+    kw = {"fsdp": launcher is not None, "launcher": launcher or ()}
     full, crash = tmp_path / "full", tmp_path / "crash"
-    _launch(_resume_overrides(init_model, full), 2, tmp_path, **kw)
-    _launch(_resume_overrides(init_model, crash), 2, tmp_path, stop_after_save=True, **kw)
+    sets = lambda out: [*_resume_overrides(init_model, out), *(f"{k}={v}" for k, v in extra.items())]  # noqa: E731
+    _launch(sets(full), 2, tmp_path, report=tmp_path / "report.json", **kw)
+    _launch(sets(crash), 2, tmp_path, stop_after_save=True, **kw)
     assert [p.name for p in crash.glob("checkpoint-*")] == ["checkpoint-0000002"]
-    _launch(_resume_overrides(init_model, crash), 2, tmp_path, resume=True, **kw)
+    _launch(sets(crash), 2, tmp_path, resume=True, **kw)
     assert metric_rows(crash) == metric_rows(full)
     a, b = (load_file(d / "final" / "model.safetensors") for d in (full, crash))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
@@ -242,6 +251,12 @@ def test_two_processes_resume_exactly(init_model, tmp_path, layout):
     for d in (last, crash / "final"):
         load_policy(d)
     assert not [p.name for p in crash.iterdir() if p.name.startswith(".")]  # no leftovers
+    report = json.loads((tmp_path / "report.json").read_text())
+    if kw["fsdp"]:  # each of the 2 blocks is an FSDP unit of its own (FSDP2 names its class FSDP<class>)
+        assert report["wrapped"].count("FSDP_Block") == 2 and "FSDPTinyDiffusionLM" in report["wrapped"], report
+    # the blocks' matmuls ran in bfloat16 under bf16 autocast, in float32 otherwise; recomputed if asked
+    assert report["linear_dtypes"] == (["torch.bfloat16"] if extra else ["torch.float32"]), report
+    assert report["checkpointing"] == bool(extra)
 
 
 class _StopAfterSave(Exception):
@@ -272,9 +287,13 @@ def _cpu_fsdp_main() -> int:
             # AcceleratorState copies PartialState's type when it is made again: set both
             PartialState().distributed_type = self.state.distributed_type = DistributedType.FSDP
             self.state.fsdp_plugin = FullyShardedDataParallelPlugin()
+            if self.state.mixed_precision != "no":  # as AcceleratorState does for an FSDP launch (state.py)
+                self.state.fsdp_plugin.set_mixed_precision(self.state.mixed_precision)
 
     if os.environ.get("STABLEDRL_TEST_FSDP") == "1":
         accelerate.Accelerator = CpuFsdpAccelerator  # run_train imports it when it runs
+    if os.environ.get("STABLEDRL_TEST_REPORT"):
+        _report_run(train_mod, os.environ["STABLEDRL_TEST_REPORT"])
     if os.environ.get("STABLEDRL_TEST_STOP_AFTER_SAVE") == "1":
         real = train_mod.save_checkpoint
 
@@ -284,6 +303,36 @@ def _cpu_fsdp_main() -> int:
 
         train_mod.save_checkpoint = save_then_stop
     return main()
+
+
+def _report_run(train_mod, path: str) -> None:
+    """`train` writes to `path` (main process) how its model was prepared: the FSDP units, whether
+    its blocks recompute in the backward, and the dtypes its blocks' linear layers computed in."""
+    from torch.distributed.fsdp import FSDPModule
+
+    real = train_mod.set_up
+
+    def set_up(*args, **kwargs):
+        run = real(*args, **kwargs)
+        model = run.policy.model
+        inner = getattr(model, "module", model)  # DDP's wrapper holds it; FSDP2 wraps in place
+        info = {"wrapped": sorted(type(m).__name__ for m in model.modules() if isinstance(m, FSDPModule)),
+                "checkpointing": inner.gradient_checkpointing, "linear_dtypes": []}
+        write = lambda: run.main and Path(path).write_text(json.dumps(info))  # noqa: E731
+
+        def seen(module, args, output):
+            if str(output.dtype) not in info["linear_dtypes"]:
+                info["linear_dtypes"].append(str(output.dtype))
+                write()
+
+        for block in inner.blocks:
+            for m in block.modules():
+                if isinstance(m, torch.nn.Linear):
+                    m.register_forward_hook(seen)
+        write()
+        return run
+
+    train_mod.set_up = set_up
 
 
 if __name__ == "__main__":

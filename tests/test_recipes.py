@@ -40,8 +40,10 @@ def test_recipe_parses_and_names_its_commands(name):
 @pytest.mark.parametrize("name", [n for n in RECIPES if n.endswith("-stabledrl")])
 def test_stabledrl_recipes_hold_the_authors_settings(name):
     cfg = load(name)
-    # 8 prompts a step: one of the authors' 4 accumulation rounds (the trainer does not accumulate rounds)
-    assert (cfg.group_size, cfg.mu, cfg.prompts_per_step, cfg.lr, cfg.seed) == (16, 2, 8, 2e-6, 113)
+    # the authors' step: 32 prompts in 4 accumulation rounds (1 prompt per GPU x 8 GPUs each); their
+    # 2,000 optimizer steps are 1,000 of ours at mu = 2
+    assert (cfg.group_size, cfg.mu, cfg.prompts_per_step, cfg.accumulation_rounds) == (16, 2, 32, 4)
+    assert (cfg.lr, cfg.seed, cfg.steps * cfg.mu) == (2e-6, 113, 2000)
     assert (cfg.objective.name, cfg.objective.clip, cfg.objective.clip_max) == ("stabledrl", "upper", 5.0)
     assert cfg.task.options["convention"] == "stabledrl" and cfg.model.gradient_checkpointing
     if name.startswith("sdar"):  # a block model: the staircase estimator, blocks from its config
@@ -55,7 +57,8 @@ def test_stabledrl_recipes_hold_the_authors_settings(name):
 
 def test_d1_recipe_holds_d1s_settings():
     cfg = load("llada-8b-instruct-gsm8k-d1-diffu-grpo")
-    assert (cfg.group_size, cfg.mu, cfg.prompts_per_step, cfg.lr) == (6, 12, 16, 3e-6)
+    # 16 prompts: 6 rows per GPU x 8 GPUs x 2 accumulation rounds / G
+    assert (cfg.group_size, cfg.mu, cfg.prompts_per_step, cfg.accumulation_rounds, cfg.lr) == (6, 12, 16, 2, 3e-6)
     o = cfg.objective
     assert (o.name, o.clip_eps, o.ratio_level, o.token_aggregation, o.beta, o.advantage_scale) == (
         "grpo", 0.5, "token", "batch_token_mean", 0.04, "none")
@@ -79,13 +82,16 @@ def test_recipe_task_builds_from_a_local_file(tmp_path, name):
 
 
 def test_the_memory_table_predicts_the_recipes_as_shipped():
-    # benchmarks/scale.py's recipes (the README's memory table) have the configs' batch and lengths
+    # benchmarks/scale.py's recipes (the README's memory table) read the configs themselves
     import sys
 
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import scale
 
-    for name, r in scale.RECIPES.items():
+    pred = scale.predict_recipes(80e9)
+    for name in scale.RECIPES:
         cfg = load(name)
-        assert (r.prompts, r.group_size, r.gen_length) == \
-            (cfg.prompts_per_step, cfg.group_size, cfg.rollout.gen_length), name
+        b = pred[name]["batch"]
+        assert (b["prompts_per_step"], b["group_size"], b["accumulation_rounds"], b["gen_length"]) == \
+            (cfg.prompts_per_step, cfg.group_size, cfg.accumulation_rounds, cfg.rollout.gen_length), name
+        assert pred[name]["footprint"]["checkpointing"] == cfg.model.gradient_checkpointing

@@ -203,11 +203,36 @@ def test_dream_and_sdar_shapes_have_their_base_models_parameter_counts():
         scale.build_model(scale.SHAPES["sdar-8b"], "meta")
 
 
-def test_every_recipe_is_predicted_to_fit_80_gb_per_gpu_only_with_checkpointing():
+def test_every_recipe_is_predicted_to_fit_80_gb_per_gpu_full_fine_tuning_only_with_checkpointing_and_rounds():
     pred = scale.predict_recipes(80e9)
     for name in scale.RECIPES:
         e = pred[name]
         assert e["fits"] and e["peak"] <= 80e9, name
-        assert e["rollout.micro_batch"] >= 1 and e["estimator.max_views_per_forward"] >= 1
-        assert e["peak_without_checkpointing"] > 80e9 > e["peak"]
-    assert "| llada-8b-instruct-gsm8k-stabledrl |" in scale.recipes_table(pred)
+        if name.endswith("-stabledrl"):  # full fine-tuning: it needs both
+            assert e["peak_without_checkpointing"] > 80e9 > e["peak"]
+            assert e["one_round"]["peak"] > 80e9  # the step's 32 prompts in one round: 64 rows per GPU in one graph
+            # the authors' layout: 32 prompts × 16 in 4 rounds on 8 GPUs, 16 rows (32 views) per GPU and round
+            assert (e["rows_per_round"], e["views_per_forward"], e["one_round"]["rows"]) == (16, 32, 64), name
+    # d1: 16 prompts × 6 in 2 rounds, 6 rows (one view each) per GPU and round, LoRA on q, k, v, up:
+    # r·(2d + 2d + 2d + d + I) = 128·40,960 per layer, × 32 layers
+    assert pred["llada-8b-instruct-gsm8k-d1-diffu-grpo"]["footprint"]["lora_params"] == 167_772_160
+    # every linear module: r·(11d + 3I) per layer
+    assert scale.llada_lora_param_count(scale.SHAPES["llada-8b"], 1, ["all-linear"]) == 32 * (11 * 4096 + 3 * 12288)
+    table = scale.recipes_table(pred)
+    assert "| llada-8b-instruct-gsm8k-stabledrl | 8.02 B | 32 × 16, 4 | 16 | 8 | 32 |" in table
+    assert "| llada-8b-instruct-gsm8k-d1-diffu-grpo | 8.02 B | 16 × 6, 2 | 6 | 6 | 6 |" in table
+
+
+def test_a_round_holds_its_share_of_the_step_rows_in_the_memory_model():
+    # P = 32, G = 16 on 8 processes: 64 rollouts each, sampled 8 at a time; in R = 4 rounds a
+    # process scores 8·16/8 = 16 rows, 2 views each; in one round 64 rows, 128 views
+    cfg = scale.recipe_config("llada-8b-instruct-gsm8k-stabledrl")
+    f = scale.footprint(cfg, 256, shards=8)
+    assert (f.rows_per_call, f.views_per_forward) == (8, 32)
+    one = scale.footprint(scale.recipe_config("llada-8b-instruct-gsm8k-stabledrl", ["accumulation_rounds=1"]), 256,
+                          shards=8)
+    assert (one.rows_per_call, one.views_per_forward) == (8, 128)
+    # the update's activations scale with the round's views: 4 rounds hold a quarter
+    shape = scale.SHAPES["llada-8b"]
+    assert scale.predict_memory(shape, one)["terms"]["activations"] == \
+        4 * scale.predict_memory(shape, f)["terms"]["activations"]

@@ -134,16 +134,22 @@ def test_resume_continues_exactly(init_model, tmp_path, lora, monkeypatch):
 
 
 @pytest.mark.filterwarnings("ignore:Detected call of")  # no optimizer step ran: intended
-def test_a_non_finite_loss_is_skipped_and_never_reaches_the_weights(init_model, tmp_path, monkeypatch):
-    real = OBJECTIVES["stabledrl"]
+@pytest.mark.parametrize("rounds", [1, 2])
+def test_a_non_finite_loss_is_skipped_and_never_reaches_the_weights(init_model, tmp_path, monkeypatch, rounds):
+    # with 2 accumulation rounds the second round's loss is the bad one: the first round's
+    # gradient, already in .grad, is dropped with it
+    real, calls = OBJECTIVES["stabledrl"], []
 
     def poisoned(cfg, batch):
         out = real(cfg, batch)
-        out.loss = out.loss * float("nan")
+        calls.append(batch.advantages.size(0))
+        if len(calls) % rounds == 0:
+            out.loss = out.loss * float("nan")
         return out
 
     monkeypatch.setitem(OBJECTIVES, "stabledrl", poisoned)
-    summary = run_train(_cfg(init_model, tmp_path / "nan", steps=2), progress=False)
+    summary = run_train(_cfg(init_model, tmp_path / "nan", steps=2, accumulation_rounds=rounds), progress=False)
+    assert calls == [8 // rounds] * 4 * rounds  # 2 steps x mu 2 x the rounds, each of 8 / rounds rows
     assert summary["skipped_steps"] == 4  # 2 steps x mu 2
     before = load_file(init_model / "model.safetensors")
     after = load_file(tmp_path / "nan" / "final" / "model.safetensors")
@@ -156,35 +162,101 @@ def test_a_non_finite_loss_is_skipped_and_never_reaches_the_weights(init_model, 
 ])
 def test_a_view_budget_gives_the_same_update_with_bounded_memory(init_model, tmp_path, objective, estimator):
     # Two-pass update (no-grad ℓ, ∂loss/∂ℓ, backward 2 views at a time) vs one graph: the
-    # same gradient at each of the μ = 2 optimizer steps. Compared are the gradients the
-    # optimizer is handed, under plain SGD at a small lr, so that the second gradients are
-    # taken at weights equal up to rounding. Not AdamW's weights: its g/√v turns a rounding
-    # difference of ~1e-7 in a near-zero gradient into one of ~lr (2.9e-5 on another CPU).
-    grads: list[torch.Tensor] = []  # (P,) float64: each step's gradient, all parameters
+    # same gradient at each of the μ = 2 optimizer steps.
+    runs = [_optimizer_gradients(_cfg(init_model, tmp_path / name, steps=1, optimizer="sgd", lr=1e-2,
+                                      objective=objective, estimator={**estimator, "max_views_per_forward": budget}))
+            for name, budget in (("whole", None), ("budget", 2))]
+    _assert_same_gradients(*runs, steps=2)
+    flat = [[v for row in _losses(tmp_path / n / "metrics.jsonl") for v in row] for n in ("whole", "budget")]
+    assert flat[0] == pytest.approx(flat[1], rel=1e-4, abs=1e-6)  # a loss can be ~1e-5: the abs part
+
+
+def _optimizer_gradients(cfg: TrainConfig) -> list[torch.Tensor]:
+    """Train `cfg`; the gradient each optimizer step was handed, (P,) float64 over all parameters.
+    Compared under plain SGD at a small lr, so that later gradients are taken at weights equal up
+    to rounding. Not AdamW's weights: its g/√v turns a rounding difference of ~1e-7 in a near-zero
+    gradient into one of ~lr (2.9e-5 on another CPU)."""
+    grads: list[torch.Tensor] = []
 
     def record(opt, args, kwargs):
         grads.append(torch.cat([torch.zeros(p.numel(), dtype=torch.float64) if p.grad is None
                                 else p.grad.detach().double().flatten()
                                 for group in opt.param_groups for p in group["params"]]))
 
-    runs = []
     hook = register_optimizer_step_pre_hook(record)
     try:
-        for name, budget in (("whole", None), ("budget", 2)):
-            cfg = _cfg(init_model, tmp_path / name, steps=1, optimizer="sgd", lr=1e-2, objective=objective,
-                       estimator={**estimator, "max_views_per_forward": budget})
-            run_train(cfg, progress=False)
-            runs.append(grads[:])
-            grads.clear()
+        run_train(cfg, progress=False)
     finally:
         hook.remove()
-    assert len(runs[0]) == len(runs[1]) == 2
-    for whole, budget in zip(*runs):
-        assert whole.norm() > 0  # the update is not empty
+    return grads
+
+
+def _assert_same_gradients(a: list[torch.Tensor], b: list[torch.Tensor], *, steps: int) -> None:
+    assert len(a) == len(b) == steps
+    for x, y in zip(a, b):
+        assert x.norm() > 0  # the update is not empty
         # float32 rounding: relative 3e-7 measured; a real difference would be O(1)
-        assert (whole - budget).norm() <= 1e-4 * whole.norm()
-    flat = [[v for row in _losses(tmp_path / n / "metrics.jsonl") for v in row] for n in ("whole", "budget")]
-    assert flat[0] == pytest.approx(flat[1], rel=1e-4, abs=1e-6)  # a loss can be ~1e-5: the abs part
+        assert (x - y).norm() <= 1e-4 * x.norm()
+
+
+@pytest.mark.parametrize("objective, estimator, extra", [
+    # StableDRL on SPG's sandwich: weights self-normalised within each group, the EUBO; a mean over groups
+    ({"name": "stabledrl", "likelihood": "spg"}, {"method": "mc", "num_samples": 2}, {}),
+    # d1's loss: a mean over every scored token of the batch, plus a k3 KL to the reference
+    ({"name": "grpo", "ratio_level": "token", "token_aggregation": "batch_token_mean", "beta": 0.04},
+     {"method": "mean_field", "num_samples": 1}, {}),
+    ({"name": "spg"}, {"method": "mc", "num_samples": 2}, {}),
+    # rounds of one group each, fresh masks every inner iteration, the backward 3 views at a time
+    ({"name": "stabledrl"}, {"method": "mc", "num_samples": 2, "max_views_per_forward": 3},
+     {"masks": "independent", "accumulation_rounds": 4}),
+])
+def test_accumulation_rounds_give_the_one_round_update(init_model, tmp_path, objective, estimator, extra,
+                                                       monkeypatch):
+    # 4 prompts of G = 4, mu = 2: each optimizer step's gradient accumulated over R rounds of whole
+    # groups, against the same step in one round (same rollouts, same masks)
+    rows = []  # the rows each objective call saw
+    real = train_mod.objective_for
+    monkeypatch.setattr(train_mod, "objective_for", lambda c: (lambda f: lambda b: (
+        rows.append(b.advantages.size(0)), f(b))[1])(real(c)))
+    R = extra.get("accumulation_rounds", 2)
+    runs = []
+    for name, rounds in (("one", 1), ("rounds", R)):
+        cfg = _cfg(init_model, tmp_path / name, steps=1, prompts_per_step=4, optimizer="sgd", lr=1e-2,
+                   objective=objective, estimator=estimator, **{**extra, "accumulation_rounds": rounds})
+        runs.append(_optimizer_gradients(cfg))
+    assert rows == [16] * 2 + [16 // R] * (2 * R)  # not vacuous: the second run scored R rounds an iteration
+    _assert_same_gradients(*runs, steps=2)
+    # the logged loss is the step's (the rounds' losses weighted by their share)
+    flat = [[r[1] for r in _losses(tmp_path / n / "metrics.jsonl")] for n in ("one", "rounds")]
+    assert flat[0] == pytest.approx(flat[1], rel=1e-4, abs=1e-6)
+
+
+def test_accumulation_rounds_cut_the_kept_groups_and_weigh_each_by_its_share():
+    # 3 kept groups of G = 2 in R = 2 rounds: groups [0] and [1, 2]; completion lengths 1, 1 | 2, 2 | 3, 0
+    from types import SimpleNamespace
+
+    from accelerate.utils import DistributedType
+
+    from stabledrl.rollouts import RolloutBatch
+    from stabledrl.shards import Shards
+
+    mask = torch.tensor([[1, 0, 0], [1, 0, 0], [1, 1, 0], [1, 1, 0], [1, 1, 1], [0, 0, 0]])  # (6, 3)
+    ids = torch.zeros(6, 3, dtype=torch.long)
+    groups = RolloutBatch(ids, torch.ones(6, 3), ids, mask, ids, problems=[0, 1, 2], rewards=torch.zeros(3, 2))
+    shards = Shards(SimpleNamespace(process_index=0, num_processes=1, distributed_type=DistributedType.NO))
+
+    def rounds(token_weighted: bool, R: int = 2):
+        cfg = SimpleNamespace(group_size=2, accumulation_rounds=R, objective=SimpleNamespace(
+            token_weighted=token_weighted))
+        return train_mod._rounds(SimpleNamespace(cfg=cfg, shards=shards, device="cpu"), groups)
+
+    assert [(s.lo, s.hi, s.start, s.end, s.rows.completion_mask.size(0)) for s in rounds(False)] == [
+        (0, 2, 0, 2, 2), (2, 6, 2, 6, 4)]
+    assert [s.weight for s in rounds(False)] == [1 / 3, 2 / 3]  # a mean over groups: 1 of 3, 2 of 3
+    assert [s.weight for s in rounds(True)] == pytest.approx([2 / 9, 7 / 9])  # a mean over the 9 scored tokens
+    # more rounds than kept groups: one group a round; one round: the whole batch, weight exactly 1
+    assert [(s.lo, s.hi) for s in rounds(False, R=5)] == [(0, 2), (2, 4), (4, 6)]
+    assert [(s.lo, s.hi, s.weight) for s in rounds(True, R=1)] == [(0, 6, 1.0)]
 
 
 def test_config_cross_checks():
@@ -215,6 +287,12 @@ def test_config_cross_checks():
     with pytest.raises(ConfigError, match="per-sequence likelihood"):
         load_config(TrainConfig, {"objective": {"name": "stabledrl", "likelihood": "spg",
                                                 "ratio_level": "sequence_normalized"}})
+    with pytest.raises(ConfigError, match=r"prompts_per_step \(6\) must be a multiple of accumulation_rounds \(4\)"):
+        load_config(TrainConfig, {"prompts_per_step": 6, "accumulation_rounds": 4})
+    with pytest.raises(ConfigError, match="grad_agreement needs the one-round update"):
+        load_config(TrainConfig, {"prompts_per_step": 4, "accumulation_rounds": 2, "grad_agreement": True})
+    with pytest.raises(ConfigError, match="accumulation_rounds must be >= 1"):
+        load_config(TrainConfig, {"accumulation_rounds": 0})
     with pytest.raises(ConfigError, match="not SPG's sandwich"):
         load_config(TrainConfig, {"objective": {"name": "stabledrl", "likelihood": "spg",
                                                 "separate_weight_masks": True}})

@@ -375,7 +375,8 @@ class ObjectiveSection:
 
     @property
     def token_weighted(self) -> bool:
-        """Whether the loss is a mean over scored tokens rather than over groups (for grad_agreement)."""
+        """Whether the loss is a mean over scored tokens rather than over groups (how grad_agreement's
+        halves and the accumulation rounds weigh their part of it)."""
         return False
 
 
@@ -533,6 +534,14 @@ class TrainConfig:
     """G: completions per prompt."""
     mu: int = 1
     """Inner optimizer iterations per batch of rollouts."""
+    accumulation_rounds: int = 1
+    """R: score and back-propagate the step's kept groups in R rounds of whole groups (at most
+    prompts_per_step / R each), holding one round's graph at a time and accumulating the
+    gradients into one optimizer step per inner iteration (the StableDRL authors'
+    grad_accumulation, TRL's gradient_accumulation_steps). Each round's loss counts by its
+    share of the step's loss (its groups, or its scored tokens for batch_token_mean), so the
+    gradient is the one-round step's up to rounding (docs/methods.md, "The training step").
+    The rollouts are sampled in one pass whatever R (rollout.micro_batch bounds its memory)."""
     optimizer: Literal["adamw", "sgd"] = "adamw"
     """adamw, or plain sgd (no momentum: the update is −lr·g, which makes updates easy to compare)."""
     lr: float = 1e-5
@@ -584,6 +593,12 @@ class TrainConfig:
               f"max_resample_rounds must be in [0, 63], got {self.max_resample_rounds}")
         for name in ("steps", "prompts_per_step", "group_size", "mu", "eval_n", "save_every", "log_every"):
             check(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}")
+        check(self.accumulation_rounds >= 1, f"accumulation_rounds must be >= 1, got {self.accumulation_rounds}")
+        check(self.prompts_per_step % self.accumulation_rounds == 0,
+              f"prompts_per_step ({self.prompts_per_step}) must be a multiple of accumulation_rounds "
+              f"({self.accumulation_rounds}): each round holds prompts_per_step / accumulation_rounds groups")
+        check(not (self.grad_agreement and self.accumulation_rounds > 1),
+              "grad_agreement needs the one-round update: set accumulation_rounds: 1")
         check(self.mu <= MAX_MU, f"mu must be at most {MAX_MU} (each inner iteration has its own seed slot)")
         check(self.group_size >= 2, "group_size must be >= 2: advantages compare completions of one prompt")
         check(self.lr > 0, f"lr must be positive, got {self.lr}")

@@ -4,7 +4,9 @@
 rollouts each from θ_old → rewards and group advantages (groups whose rewards all tie:
 kept, skipped or replaced, `zero_variance_groups`) → a mask plan, ℓ_old and ℓ_ref, no grad
 → μ inner iterations of ℓ_θ → objective → backward → clip → optimizer step (a non-finite
-loss or gradient: skipped, counted, the weights untouched) → log, evaluate, save.
+loss or gradient: skipped, counted, the weights untouched) → log, evaluate, save. With
+`accumulation_rounds` R, scoring and backward run a round of whole groups at a time, each
+round's loss weighted by its share of the step's, the gradients adding up before the step.
 
 The objective is `objectives.OBJECTIVES[cfg.objective.name]`, a function of a `ScoredBatch`.
 Several processes (``accelerate launch``) share each batch's rows (`stabledrl.shards`): every
@@ -60,27 +62,28 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True, task
                "lr": run.sched.get_last_lr()[0]}
 
         if groups.problems:
-            # Advantages; a mask plan, and on it ℓ_old and ℓ_ref, no grad
+            # Advantages; the accumulation rounds; a mask plan, and on it ℓ_old and ℓ_ref, no grad
             advantages = group_advantages(groups.rewards.flatten(), cfg.group_size, cfg.objective.advantage_scale)
             with run.timer.phase("likelihood_old"), torch.no_grad():
-                old = _old_scores(run, groups, step, row)
+                old = _old_scores(run, groups, step, _rounds(run, groups), row)
 
             iterations = []
             for it in range(cfg.mu):
                 with run.timer.phase("update"):
-                    # Score ℓ_θ on ℓ_old's masks (shared) or fresh ones (independent)
-                    plan = old.plan if cfg.masks == "shared" else _plan(run, groups, step, 3 + it, old.share)
+                    # Score ℓ_θ on ℓ_old's masks (shared) or fresh ones (independent), a round at a time
+                    plan = old.plan if cfg.masks == "shared" else _plan(run, groups, step, 3 + it)
                     run.opt.zero_grad(set_to_none=True)
-                    batch = _scored_batch(run, groups, old, plan, advantages, first_iteration=it == 0)
-
-                    # Objective, backward, clip, then step (a non-finite loss or gradient is skipped)
-                    out = objective(batch)
-                    it_row = {**out.metrics, "loss": float(out.loss.detach()), "grad_norm": float("nan")}
-                    finite = bool(torch.isfinite(out.loss))
-                    if finite:
+                    it_row, finite = {}, True
+                    for share in old.rounds:  # one round's graph at a time; their gradients add up
+                        batch = _scored_batch(run, groups, old, plan, share, advantages, first_iteration=it == 0)
+                        # Objective, backward of the round's share of the step's loss
+                        out = objective(batch)
+                        _add_round(it_row, out, share.weight)
+                        if not (finite := bool(torch.isfinite(out.loss))):
+                            break
                         with run.timer.phase("backward", until_gpu_done=True):
-                            _backward(run, out.loss, batch, plan, old.share, objective, row, first_iteration=it == 0)
-                        finite = _clip(run, it_row)
+                            _backward(run, out.loss, batch, plan, share, objective, row, first_iteration=it == 0)
+                    finite = finite and _clip(run, it_row)  # clip, then step (a non-finite loss or gradient: skipped)
                     it_row.update(_step_or_skip(run, finite))
                 iterations.append(it_row)
             row.update(_over_iterations(iterations))
@@ -150,14 +153,23 @@ def _rollout_metrics(first: RolloutBatch) -> dict[str, float]:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Share:
-    """This process's rows of the kept groups: rows [start, end) of B', on its device. A process
-    with none (B' < N) scores row 0 in their place, a stand-in whose result is dropped and whose
-    gradient is 0: DDP and FSDP need a forward and a backward on every process."""
+    """This process's rows of one accumulation round: rows [start, end) of B', within the
+    round's whole groups [lo, hi), on its device, and the round's share of the step's loss. A
+    process with none (the round has fewer rows than processes) scores the round's first row
+    in their place, a stand-in whose result is dropped and whose gradient is 0: DDP and FSDP
+    need a forward and a backward on every process."""
 
     rows: RolloutBatch  # the rows `span` of B'
     start: int
     end: int
-    n: int  # B'
+    lo: int
+    hi: int
+    weight: float = 1.0  # the round's loss counts this much of the step's
+
+    @property
+    def n(self) -> int:
+        """The round's rows."""
+        return self.hi - self.lo
 
     @property
     def stand_in(self) -> bool:
@@ -165,20 +177,37 @@ class Share:
 
     @property
     def span(self) -> tuple[int, int]:
-        """The rows [lo, hi) of B' this process scores: its own, or the stand-in row 0."""
-        return (0, 1) if self.stand_in else (self.start, self.end)
+        """The rows [lo, hi) of B' this process scores: its own, or the stand-in (the round's first row)."""
+        return (self.lo, self.lo + 1) if self.stand_in else (self.start, self.end)
 
     def own(self, x: torch.Tensor) -> torch.Tensor:
         """(scored rows, ...) -> (end - start, ...): the stand-in's row dropped."""
         return x[: self.end - self.start]
 
 
+def _rounds(run: Run, groups: RolloutBatch) -> list[Share]:
+    """This process's share of each accumulation round: the K kept groups cut in order into
+    min(R, K) rounds as equal as possible. A round's loss counts by its groups / K, or, for a
+    loss that is a mean over the batch's scored tokens, by its share of those tokens: their
+    weighted sum is the one-round loss."""
+    G, K = run.cfg.group_size, len(groups.problems)
+    R, mask = min(run.cfg.accumulation_rounds, K), groups.completion_mask  # (B', L)
+    out = []
+    for r in range(R):
+        lo, hi = r * K // R * G, (r + 1) * K // R * G
+        (a, b), (x, y) = run.shards.bounds(hi - lo), run.shards.run_bounds(hi - lo)
+        weight = 1.0 if R == 1 else ((mask[lo:hi].sum() / mask.sum().clamp(min=1)).item()
+                                     if run.cfg.objective.token_weighted else (hi - lo) / (K * G))
+        out.append(Share(groups.rows(lo + x, lo + y, run.device), lo + a, lo + b, lo, hi, weight))
+    return out
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class OldScores:
     """A step's likelihoods under θ_old (and the initial policy), no graph: what its inner iterations share."""
 
-    share: Share
-    plan: ViewPlan  # ℓ_old's mask plan (seed slot 1), this process's rows
+    rounds: list[Share]  # this process's rows of each accumulation round
+    plan: ViewPlan  # ℓ_old's mask plan (seed slot 1), all B' rows
     logp: torch.Tensor  # ℓ_old of all B' rows: (B',), or (B', L) per-token terms
     ref_logp: torch.Tensor | None  # ℓ under the initial policy on the same plan, when there is a reference
     weight_plan: ViewPlan | None = None  # the weights' own plan (seed slot 2), when the objective reads it ...
@@ -188,33 +217,29 @@ class OldScores:
 _SEED_SLOTS = MAX_MU + 3  # per step: 0 unused (rollouts draw per row), 1 ℓ_old's plan, 2 the weights', 3.. inner iterations'
 
 
-def _plan(run: Run, groups: RolloutBatch, step: int, slot: int, share: Share) -> ViewPlan:
+def _plan(run: Run, groups: RolloutBatch, step: int, slot: int) -> ViewPlan:
     """The mask plan of a seed slot of a step, drawn for all B' rows (the same on every
-    process), for this process's share of them."""
+    process, whatever the processes and rounds; each scores its rows of it)."""
     if not 0 <= slot < _SEED_SLOTS:
         raise ValueError(f"seed slot {slot} out of range")
     est = run.cfg.estimator
     generator = torch.Generator().manual_seed(run.cfg.seed * 1_000_003 + step * _SEED_SLOTS + slot)
-    return plan_for(run.policy, est.method, groups, generator=generator, num_samples=est.num_samples,
-                    **est.options).rows(*share.span)
+    return plan_for(run.policy, est.method, groups, generator=generator, num_samples=est.num_samples, **est.options)
 
 
-def _old_scores(run: Run, groups: RolloutBatch, step: int, row: dict[str, Any]) -> OldScores:
+def _old_scores(run: Run, groups: RolloutBatch, step: int, rounds: list[Share], row: dict[str, Any]) -> OldScores:
     """ℓ_old on the plan of seed slot 1, ℓ_ref on the same plan (and the drift KL(π_old ‖ π_init)
     into `row`), and the weights' ℓ_old on their own plan when the objective reads them."""
-    n = groups.completion_ids.size(0)
-    start, end = run.shards.bounds(n)
-    share = Share(groups.rows(*run.shards.run_bounds(n), run.device), start, end, n)
-    plan = _plan(run, groups, step, 1, share)
-    logp, ref = _scores(run, run.policy, plan, share), None
+    plan = _plan(run, groups, step, 1)
+    logp, ref = _scores(run, run.policy, plan, rounds), None
     if run.reference is not None:
         with run.accelerator.autocast():  # a reference copy is not prepared: ℓ_old's precision
-            ref = _scores(run, run.reference, plan, share)
+            ref = _scores(run, run.reference, plan, rounds)
         row.update(drift_from_initial(logp, ref))
     if not run.cfg.objective.weight_masks:
-        return OldScores(share, plan, logp, ref)
-    weight_plan = _plan(run, groups, step, 2, share)
-    return OldScores(share, plan, logp, ref, weight_plan, _scores(run, run.policy, weight_plan, share))
+        return OldScores(rounds, plan, logp, ref)
+    weight_plan = _plan(run, groups, step, 2)
+    return OldScores(rounds, plan, logp, ref, weight_plan, _scores(run, run.policy, weight_plan, rounds))
 
 
 def _own_scores(run: Run, policy, plan: ViewPlan, rows: RolloutBatch, *,
@@ -227,42 +252,60 @@ def _own_scores(run: Run, policy, plan: ViewPlan, rows: RolloutBatch, *,
     return logp, None if eubo_beta is None else eubo(plan, est.views, rows.completion_mask, beta=eubo_beta)
 
 
-def _scores(run: Run, policy, plan: ViewPlan, share: Share) -> torch.Tensor:
-    """ℓ under `policy` of all B' rows (each process scores its own), no graph."""
-    with torch.no_grad():
-        logp, _ = _own_scores(run, policy, plan, share.rows)
-    return run.shards.gather(share.own(logp), share.n).cpu()
+def _scores(run: Run, policy, plan: ViewPlan, rounds: list[Share]) -> torch.Tensor:
+    """ℓ under `policy` of the rows of `rounds`, a round at a time (each process scores its own), no graph."""
+    parts = []
+    for share in rounds:
+        with torch.no_grad():
+            logp, _ = _own_scores(run, policy, plan.rows(*share.span), share.rows)
+        parts.append(run.shards.gather(share.own(logp), share.n).cpu())
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
-def _scored_batch(run: Run, groups: RolloutBatch, old: OldScores, plan: ViewPlan, advantages: torch.Tensor, *,
-                  first_iteration: bool) -> ScoredBatch:
-    """ℓ_θ of all B' rows on `plan`, only this process's carrying a graph, beside the step's
-    ℓ_old, ℓ_ref and the weights' ℓ. With a view budget ℓ_θ is a leaf scored without a graph
-    (at θ = θ_old on ℓ_old's plan it is ℓ_old, not scored again), and `_backward` pushes
-    ∂loss/∂ℓ back view batch by view batch: the update never holds more than one micro-batch's graph."""
-    cfg, share = run.cfg, old.share
+def _scored_batch(run: Run, groups: RolloutBatch, old: OldScores, plan: ViewPlan, share: Share,
+                  advantages: torch.Tensor, *, first_iteration: bool) -> ScoredBatch:
+    """ℓ_θ of a round's rows on `plan`, only this process's carrying a graph, beside the step's
+    ℓ_old, ℓ_ref and the weights' ℓ of those rows. With a view budget ℓ_θ is a leaf scored
+    without a graph (at θ = θ_old on ℓ_old's plan it is ℓ_old, not scored again), and `_backward`
+    pushes ∂loss/∂ℓ back view batch by view batch: the update never holds more than one micro-batch's graph."""
+    cfg, (lo, hi) = run.cfg, (share.lo, share.hi)
     weights = {}
     if cfg.objective.weight_masks:  # before the first step, the weights' ℓ_θ is their ℓ_old
-        weights = {"weight_old_logp": old.weight_logp, "weight_logp": old.weight_logp if first_iteration else
-                   _scores(run, run.policy, old.weight_plan, share)}
+        weights = {"weight_old_logp": old.weight_logp[lo:hi], "weight_logp": old.weight_logp[lo:hi]
+                   if first_iteration else _scores(run, run.policy, old.weight_plan, [share])}
     if cfg.estimator.max_views_per_forward is not None:
         same = first_iteration and cfg.masks == "shared"
-        logp, eubo_ = (old.logp.clone() if same else _scores(run, run.policy, plan, share)).requires_grad_(), None
+        logp = old.logp[lo:hi].clone() if same else _scores(run, run.policy, plan, [share])
+        logp, eubo_ = logp.requires_grad_(), None
     else:
-        logp, eubo_ = _own_scores(run, run.policy, plan, share.rows, eubo_beta=cfg.objective.eubo_beta)
+        logp, eubo_ = _own_scores(run, run.policy, plan.rows(*share.span), share.rows,
+                                  eubo_beta=cfg.objective.eubo_beta)
         # A stand-in's empty slice keeps its graph: the backward reaches every weight, with gradient 0
         logp = run.shards.gather_keeping_graph(share.own(logp), share.n).cpu()
         eubo_ = None if eubo_ is None else run.shards.gather_keeping_graph(share.own(eubo_), share.n).cpu()
-    return ScoredBatch(logp, old.logp, advantages, cfg.group_size, groups.completion_mask, ref_logp=old.ref_logp,
-                       eubo=eubo_, **weights)
+    return ScoredBatch(logp, old.logp[lo:hi], advantages[lo:hi], cfg.group_size, groups.completion_mask[lo:hi],
+                       ref_logp=None if old.ref_logp is None else old.ref_logp[lo:hi], eubo=eubo_, **weights)
+
+
+def _add_round(it_row: dict[str, Any], out, weight: float) -> None:
+    """A round's loss and metrics into its inner iteration's row: sums weighted by the round's
+    share of the loss (so a weighted mean over the rounds; the loss is the step's), maxima of *_max."""
+    new = {**out.metrics, "loss": float(out.loss.detach())}
+    if not it_row:
+        it_row.update({**{k: v if k.endswith("_max") else v * weight for k, v in new.items()}, "grad_norm": math.nan})
+        return
+    for k, v in new.items():
+        it_row[k] = max(it_row[k], v) if k.endswith("_max") else it_row[k] + v * weight
 
 
 def _backward(run: Run, loss: torch.Tensor, batch: ScoredBatch, plan: ViewPlan, share: Share, objective,
               row: dict[str, Any], *, first_iteration: bool) -> None:
-    """∇loss into the parameters' .grad, × N: DDP averages the processes' gradients, and the
-    loss's gradient is their sum. With grad_agreement (first iteration), in two halves whose
-    cosine goes into `row`; with a view budget, view batch by view batch."""
+    """∇ of the round's share of the loss (loss × its weight) into the parameters' .grad, added to
+    what earlier rounds left, × N: DDP averages the processes' gradients, and the loss's gradient
+    is their sum. With grad_agreement (first iteration, one round), in two halves whose cosine
+    goes into `row`; with a view budget, view batch by view batch."""
     acc, est, world = run.accelerator, run.cfg.estimator, run.shards.world
+    loss = loss * share.weight
     if run.cfg.grad_agreement and first_iteration and batch.advantages.size(0) >= 2 * batch.group_size:
         part = first_half_loss(objective, batch, token_weighted=run.cfg.objective.token_weighted)
         row["grad_agreement"] = backward_measuring_agreement(loss, part, run.params, acc.backward)
@@ -271,8 +314,8 @@ def _backward(run: Run, loss: torch.Tensor, batch: ScoredBatch, plan: ViewPlan, 
     else:
         loss.backward()  # ℓ_θ is a leaf: ∂loss/∂ℓ, then back through the views a batch at a time
         grad = (torch.zeros_like(batch.logp.grad[:1]) if share.stand_in  # the stand-in row: gradient 0
-                else batch.logp.grad[share.start:share.end] * world)
-        backward_views(run.policy, plan, share.rows, grad,
+                else batch.logp.grad[share.start - share.lo:share.end - share.lo] * world)
+        backward_views(run.policy, plan.rows(*share.span), share.rows, grad,
                        reduction=est.reduction, max_views_per_forward=est.max_views_per_forward,
                        backward=acc.backward, no_sync=lambda: acc.no_sync(run.policy.model))
 

@@ -188,6 +188,8 @@ def _accelerator(cfg: TrainConfig):
         check(cfg.estimator.max_views_per_forward is None,
               "under DeepSpeed leave estimator.max_views_per_forward unset (its backward steps the optimizer)")
         check(not cfg.grad_agreement, "under DeepSpeed leave grad_agreement off (its backward steps the optimizer)")
+        check(cfg.accumulation_rounds == 1,
+              "under DeepSpeed set accumulation_rounds: 1 (its backward steps the optimizer after every round)")
     return accelerator
 
 
