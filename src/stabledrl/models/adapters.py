@@ -157,16 +157,13 @@ class HFPolicy:
             # Additive, in the model's dtype: some copies cast the mask to the query dtype, which
             # would turn a boolean one into 0/1 and mask nothing.
             keys = attention_mask.bool()[:, None, None, :].expand(B, 1, T, T)  # (B, 1, T, T) key padding
-            additive = torch.zeros(keys.shape, dtype=self._dtype, device=input_ids.device)
-            kwargs = {"attention_mask": additive.masked_fill(~keys, torch.finfo(self._dtype).min),
-                      "position_ids": position_ids}
+            kwargs = {"attention_mask": _additive(keys, self._dtype), "position_ids": position_ids}
         else:  # decoder: the block mask as a 4-D boolean mask, True = may attend
             allowed = attention_mask.bool()[:, None]  # (B, 1, T, T)
             # Every query keeps itself, so padding rows are finite (and never read).
             allowed = allowed | torch.eye(T, dtype=torch.bool, device=input_ids.device)
             if self._additive_mask:  # eager attention adds the mask to its scores
-                additive = torch.zeros(allowed.shape, dtype=self._dtype, device=input_ids.device)
-                allowed = additive.masked_fill(~allowed, torch.finfo(self._dtype).min)
+                allowed = _additive(allowed, self._dtype)
             kwargs = {"attention_mask": allowed, "position_ids": position_ids}
         if self.adapter != "masked_lm":
             kwargs["use_cache"] = False  # decoders would otherwise build a KV cache per call
@@ -258,6 +255,12 @@ def probe_attention(logits: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
                          "probe')")
 
 
+def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean mask (True: may attend) as the additive one eager attention adds to its scores,
+    in `dtype`: 0 where allowed, the dtype's lowest value elsewhere."""
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, torch.finfo(dtype).min)
+
+
 def _forwards_everywhere(model: Any, n: int, device: torch.device) -> int:
     """The most forwards any process makes in this call (`n` here) where every forward is a
     collective (FSDP, DeepSpeed: parameters gathered per forward), else `n`."""
@@ -315,13 +318,13 @@ def _resolve_mask_id(adapter: str, explicit: int | None, model: PreTrainedModel,
 
 
 def load_hf_policy(cfg: ModelConfig, adapter: str, *, dtype: torch.dtype = torch.float32,
-                   device: str | torch.device = "cpu", check_attention: bool | None = None) -> HFPolicy:
+                   device: str | torch.device = "cpu") -> HFPolicy:
     """Load `cfg.path` (a local directory or a Hub name) with the named adapter (`cfg.adapter`
     may be auto: `adapter` is the resolved one); `cfg.dtype` and `cfg.device` are read by the
     caller, which passes them resolved. A policy saved by stabledrl keeps the settings it was
     saved with unless `cfg` names them (``chat_template`` and ``prompt_attention`` auto and
-    ``stop_tokens`` empty take the saved ones). `check_attention` (None: `cfg.check_attention`):
-    probe a full-attention model's attention (`probe_attention`)."""
+    ``stop_tokens`` empty take the saved ones). `cfg.check_attention`: probe a full-attention
+    model's attention (`probe_attention`)."""
     from transformers import AutoModel, AutoModelForCausalLM, AutoModelForMaskedLM, AutoTokenizer
 
     if adapter not in ADAPTERS:
@@ -330,7 +333,6 @@ def load_hf_policy(cfg: ModelConfig, adapter: str, *, dtype: torch.dtype = torch
     trust_remote_code, stop_tokens = cfg.trust_remote_code, tuple(cfg.stop_tokens)
     chat_template = None if cfg.chat_template == "auto" else cfg.chat_template
     prompt_attention = None if cfg.prompt_attention == "auto" else cfg.prompt_attention
-    check_attention = cfg.check_attention if check_attention is None else check_attention
     auto = {"llada": AutoModel, "dream": AutoModel, "masked_lm": AutoModelForMaskedLM,
             "decoder": AutoModelForCausalLM}[adapter]
     saved = Path(path) / ADAPTER_FILE
@@ -358,7 +360,7 @@ def load_hf_policy(cfg: ModelConfig, adapter: str, *, dtype: torch.dtype = torch
     policy = HFPolicy(model, tokenizer, adapter, mask_id, block_size=block_size, shift_logits=shift,
                       trust_remote_code=remote, chat_template=chat_template, stop_tokens=tuple(stop_tokens),
                       prompt_attention=prompt_attention, gradient_checkpointing=cfg.gradient_checkpointing)
-    if check_attention and policy.attention_kind == "full" and _compat.weights_loaded_here():
+    if cfg.check_attention and policy.attention_kind == "full" and _compat.weights_loaded_here():
         code = type(model).__module__.rsplit(".", 1)[-1] + ".py" if remote else type(model).__name__
         with _compat.gathered_parameters(model):  # partitioned where ZeRO-3 loaded it
             probe_attention(policy.logits, vocab=model.get_input_embeddings().num_embeddings, device=device,
