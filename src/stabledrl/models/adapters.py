@@ -8,7 +8,8 @@ Every adapter answers ``logits(input_ids, attention_mask, position_ids)`` with
 - ``dream``: Dream, its own code; its logits, shifted by one, are moved back; padding goes
   in as an additive mask in the model's dtype, with position ids.
 - ``masked_lm``: any ``AutoModelForMaskedLM``; ``decoder``: a causal decoder read as a
-  block-diffusion model (SDAR / TraDo included), given a boolean block mask.
+  block-diffusion model (SDAR / TraDo included), given a boolean block mask; with a KV cache
+  (`HFPolicy.new_cache`) where its code takes SDAR's ``store_kv``.
 
 The attention each full-attention adapter relies on is checked at load (`probe_attention`).
 docs/scale-out.md ("Adapters in detail", "Attention probe") says what each adapter passes
@@ -20,6 +21,7 @@ Shapes: B batch, T tokens, V vocabulary.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import json
 import logging
 from dataclasses import dataclass, field
@@ -103,6 +105,8 @@ class HFPolicy:
             raise ValueError(f"mask_token_id {self.mask_token_id} is outside the model's vocabulary of {vocab}")
         self._dtype = self.model.get_input_embeddings().weight.dtype  # before any DDP/FSDP wrapping
         self._additive_mask = getattr(self.model.config, "_attn_implementation", None) == "eager"
+        self._store_kv = self.adapter == "decoder" and any(
+            "store_kv" in inspect.signature(m.forward).parameters for m in self.model.modules())
         # RoBERTa-style embeddings count positions from padding_idx + 1, BERT's from 0.
         embeddings = getattr(getattr(self.model, "base_model", None), "embeddings", None)
         pad_idx = getattr(embeddings, "padding_idx", None)
@@ -128,13 +132,32 @@ class HFPolicy:
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
+    @property
+    def new_cache(self) -> Callable[[], Any]:
+        """Makes an empty KV cache (transformers' `DynamicCache`) for a decoder whose code can
+        attend to cached keys without storing the new ones (SDAR's and TraDo's `store_kv`); the
+        block sampler then keeps the keys of the prompt and of finished blocks. Absent
+        (AttributeError) for every other model, so that the sampler recomputes the prefix."""
+        if not self._store_kv:
+            raise AttributeError(f"{type(self.model).__name__} takes no store_kv: no KV cache through this adapter")
+        from transformers import DynamicCache
+
+        return DynamicCache
+
     def logits(
         self,
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
+        *,
+        cache: Any = None,
+        extend_cache: bool = False,
     ) -> torch.Tensor:
-        """(B, T) ids -> (B, T, V) logits; logits[:, i] predicts token i."""
+        """(B, T) ids -> (B, T, V) logits; logits[:, i] predicts token i. With `cache` (from
+        `new_cache`; a (B, T, Tc + T) mask, cached keys first) the tokens also attend to the
+        cached ones, and `extend_cache` appends theirs to it."""
+        if cache is not None and not self._store_kv:
+            raise ValueError(f"the {self.adapter} adapter of {type(self.model).__name__} keeps no KV cache")
         B, T = input_ids.shape
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
@@ -159,13 +182,17 @@ class HFPolicy:
             keys = attention_mask.bool()[:, None, None, :].expand(B, 1, T, T)  # (B, 1, T, T) key padding
             kwargs = {"attention_mask": _additive(keys, self._dtype), "position_ids": position_ids}
         else:  # decoder: the block mask as a 4-D boolean mask, True = may attend
-            allowed = attention_mask.bool()[:, None]  # (B, 1, T, T)
-            # Every query keeps itself, so padding rows are finite (and never read).
-            allowed = allowed | torch.eye(T, dtype=torch.bool, device=input_ids.device)
+            allowed = attention_mask.bool()[:, None]  # (B, 1, T, Tk): Tk = Tc cached keys + T
+            Tk = allowed.size(-1)
+            # Every query keeps itself (its own key, after the cached ones), so padding rows are finite.
+            keys = torch.arange(Tk, device=input_ids.device)  # (Tk,)
+            allowed = allowed | (keys[None, :] == torch.arange(T, device=input_ids.device)[:, None] + Tk - T)
             if self._additive_mask:  # eager attention adds the mask to its scores
                 allowed = _additive(allowed, self._dtype)
             kwargs = {"attention_mask": allowed, "position_ids": position_ids}
-        if self.adapter != "masked_lm":
+        if cache is not None:  # SDAR's store_kv: append these keys, or attend to the cache and store nothing
+            kwargs.update(past_key_values=cache, use_cache=True, store_kv=extend_cache)
+        elif self.adapter != "masked_lm":
             kwargs["use_cache"] = False  # decoders would otherwise build a KV cache per call
         out = self._forward(input_ids, **kwargs)  # (B, T, V)
         if self.shift_logits:  # native[:, i] predicts token i+1: move it to column i+1
