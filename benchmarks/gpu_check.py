@@ -8,10 +8,11 @@
 The default model is the project's own bidirectional transformer (`TinyDiffusionLM`) at
 LLaDA-8B's shape (32 layers, width 4096, 32 heads, SwiGLU 12288, vocabulary 126,464, RoPE θ
 5e5, RMSNorm, no biases, untied head: 8,015,581,184 parameters), random bfloat16 weights;
-not LLaDA's modelling file. The step mirrors the trainer's with the library's components:
-`roll_out` (built-in engine, counter noise), `plan_views` + `score_views` for ℓ_old, one
-update (`score_views` with a graph, or `backward_views` under a view budget; `stabledrl_loss`;
-accelerate's backward; clipping; AdamW). Random prompts and rewards. One warm-up step, then
+not LLaDA's modelling file. The step is `benchmarks/scale.py`'s `rl_step`, the trainer's
+(one process) wired from the library's components, for a config made of this script's
+options (`train_config`): rollouts (built-in engine, counter noise), ℓ_old on the trainer's
+mask plan, one update (a graph, or `backward_views` under a view budget; the stabledrl
+objective; accelerate's backward; clipping at 0.2; AdamW). Random prompts and rewards. One warm-up step, then
 `--repeats` timed ones. Peak memory: `torch.cuda.max_memory_allocated` (on CPU the live tensor
 bytes, `scale.LiveBytes`) beside `scale.predict_memory` for the same setting. MFU: model FLOPs
 (a forward 2·N_matmul per token plus attention's 4·nl·d per token and key; the update's
@@ -28,20 +29,17 @@ import platform
 import statistics
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import scale  # noqa: E402
 
-from stabledrl.engines import RolloutRequest, roll_out  # noqa: E402
-from stabledrl.likelihood import Completions, backward_views, plan_views, score_views  # noqa: E402
 from stabledrl.models import TinyPolicy, add_lora  # noqa: E402
-from stabledrl.objectives import ScoredBatch, group_advantages, stabledrl_loss  # noqa: E402
-from stabledrl.sampling import row_generators  # noqa: E402
-from stabledrl.settings import LoraSettings, SamplingConfig  # noqa: E402
+from stabledrl.settings import EstimatorConfig, LoraSettings, SamplingConfig, StableDRLConfig, TrainConfig  # noqa: E402
 from stabledrl.tokenizer import build_char_tokenizer  # noqa: E402
 
 GB = 1e9
@@ -112,79 +110,47 @@ def _shape_of(cfg) -> scale.Shape | None:
                        qkv_bias=bool(get("attention_bias", "include_bias")), qk_norm=any(t in str(get("model_type")) for t in ("qwen3", "sdar")))
 
 
-def _sync(cuda: bool) -> None:
-    if cuda:
-        torch.cuda.synchronize()
+def train_config(args) -> TrainConfig:
+    """The trainer's config of this check's step (one process), for `scale.rl_step`."""
+    options = {"block_length": args.block_length, "p_prompt": 0.15} if args.estimator == "block_random" else {}
+    return TrainConfig(
+        lora=LoraSettings(r=args.lora_r, alpha=2.0 * args.lora_r, dropout=0.0) if args.train == "lora" else None,
+        rollout=SamplingConfig(gen_length=args.gen_length, steps=args.steps, block_length=args.block_length,
+                               temperature=args.temperature, noise=args.noise, micro_batch=args.micro_batch),
+        estimator=EstimatorConfig(method=args.estimator, num_samples=args.views, options=options, reduction="mean",
+                                  max_views_per_forward=args.max_views_per_forward),
+        objective=StableDRLConfig(), prompts_per_step=args.rows // args.group_size, group_size=args.group_size,
+        mu=1, lr=args.lr, weight_decay=0.1, grad_clip=0.2, mixed_precision="bf16", drift_kl=False)
 
 
-def rl_step(ctx: dict[str, Any], step: int) -> dict[str, Any]:
-    """One step: rollout, ℓ_old, one update and the optimizer step; seconds, tokens and peaks per phase."""
-    a, policy, acc, opt, counter = ctx["args"], ctx["policy"], ctx["acc"], ctx["opt"], ctx["tokens"]
-    cuda = torch.device(a.device).type == "cuda"
-    ids, mask = ctx["prompt_ids"], ctx["prompt_mask"]
-    B, out = ids.size(0), {}
+class _CountingClock(scale._Clock):
+    """`scale`'s clock of a step's phases, also counting the tokens each phase feeds the model."""
 
-    def phase(name: str, fn):
-        _sync(cuda)
-        if cuda:
-            torch.cuda.reset_peak_memory_stats()
-        if ctx.get("live") is not None:
-            ctx["live"].enter(name)
-        c0, s0, t0 = counter.count, counter.sq, time.perf_counter()
-        res = fn()
-        _sync(cuda)
-        live = ctx.get("live")
-        out[name] = {"seconds": time.perf_counter() - t0, "tokens": counter.count - c0, "tokens_sq": counter.sq - s0,
-                     "peak_bytes": torch.cuda.max_memory_allocated() if cuda else live and live.peaks[name]}
-        return res
+    def __init__(self, cuda: bool, tokens: _Tokens, live: scale.LiveBytes | None = None) -> None:
+        super().__init__(cuda, live)
+        self.tokens = tokens
+        self.fed: dict[str, tuple[int, int]] = {}  # phase -> (tokens, Σ rows·T²)
 
-    sampling = SamplingConfig(gen_length=a.gen_length, steps=a.steps, block_length=a.block_length,
-                              temperature=a.temperature, noise=a.noise)
-    request = RolloutRequest(policy, ids, mask, a.gen_length, row_generators(f"gpu_check/{step}", 0, B), sampling,
-                             micro_batch=a.micro_batch)
-    with torch.no_grad():
-        roll = phase("rollout", lambda: roll_out(request))
-    comp, cmask = roll.completion_ids, roll.completion_mask  # (B, L)
-    opts = {"block_length": a.block_length, "p_prompt": 0.15} if a.estimator == "block_random" else {}
-    plan = plan_views(a.estimator, Completions(cmask, prompt_ids=ids, prompt_mask=mask), num_samples=a.views,
-                      generator=torch.Generator().manual_seed(step), bos_token_id=policy.tokenizer.bos_token_id, **opts)
-    rows = Completions(cmask, prompt_ids=ids, completion_ids=comp, prompt_mask=mask)
-    kw = {"reduction": "mean", "max_views_per_forward": a.max_views_per_forward}
-    with torch.no_grad():
-        old = phase("scoring", lambda: score_views(policy, plan, rows, **kw).sequence)  # (B,)
-    rewards = torch.rand(B, generator=torch.Generator().manual_seed(1000 + step)).to(old.device)  # (B,)
-    adv = group_advantages(rewards, a.group_size)
+    @contextmanager
+    def __call__(self, phase: str) -> Iterator[None]:
+        c0, s0 = self.tokens.count, self.tokens.sq
+        with super().__call__(phase):
+            yield
+        c, sq = self.fed.get(phase, (0, 0))
+        self.fed[phase] = (c + self.tokens.count - c0, sq + self.tokens.sq - s0)
 
-    def loss_of(logp):
-        return stabledrl_loss(ScoredBatch(logp, old, adv, a.group_size, cmask)).loss
 
-    def update() -> None:
-        opt.zero_grad(set_to_none=True)
-        if a.max_views_per_forward:  # ∂loss/∂ℓ on a leaf, pushed back a micro-batch of views at a time
-            with torch.no_grad():
-                leaf = score_views(policy, plan, rows, **kw).sequence.requires_grad_()
-            loss_of(leaf).backward()
-            backward_views(policy, plan, rows, leaf.grad, backward=acc.backward, **kw)
-        else:
-            acc.backward(loss_of(score_views(policy, plan, rows, **kw).sequence))
-
-    def optimize() -> None:
-        acc.clip_grad_norm_(ctx["params"], 0.2)
-        opt.step()
-
-    phase("update", update)
-    phase("optimizer", optimize)
-    out["counts"] = {"rows": B, "completion_slots": B * a.gen_length, "scored_slots": int(cmask.sum()),
-                     "views": plan.num_views, "forward_passes": roll.forward_passes}
+def rl_step(run: scale._Run, tokens: _Tokens, step: int, live: scale.LiveBytes | None = None) -> dict[str, Any]:
+    """One step of `scale.rl_step` (the trainer's, one process): seconds, tokens and peaks per phase."""
+    clock = _CountingClock(run.prompt_ids.device.type == "cuda", tokens, live)
+    counts = scale.rl_step(run, step, clock)
+    out: dict[str, Any] = {
+        name: {"seconds": clock.seconds[name], "tokens": clock.fed[name][0], "tokens_sq": clock.fed[name][1],
+               "peak_bytes": clock.peaks.get(name)} for name in ("rollout", "scoring", "update", "optimizer")}
+    out["counts"] = {"rows": counts["rows"], "completion_slots": counts["completion_slots"],
+                     "scored_slots": counts["scored_tokens"], "views": counts["views_scored"],
+                     "forward_passes": counts["forward_passes"]}
     return out
-
-
-def _resident(ctx: dict[str, Any]) -> list[torch.Tensor]:
-    """The tensors a step starts with: weights, buffers, gradients, AdamW's states, prompts."""
-    model = ctx["policy"].model
-    out = [*model.parameters(), *model.buffers()] + [p.grad for p in ctx["params"] if p.grad is not None]
-    out += [v for st in ctx["opt"].state.values() for v in st.values() if isinstance(v, torch.Tensor)]
-    return out + [ctx["prompt_ids"], ctx["prompt_mask"]]
 
 
 def flops_per_token(n_matmul: int, layers: int, width: int) -> tuple[int, int]:
@@ -281,23 +247,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         (args.rows, args.prompt_length), generator=torch.Generator().manual_seed(0))
     ids[:, 0] = policy.tokenizer.bos_token_id if policy.tokenizer.bos_token_id is not None else ids[0, 0]
     ids = ids.to(policy.device)
-    ctx = {"args": args, "policy": policy, "acc": acc, "opt": opt, "params": params, "tokens": tokens,
-           "prompt_ids": ids, "prompt_mask": torch.ones_like(ids)}
+    run = scale._Run(train_config(args), policy, None, acc, opt, params, ids, torch.ones_like(ids))
     print(f"model: {'checkpoint ' + args.model if args.model else 'TinyDiffusionLM at ' + args.size + ' shape'}, "
           f"{n_params:,} parameters ({cfg.num_hidden_layers} layers), train {args.train}: {trainable:,} "
           f"trainable; built in {build_seconds:.1f} s", flush=True)
     t0 = time.perf_counter()
-    rl_step(ctx, 0)  # warm-up: kernels, AdamW's states
+    rl_step(run, tokens, 0)  # warm-up: kernels, AdamW's states
     warm = time.perf_counter() - t0
     print(f"warm-up step: {warm:.1f} s", flush=True)
-    steps = [rl_step(ctx, 1 + r) for r in range(args.repeats)]
+    steps = [rl_step(run, tokens, 1 + r) for r in range(args.repeats)]
     if not cuda:  # one more step with every live tensor counted (scale.LiveBytes: torch keeps no CPU statistics)
         with scale.LiveBytes() as live:
-            for t in _resident(ctx):
+            for t in scale._resident(run):
                 live.add(t)
-            ctx["live"] = live
-            steps.append(rl_step(ctx, 1 + args.repeats))
-            ctx["live"] = None
+            steps.append(rl_step(run, tokens, 1 + args.repeats, live))
     phases = ("rollout", "scoring", "update", "optimizer")
     med = {k: statistics.median(s[k]["seconds"] for s in steps) for k in phases}
     last = steps[-1]

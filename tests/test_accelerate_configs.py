@@ -2,7 +2,9 @@
 (docs/scale-out.md).
 
 `configs/accelerate/deepspeed-zero3.yaml` likewise (DeepSpeed's CPU backend over gloo, when
-deepspeed is installed): prepare with no dataloader, parameters partitioned, one step.
+deepspeed is installed): prepare with no dataloader, parameters partitioned, one step; and a
+reference copy of each model prepared as the trainer prepares it, partitioned too, with the
+policy's logits.
 
 `configs/accelerate/fsdp.yaml`, unchanged, under a 2-process CPU launch (gloo; the FSDP switch
 of tests/test_distributed.py's `_cpu_fsdp_main`), wraps the tiny model and the LLaDA, Dream and
@@ -70,10 +72,13 @@ def test_the_shipped_fsdp_config_wraps_every_familys_layers(checkpoints, tmp_pat
 def test_the_shipped_zero3_config_prepares_without_a_dataloader(checkpoints, tmp_path):
     pytest.importorskip("deepspeed")
     report = _launch(ZERO3_CONFIG, checkpoints, tmp_path)
-    assert report.keys() == checkpoints.keys()
+    assert report.keys() == {*checkpoints, *(f"{name}-reference" for name in checkpoints)}
     for name, seen in report.items():
-        # every parameter partitioned over the 2 processes (ZeRO-3), and one step changed the weights
-        assert seen["root"] == "DeepSpeedEngine" and seen["sharded"] and seen["changed"], seen
+        # every parameter partitioned over the 2 processes (ZeRO-3), and one step changed the
+        # weights; a reference copy (stabledrl.training_run.prepare_reference_copy) is an engine
+        # of its own, partitioned, whose logits equal the policy's before the step, bit for bit
+        assert seen["root"] == "DeepSpeedEngine" and seen["sharded"], (name, seen)
+        assert seen["same_logits"] if name.endswith("-reference") else seen["changed"], (name, seen)
 
 
 def _zero3_gathered(model) -> dict:
@@ -81,6 +86,11 @@ def _zero3_gathered(model) -> dict:
 
     with deepspeed.zero.GatheredParameters(list(model.parameters())):
         return {k: v.detach().clone() for k, v in model.module.state_dict().items()}
+
+
+def _partitioned(engine) -> bool:
+    """Every parameter of a ZeRO-3 engine partitioned over the 2 processes."""
+    return all(p.ds_tensor.numel() < p.ds_numel for p in engine.parameters() if p.ds_numel > 1)
 
 
 def _main(report: str, checkpoints: list[str]) -> int:
@@ -93,6 +103,7 @@ def _main(report: str, checkpoints: list[str]) -> int:
     from torch.distributed.fsdp import FSDPModule
 
     from stabledrl.models import ModelConfig, load_policy
+    from stabledrl.training_run import prepare_reference_copy
 
     torch.set_num_threads(1)
     acc = accelerate.Accelerator(cpu=True)
@@ -119,12 +130,18 @@ def _main(report: str, checkpoints: list[str]) -> int:
         ids = torch.tensor([[5, 6, 7, 8, 9, 10]] * 2)  # (2, 6)
         mask = torch.ones(2, 6, 6, dtype=torch.bool) if policy.attention_kind == "block" else torch.ones(2, 6)
         logits = policy.logits(ids, mask, torch.arange(6).expand(2, 6))  # (2, 6, V)
+        if zero3:  # the reference copy: an engine of its own, partitioned, the policy's logits
+            reference = load_policy(ModelConfig(path=path))
+            prepare_reference_copy(reference, acc)
+            with torch.no_grad():
+                same = torch.equal(reference.logits(ids, mask, torch.arange(6).expand(2, 6)), logits)
+            out[f"{name}-reference"] = {"root": type(reference.model).__name__, "sharded": _partitioned(reference.model),
+                                        "same_logits": same}
         acc.backward(logits.log_softmax(-1)[..., 2].mean())
         opt.step()
         after = _zero3_gathered(model) if zero3 else acc.get_state_dict(model)
         inner = getattr(model, "module", model)
-        sharded = (all(p.ds_tensor.numel() < p.ds_numel for p in model.parameters() if p.ds_numel > 1) if zero3
-                   else all(p.__class__.__name__ == "DTensor" for p in model.parameters()))
+        sharded = _partitioned(model) if zero3 else all(p.__class__.__name__ == "DTensor" for p in model.parameters())
         out[name] = {"root": type(model).__name__ if zero3 else type(inner).__name__,
                      "wrapped": sorted(type(m).__name__ for m in model.modules() if isinstance(m, FSDPModule)),
                      "no_split_modules": list(inner._no_split_modules),

@@ -21,11 +21,12 @@ def test_one_step_on_cpu_counts_its_tokens_and_flops_and_meets_the_memory_model(
     out = tmp_path / "check.json"
     r = gpu_check.main(TINY + ["--out", str(out)])
     assert json.loads(out.read_text())["counts"] == r["counts"]
-    assert r["counts"] == {"rows": 4, "completion_slots": 64, "scored_slots": r["counts"]["scored_slots"],
-                           "views": 8, "forward_passes": 8}  # K = 2 views a row; 8 steps, all rows in each
+    # K = 2 views a row; 8 steps; in the last step (the counts', and the FLOPs') no row drew EOS
+    # before its last slot (all 64 slots scored), so every row has work left at every step
+    assert r["counts"] == {"rows": 4, "completion_slots": 64, "scored_slots": 64, "views": 8, "forward_passes": 8}
     assert r["model"]["params"] == 43_168
     assert r["model"]["trainable"] == scale.lora_param_count(scale.SHAPES["tiny"], 16)
-    step = r["steps"][0]
+    step = r["steps"][-1]
     # every sampler call feeds the 4 rows' 24 tokens: 8 · 4 · 24 = 768; scoring and the update one pass of 8 views
     assert (step["rollout"]["tokens"], step["scoring"]["tokens"], step["update"]["tokens"]) == (768, 192, 192)
     # 2-D weights but the embedding: 2 · (4·32² + 3·32·96) + the head 256·32 = 34,816; attention
@@ -45,7 +46,7 @@ def test_full_fine_tuning_with_micro_batches_and_a_view_budget():
     assert r["model"]["trainable"] == 43_168
     # the backward 2× the forward; the view budget's no-grad pass for ∂loss/∂ℓ is not model FLOPs
     assert r["model_tflop"]["update"] == pytest.approx(3 * r["model_tflop"]["scoring"], rel=1e-12)
-    assert r["steps"][0]["update"]["tokens"] == 2 * r["steps"][0]["scoring"]["tokens"]
+    assert r["steps"][-1]["update"]["tokens"] == 2 * r["steps"][-1]["scoring"]["tokens"]
     assert 0.8 < r["memory"]["ratio_predicted_over_measured"] < 1.2
 
 

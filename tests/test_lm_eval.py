@@ -149,3 +149,23 @@ def test_loglikelihood_is_the_chosen_estimator(problems):
                                prompt_mask=mask)
             want = estimate(lm.policy, rows, method="exact").sequence[0]  # the ELBO by enumeration: no randomness
         assert ll == float(want) and ll < 0 and greedy is False
+
+
+def test_batch_size_is_read_as_lm_eval_passes_it():
+    from stabledrl.lm_eval_model import DEFAULT_ROWS_PER_CALL, StableDRLLM, rows_per_call
+
+    # lm-eval's command line passes --batch_size as text; model_args' digits arrive as ints
+    assert rows_per_call("8") == rows_per_call(8) == rows_per_call(" 8 ") == 8
+    # "auto" / "auto:N": no search here; lm-eval's bound on its search (max_batch_size), else the default
+    assert rows_per_call("auto") == rows_per_call("auto:4") == rows_per_call(None) == DEFAULT_ROWS_PER_CALL == 16
+    assert rows_per_call("auto:2.5", 32) == rows_per_call("auto", "32") == 32
+    for bad in ("0", -2, "eight", "auto:x", "auto:0", "autox", "8.5"):
+        with pytest.raises(ValueError, match="batch_size must be a positive integer, 'auto' or 'auto:N'"):
+            rows_per_call(bad)
+    with pytest.raises(ValueError, match="max_batch_size must be a positive integer, got 'many'"):
+        rows_per_call("auto", "many")
+    # as lm-eval makes the model: model_args over its own flags (--batch_size 8 arrives as "8")
+    flags = {"batch_size": "8", "max_batch_size": None, "device": None}
+    assert StableDRLLM.create_from_arg_string(f"pretrained={MODEL},device=cpu", flags).batch_size == 8
+    lm = StableDRLLM.create_from_arg_string(f"pretrained={MODEL},device=cpu,batch_size=auto:2,max_batch_size=4", flags)
+    assert lm.batch_size == 4

@@ -11,8 +11,8 @@ registered by importing this module; running it runs lm-eval's own command line:
 `ModelConfig` (adapter, dtype, device, chat_template, stop_tokens as ``a|b`` ...) or of
 `SamplingConfig` (gen_length, steps, block_length, temperature, remasking ...), and
 ``seed`` (the sampling noise: request i draws from generator ("eval/seed", i), as
-`stabledrl eval --seed` does for problem i), ``batch_size`` (rows per sampler call),
-``estimator`` and ``num_samples`` (log-likelihood requests: a `stabledrl.likelihood`
+`stabledrl eval --seed` does for problem i), ``batch_size`` (rows per sampler call; or lm-eval's
+``--batch_size``: `rows_per_call`), ``estimator`` and ``num_samples`` (log-likelihood requests: a `stabledrl.likelihood`
 method and its K views; none given: those requests are refused).
 
 `generate_until` ignores the task's max_gen_toks and sampling flags: the model's decoding
@@ -38,13 +38,42 @@ from stabledrl.models import load_policy
 from stabledrl.settings import ModelConfig, SamplingConfig
 from stabledrl.sampling import RolloutRequest, generate_micro_batched, row_generators
 
-__all__ = ["StableDRLLM", "cut_at"]
+__all__ = ["StableDRLLM", "cut_at", "rows_per_call"]
+
+DEFAULT_ROWS_PER_CALL = 16
+"""Rows per sampler call under ``batch_size=auto`` without ``max_batch_size``."""
 
 
 def cut_at(text: str, until: list[str]) -> str:
     """`text` up to the first occurrence of any of the `until` strings."""
     ends = [i for i in (text.find(u) for u in until if u) if i >= 0]
     return text[: min(ends)] if ends else text
+
+
+def rows_per_call(batch_size: int | str | None, max_batch_size: int | str | None = None) -> int:
+    """Rows per sampler call for lm-eval's batch_size, read as lm-eval's own models read it: an
+    integer (lm-eval's command line passes it as text), or "auto" / "auto:N" (N: how often
+    lm-eval's models search again). No search is made here: "auto" (and None) takes
+    `max_batch_size`, lm-eval's bound on that search, else `DEFAULT_ROWS_PER_CALL`."""
+    mode, colon, times = ("auto" if batch_size is None else str(batch_size).strip()).partition(":")
+    if mode == "auto" and (not colon or _is_number(times)):
+        return DEFAULT_ROWS_PER_CALL if max_batch_size is None else _positive_int("max_batch_size", max_batch_size)
+    return _positive_int("batch_size", batch_size)
+
+
+def _positive_int(name: str, value: int | str) -> int:
+    text = str(value).strip()
+    if not text.isdigit() or int(text) < 1:
+        choices = ", 'auto' or 'auto:N'" if name == "batch_size" else ""
+        raise ValueError(f"stabledrl model_args: {name} must be a positive integer{choices}, got {value!r}")
+    return int(text)
+
+
+def _is_number(text: str) -> bool:
+    try:
+        return float(text) > 0
+    except ValueError:
+        return False
 
 
 def _split_args(args: dict[str, Any]) -> tuple[dict, dict, dict]:
@@ -86,7 +115,7 @@ class StableDRLLM(LM):
         self.sampling = load_config(SamplingConfig, sampling)
         self.policy = load_policy(load_config(ModelConfig, model))
         self.seed = int(own.get("seed", 0))
-        self.batch_size = own.get("batch_size") if isinstance(own.get("batch_size"), int) else 16  # "auto": 16
+        self.batch_size = rows_per_call(own.get("batch_size"), own.get("max_batch_size"))
         self.estimator = own.get("estimator")
         self.num_samples = int(own.get("num_samples", 1))
 

@@ -33,7 +33,7 @@ from stabledrl.shards import Shards
 from stabledrl.tasks import get_task
 from stabledrl.tracking import Tracker
 
-__all__ = ["Run", "set_up", "check_processes", "GatheredPolicy"]
+__all__ = ["Run", "set_up", "check_processes", "GatheredPolicy", "prepare_reference_copy"]
 
 
 @dataclasses.dataclass
@@ -141,6 +141,8 @@ def set_up(cfg: TrainConfig, *, resume: bool = False, task: Any = None) -> Run:
     policy, reference = _policy_and_reference(cfg, initial, ckpt, device, accelerator)
     opt = _optimizer(cfg, [p for p in policy.model.parameters() if p.requires_grad])
     policy.model, opt = accelerator.prepare(policy.model, opt)  # DDP / FSDP / DeepSpeed with N processes
+    if cfg.lora is None:  # a LoRA reference is the policy itself, its adapters off
+        prepare_reference_copy(reference, accelerator)
     # accelerate's state would hold the weights, which the checkpoint's policy holds already
     accelerator.register_save_state_pre_hook(lambda models, weights, output_dir: weights.clear())
     accelerator.register_load_state_pre_hook(lambda models, input_dir: models.clear())
@@ -216,6 +218,25 @@ def _policy_and_reference(cfg: TrainConfig, initial, ckpt: Path | None, device, 
                 for t in initial.model.state_dict().values():
                     dist.broadcast(t, src=0)
     return policy, initial
+
+
+def prepare_reference_copy(reference, accelerator) -> None:
+    """Under DeepSpeed, a reference copy (None: nothing) becomes an engine of its own with the
+    policy's config and no optimizer, as TRL prepares its reference models: under ZeRO-3 its
+    parameters are partitioned like the policy's (by zero.Init at load, with `zero3_init_flag`)
+    and gathered for each forward; under stages 0-2 it is whole on every process. Either way it
+    runs in the policy's precision. Call it after the policy's `prepare`, which fills the
+    config's "auto" values."""
+    if reference is None or accelerator.distributed_type.value != "DEEPSPEED":
+        return
+    import deepspeed
+
+    config = copy.deepcopy(accelerator.state.deepspeed_plugin.deepspeed_config)
+    config.pop("optimizer", None), config.pop("scheduler", None)  # frozen: nothing to step
+    if config["zero_optimization"].get("stage", 0) != 3:  # stages 1-2 partition optimizer states only
+        config["zero_optimization"]["stage"] = 0
+    reference.model, *_ = deepspeed.initialize(model=reference.model, config=config)
+    reference.model.eval()
 
 
 def _optimizer(cfg: TrainConfig, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:

@@ -55,7 +55,12 @@ SDAR / TraDo (``SDARForCausalLM``, model_type ``sdar``)
   - In train mode ``forward`` is its own block-diffusion SFT loss: it noises the input itself,
     needs ``labels`` and returns no logits.
   - Logits unshifted (its sampler reads position i for token i); ``position_ids`` default to
-    0..T-1.
+    the positions after the cached tokens.
+  - A transformers ``DynamicCache`` in ``past_key_values`` (one is made when ``use_cache`` and
+    none is given) and its own ``store_kv`` flag: with it a layer appends its keys and values
+    to the cache and attends to all of them; without it the new tokens attend to the cached
+    keys and their own, and nothing is stored. The mask covers the cached keys, then the new
+    (SDAR's ``generate.py`` decodes a block with ``store_kv=False``, then stores it).
   - Its blocks: S = ``config.block_size`` tokens counted from each sequence's first token,
     prompt and answer alike, so the prompt's tail and the first answer tokens share a block.
     ``block_diff_mask`` / ``block_attn_mask`` (module functions, as in SDAR's file) build its
@@ -68,6 +73,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 from transformers import GenerationConfig, GenerationMixin, PretrainedConfig, PreTrainedModel
+from transformers.cache_utils import DynamicCache
 from transformers.modeling_flash_attention_utils import FlashAttentionKwargs
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import CausalLMOutputWithPast, MaskedLMOutput
@@ -112,10 +118,13 @@ class _Layer(nn.Module):
     def attend(self, q, k, v, mask):  # (B, H, T, Dh) each -> (B, H, T, Dh)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
-    def forward(self, x, cos, sin, mask):
+    def forward(self, x, cos, sin, mask, kv=None):  # kv: (k, v) -> the keys and values attended to (a cache)
         B, T, D = x.shape
         q, k, v = self.qkv(self.n1(x)).view(B, T, 3, self.heads, -1).permute(2, 0, 3, 1, 4)  # 3 x (B, H, T, Dh)
-        a = self.attend(_rotate(q, cos, sin), _rotate(k, cos, sin), v, mask)
+        k = _rotate(k, cos, sin)
+        if kv is not None:
+            k, v = kv(k, v)  # (B, H, Tc + T, Dh) each
+        a = self.attend(_rotate(q, cos, sin), k, v, mask)
         x = x + self.out(a.transpose(1, 2).reshape(B, T, D))
         return x + self.mlp(self.n2(x))
 
@@ -369,8 +378,8 @@ class SDARConfig(PretrainedConfig):
 
     def __init__(self, vocab_size=32, hidden_size=32, num_attention_heads=2, num_hidden_layers=2,
                  rope_theta=10000.0, rope_scaling=None, max_position_embeddings=128, block_size=4,
-                 fuse_cross_entropy=False, **kwargs):
-        self.vocab_size, self.hidden_size = vocab_size, hidden_size
+                 fuse_cross_entropy=False, use_cache=True, **kwargs):  # configuration_sdar.py:165 use_cache
+        self.vocab_size, self.hidden_size, self.use_cache = vocab_size, hidden_size, use_cache
         self.num_attention_heads, self.num_hidden_layers = num_attention_heads, num_hidden_layers
         self.rope_theta, self.rope_scaling, self.max_position_embeddings = rope_theta, rope_scaling, max_position_embeddings
         self.block_size, self.fuse_cross_entropy = block_size, fuse_cross_entropy
@@ -435,12 +444,21 @@ class _SDARAttention(_Layer):
 class SDARDecoderLayer(GradientCheckpointingLayer):
     """modeling_sdar.py:600."""
 
-    def __init__(self, d, heads):
+    def __init__(self, d, heads, layer_idx=0):
         super().__init__()
         self.inner = _SDARAttention(d, heads)
+        self.layer_idx = layer_idx
 
-    def forward(self, x, cos, sin, mask):
-        return self.inner(x, cos, sin, mask)
+    def forward(self, x, cos, sin, mask, past_key_value=None, store_kv=False):
+        def kv(k, v):  # modeling_sdar.py:545-555, after RoPE
+            if past_key_value is not None and store_kv:  # append the new keys, attend to all
+                return past_key_value.update(k, v, self.layer_idx)
+            if past_key_value is not None and len(past_key_value) > self.layer_idx:  # attend, store nothing
+                past_k, past_v = past_key_value[self.layer_idx]
+                return torch.cat([past_k, k], dim=-2), torch.cat([past_v, v], dim=-2)
+            return k, v
+
+        return self.inner(x, cos, sin, mask, kv)
 
 
 class SDARPreTrainedModel(PreTrainedModel):
@@ -455,22 +473,27 @@ class SDARModel(SDARPreTrainedModel):
     def __init__(self, config):
         super().__init__(config)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(SDARDecoderLayer(config.hidden_size, config.num_attention_heads)
-                                    for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(SDARDecoderLayer(config.hidden_size, config.num_attention_heads, i)
+                                    for i in range(config.num_hidden_layers))
         self.norm = SDARRMSNorm(config.hidden_size)
         inv_freq, _ = ROPE_INIT_FUNCTIONS["default"](config, None)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.gradient_checkpointing = False
         self.post_init()
 
-    def forward(self, input_ids, attention_mask=None, position_ids=None):
+    def forward(self, input_ids, attention_mask=None, position_ids=None, past_key_values=None, use_cache=None,
+                store_kv=None, cache_position=None):
         B, T = input_ids.shape
-        if position_ids is None:
-            position_ids = torch.arange(T)[None]
+        use_cache = use_cache if use_cache is not None else self.config.use_cache
+        if use_cache and past_key_values is None:  # modeling_sdar.py:799
+            past_key_values = DynamicCache()
+        if position_ids is None:  # :802-810: after the cached tokens
+            seen = past_key_values.get_seq_length() if past_key_values is not None else 0
+            position_ids = torch.arange(seen, seen + T)[None]
         cos, sin = _cos_sin(self.inv_freq, position_ids.expand(B, T))
         x = self.embed_tokens(input_ids)
-        for layer in self.layers:
-            x = layer(x, cos, sin, attention_mask)  # passed on as given: no _update_causal_mask
+        for layer in self.layers:  # the mask passed on as given: no _update_causal_mask (:812)
+            x = layer(x, cos, sin, attention_mask, past_key_values if use_cache else None, store_kv)
         return self.norm(x)
 
 
@@ -493,5 +516,5 @@ class SDARForCausalLM(SDARPreTrainedModel, GenerationMixin):
         if self.training:  # its block-diffusion SFT: noises input_ids itself, returns only a loss
             assert labels is not None, "Labels must be provided for training."
             raise NotImplementedError("the stand-in does not reproduce SDAR's SFT loss")
-        h = self.model(input_ids, attention_mask, position_ids)
+        h = self.model(input_ids, attention_mask, position_ids, past_key_values, use_cache, **kwargs)  # :1187
         return CausalLMOutputWithPast(logits=self.lm_head(h[:, -logits_to_keep:] if logits_to_keep else h))

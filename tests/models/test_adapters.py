@@ -429,6 +429,48 @@ def test_decoder_blocks_do_not_see_later_blocks(dirs, name):
     assert not torch.equal(a[:, P + 4:], b[:, P + 4:])
 
 
+@pytest.mark.parametrize("L, remasking", [(8, "low_confidence"), (7, "random")])
+def test_sdar_decodes_the_same_tokens_with_its_kv_cache(dirs, L, remasking):
+    # SDAR's store_kv (modeling_sdar.py:545-555; the stand-in copies it): the block sampler keeps the
+    # prompt's and the finished blocks' keys and feeds a step only its block. Left-padded prompts of
+    # three lengths put the prompt's tail in each row's first block at a different offset (S = 4
+    # divides L, or not).
+    policy = _policy(dirs, "sdar", explicit=True)
+    assert callable(policy.new_cache)
+    ids, mask = encode_prompts(policy.tokenizer, PROMPTS)  # (3, P)
+    fed = []  # per model call: (tokens fed, whether a cache was passed)
+    hook = policy.model.register_forward_pre_hook(
+        lambda m, args, kw: fed.append((kw["input_ids"].numel(), kw.get("past_key_values") is not None)),
+        with_kwargs=True)
+    out = {}
+    for cached in (True, False):
+        fed.clear()
+        sampling = SamplingConfig(gen_length=L, steps=L, temperature=1.0, remasking=remasking, kv_cache=cached)
+        with torch.no_grad():
+            out[cached] = generate(policy, ids, mask, sampling, record_logprob=True,
+                                   generator=[torch.Generator().manual_seed(i) for i in range(3)])
+        out[cached, "fed"], out[cached, "cached calls"] = sum(n for n, _ in fed), sum(c for _, c in fed)
+        assert out[cached, "cached calls"] in (0, len(fed))
+    hook.remove()
+    assert out[True, "cached calls"] > 0 == out[False, "cached calls"]
+    assert out[True, "fed"] < out[False, "fed"]  # only the block (and the prompt once) per call
+    assert torch.equal(out[True].completion_ids, out[False].completion_ids)
+    assert torch.equal(out[True].unmask_step, out[False].unmask_step)
+    # the same distributions up to rounding (the keys summed in another order; measured: 7e-7)
+    assert torch.allclose(out[True].token_logprob, out[False].token_logprob, atol=1e-5)
+    assert (out[True].completion_ids != policy.pad_token_id).sum() > 3  # more than an early EOS
+
+
+def test_a_decoder_without_store_kv_has_no_cache(dirs):
+    # transformers' own decoders append to any cache they are given: the adapter offers none, and the
+    # block sampler recomputes the prefix for them.
+    policy = _policy(dirs, "decoder", explicit=True)
+    assert not hasattr(policy, "new_cache")
+    ids = torch.tensor([[5, 6, 7, 8]])
+    with pytest.raises(ValueError, match="keeps no KV cache"):
+        policy.logits(ids, torch.ones(1, 4, 4, dtype=torch.bool), torch.arange(4)[None], cache=object())
+
+
 def test_the_decoders_prompt_attention_can_be_named_and_is_saved(dirs, tmp_path):
     # sequence_blocks by default (SDAR's); model.prompt_attention names another, and a saved
     # policy keeps it. Full-attention adapters have no prompt blocks to choose.

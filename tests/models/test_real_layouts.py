@@ -17,7 +17,7 @@ from stabledrl import _compat
 from stabledrl.data import completion_mask, encode_prompts, position_ids
 from stabledrl.likelihood import Completions, plan_views, score_views
 from stabledrl.models import ModelConfig, load_policy
-from stabledrl.models.adapters import probe_attention
+from stabledrl.models.adapters import load_hf_policy, probe_attention
 from stabledrl.sampling import SamplingConfig, generate
 from tests.conftest import make_tiny_policy
 from tests.models.test_adapters import fake_dllm, save_stand_ins, sdar_tokenizer
@@ -172,6 +172,18 @@ def test_the_probe_still_refuses_a_causal_llada(copies):
     with pytest.raises(ValueError, match=f"^{path / 'fake_dllm.py'} \\(llada adapter\\): position 0 does not depend") as e:
         load_policy(ModelConfig(path=str(path)))
     assert "\n" not in str(e.value)
+
+
+def test_check_attention_off_loads_the_causal_llada_from_the_config_or_the_keyword(copies):
+    # One switch, the config's check_attention; load_policy's keyword, when given, overrides it.
+    path = str(copies["causal"]["llada"])
+    assert load_policy(path, check_attention=False).attention_kind == "full"
+    assert load_policy(ModelConfig(path=path, check_attention=False)).attention_kind == "full"
+    assert load_hf_policy(ModelConfig(path=path, check_attention=False), "llada").attention_kind == "full"
+    for refused in (lambda: load_policy(ModelConfig(path=path, check_attention=False), check_attention=True),
+                    lambda: load_hf_policy(ModelConfig(path=path), "llada")):
+        with pytest.raises(ValueError, match="attends causally"):
+            refused()
 
 
 def test_the_sampler_and_the_likelihood_agree_across_llada_copies(copies):

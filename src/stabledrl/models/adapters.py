@@ -8,7 +8,8 @@ Every adapter answers ``logits(input_ids, attention_mask, position_ids)`` with
 - ``dream``: Dream, its own code; its logits, shifted by one, are moved back; padding goes
   in as an additive mask in the model's dtype, with position ids.
 - ``masked_lm``: any ``AutoModelForMaskedLM``; ``decoder``: a causal decoder read as a
-  block-diffusion model (SDAR / TraDo included), given a boolean block mask.
+  block-diffusion model (SDAR / TraDo included), given a boolean block mask; with a KV cache
+  (`HFPolicy.new_cache`) where its code takes SDAR's ``store_kv``.
 
 The attention each full-attention adapter relies on is checked at load (`probe_attention`).
 docs/scale-out.md ("Adapters in detail", "Attention probe") says what each adapter passes
@@ -20,6 +21,7 @@ Shapes: B batch, T tokens, V vocabulary.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import json
 import logging
 from dataclasses import dataclass, field
@@ -104,6 +106,8 @@ class HFPolicy:
             raise ValueError(f"mask_token_id {self.mask_token_id} is outside the model's vocabulary of {vocab}")
         self._dtype = self.model.get_input_embeddings().weight.dtype  # before any DDP/FSDP wrapping
         self._additive_mask = getattr(self.model.config, "_attn_implementation", None) == "eager"
+        self._store_kv = self.adapter == "decoder" and any(
+            "store_kv" in inspect.signature(m.forward).parameters for m in self.model.modules())
         # RoBERTa-style embeddings count positions from padding_idx + 1, BERT's from 0.
         embeddings = getattr(getattr(self.model, "base_model", None), "embeddings", None)
         pad_idx = getattr(embeddings, "padding_idx", None)
@@ -129,13 +133,32 @@ class HFPolicy:
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
+    @property
+    def new_cache(self) -> Callable[[], Any]:
+        """Makes an empty KV cache (transformers' `DynamicCache`) for a decoder whose code can
+        attend to cached keys without storing the new ones (SDAR's and TraDo's `store_kv`); the
+        block sampler then keeps the keys of the prompt and of finished blocks. Absent
+        (AttributeError) for every other model, so that the sampler recomputes the prefix."""
+        if not self._store_kv:
+            raise AttributeError(f"{type(self.model).__name__} takes no store_kv: no KV cache through this adapter")
+        from transformers import DynamicCache
+
+        return DynamicCache
+
     def logits(
         self,
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
+        *,
+        cache: Any = None,
+        extend_cache: bool = False,
     ) -> torch.Tensor:
-        """(B, T) ids -> (B, T, V) logits; logits[:, i] predicts token i."""
+        """(B, T) ids -> (B, T, V) logits; logits[:, i] predicts token i. With `cache` (from
+        `new_cache`; a (B, T, Tc + T) mask, cached keys first) the tokens also attend to the
+        cached ones, and `extend_cache` appends theirs to it."""
+        if cache is not None and not self._store_kv:
+            raise ValueError(f"the {self.adapter} adapter of {type(self.model).__name__} keeps no KV cache")
         B, T = input_ids.shape
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
@@ -158,18 +181,19 @@ class HFPolicy:
             # Additive, in the model's dtype: some copies cast the mask to the query dtype, which
             # would turn a boolean one into 0/1 and mask nothing.
             keys = attention_mask.bool()[:, None, None, :].expand(B, 1, T, T)  # (B, 1, T, T) key padding
-            additive = torch.zeros(keys.shape, dtype=self._dtype, device=input_ids.device)
-            kwargs = {"attention_mask": additive.masked_fill(~keys, torch.finfo(self._dtype).min),
-                      "position_ids": position_ids}
+            kwargs = {"attention_mask": _additive(keys, self._dtype), "position_ids": position_ids}
         else:  # decoder: the block mask as a 4-D boolean mask, True = may attend
-            allowed = attention_mask.bool()[:, None]  # (B, 1, T, T)
-            # Every query keeps itself, so padding rows are finite (and never read).
-            allowed = allowed | torch.eye(T, dtype=torch.bool, device=input_ids.device)
+            allowed = attention_mask.bool()[:, None]  # (B, 1, T, Tk): Tk = Tc cached keys + T
+            Tk = allowed.size(-1)
+            # Every query keeps itself (its own key, after the cached ones), so padding rows are finite.
+            keys = torch.arange(Tk, device=input_ids.device)  # (Tk,)
+            allowed = allowed | (keys[None, :] == torch.arange(T, device=input_ids.device)[:, None] + Tk - T)
             if self._additive_mask:  # eager attention adds the mask to its scores
-                additive = torch.zeros(allowed.shape, dtype=self._dtype, device=input_ids.device)
-                allowed = additive.masked_fill(~allowed, torch.finfo(self._dtype).min)
+                allowed = _additive(allowed, self._dtype)
             kwargs = {"attention_mask": allowed, "position_ids": position_ids}
-        if self.adapter != "masked_lm":
+        if cache is not None:  # SDAR's store_kv: append these keys, or attend to the cache and store nothing
+            kwargs.update(past_key_values=cache, use_cache=True, store_kv=extend_cache)
+        elif self.adapter != "masked_lm":
             kwargs["use_cache"] = False  # decoders would otherwise build a KV cache per call
         out = self._forward(input_ids, **kwargs)  # (B, T, V)
         if self.shift_logits:  # native[:, i] predicts token i+1: move it to column i+1
@@ -259,6 +283,12 @@ def probe_attention(logits: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
                          "probe')")
 
 
+def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean mask (True: may attend) as the additive one eager attention adds to its scores,
+    in `dtype`: 0 where allowed, the dtype's lowest value elsewhere."""
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, torch.finfo(dtype).min)
+
+
 def _forwards_everywhere(model: Any, n: int, device: torch.device) -> int:
     """The most forwards any process makes in this call (`n` here) where every forward is a
     collective (FSDP, DeepSpeed: parameters gathered per forward), else `n`."""
@@ -316,13 +346,13 @@ def _resolve_mask_id(adapter: str, explicit: int | None, model: PreTrainedModel,
 
 
 def load_hf_policy(cfg: ModelConfig, adapter: str, *, dtype: torch.dtype = torch.float32,
-                   device: str | torch.device = "cpu", check_attention: bool | None = None) -> HFPolicy:
+                   device: str | torch.device = "cpu") -> HFPolicy:
     """Load `cfg.path` (a local directory or a Hub name) with the named adapter (`cfg.adapter`
     may be auto: `adapter` is the resolved one); `cfg.dtype` and `cfg.device` are read by the
     caller, which passes them resolved. A policy saved by stabledrl keeps the settings it was
     saved with unless `cfg` names them (``chat_template`` and ``prompt_attention`` auto and
-    ``stop_tokens`` empty take the saved ones). `check_attention` (None: `cfg.check_attention`):
-    probe a full-attention model's attention (`probe_attention`)."""
+    ``stop_tokens`` empty take the saved ones). `cfg.check_attention`: probe a full-attention
+    model's attention (`probe_attention`)."""
     from transformers import AutoModel, AutoModelForCausalLM, AutoModelForMaskedLM, AutoTokenizer
 
     if adapter not in ADAPTERS:
@@ -331,7 +361,6 @@ def load_hf_policy(cfg: ModelConfig, adapter: str, *, dtype: torch.dtype = torch
     trust_remote_code, stop_tokens = cfg.trust_remote_code, tuple(cfg.stop_tokens)
     chat_template = None if cfg.chat_template == "auto" else cfg.chat_template
     prompt_attention = None if cfg.prompt_attention == "auto" else cfg.prompt_attention
-    check_attention = cfg.check_attention if check_attention is None else check_attention
     auto = {"llada": AutoModel, "dream": AutoModel, "masked_lm": AutoModelForMaskedLM,
             "decoder": AutoModelForCausalLM}[adapter]
     saved = Path(path) / ADAPTER_FILE
@@ -359,7 +388,7 @@ def load_hf_policy(cfg: ModelConfig, adapter: str, *, dtype: torch.dtype = torch
     policy = HFPolicy(model, tokenizer, adapter, mask_id, block_size=block_size, shift_logits=shift,
                       trust_remote_code=remote, chat_template=chat_template, stop_tokens=tuple(stop_tokens),
                       prompt_attention=prompt_attention, gradient_checkpointing=cfg.gradient_checkpointing)
-    if check_attention and policy.attention_kind == "full" and _compat.weights_loaded_here():
+    if cfg.check_attention and policy.attention_kind == "full" and _compat.weights_loaded_here():
         code = type(model).__module__.rsplit(".", 1)[-1] + ".py" if remote else type(model).__name__
         with _compat.gathered_parameters(model):  # partitioned where ZeRO-3 loaded it
             probe_attention(policy.logits, vocab=model.get_input_embeddings().num_embeddings, device=device,

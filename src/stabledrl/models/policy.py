@@ -161,13 +161,14 @@ def load_policy(model: str | Path | ModelConfig, *, device: str | torch.device |
     saves; `trainable` keeps the adapters trainable). A weights file that cannot be read
     (cut off, or not safetensors) is a ValueError naming it. `check_attention`: probe a
     full-attention checkpoint's attention at load (`stabledrl.models.adapters.probe_attention`);
-    None: the config's ``check_attention`` where it has one, else on."""
-    if check_attention is None:
-        check_attention = getattr(model, "check_attention", True) if isinstance(model, ModelConfig) else True
+    None: the config's ``check_attention`` (on for a path)."""
+    cfg = model if isinstance(model, ModelConfig) else ModelConfig(path=str(model))
+    if check_attention is not None:
+        cfg = dataclasses.replace(cfg, check_attention=check_attention)
     try:
-        return _load_policy(model, device=device, dtype=dtype, trainable=trainable, check_attention=check_attention)
+        return _load_policy(cfg, device=device, dtype=dtype, trainable=trainable)
     except SafetensorError as e:
-        path = Path(model.path if isinstance(model, ModelConfig) else model)
+        path = Path(cfg.path)
         names = ", ".join(str(f) for f in _unreadable_weights(path)) or f"a weights file of {path}"
         raise ValueError(f"{names} cannot be read ({e}): it is cut off or not a safetensors file; "
                          "save or download the model again") from None
@@ -189,9 +190,8 @@ def _unreadable_weights(path: Path) -> list[Path]:
     return bad
 
 
-def _load_policy(model: str | Path | ModelConfig, *, device: str | torch.device | None, dtype: torch.dtype | None,
-                 trainable: bool, check_attention: bool = True):
-    cfg = model if isinstance(model, ModelConfig) else ModelConfig(path=str(model))
+def _load_policy(cfg: ModelConfig, *, device: str | torch.device | None, dtype: torch.dtype | None,
+                 trainable: bool):
     device = cfg.device if device is None else device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -200,8 +200,7 @@ def _load_policy(model: str | Path | ModelConfig, *, device: str | torch.device 
     if (path / "adapter_config.json").is_file():  # LoRA: load the base, then the adapters
         from peft import PeftModel
 
-        policy = _load_policy(_lora_base(path, cfg), device=device, dtype=dtype, trainable=False,
-                              check_attention=check_attention)
+        policy = _load_policy(_lora_base(path, cfg), device=device, dtype=dtype, trainable=False)
         policy.model = PeftModel.from_pretrained(policy.model, str(path), is_trainable=trainable).to(device)
         return policy
     adapter = resolve_adapter(path, cfg.adapter)
@@ -215,7 +214,7 @@ def _load_policy(model: str | Path | ModelConfig, *, device: str | torch.device 
         _record_base_path(tiny, path)
         return TinyPolicy(tiny, PreTrainedTokenizerFast.from_pretrained(path), chat_template=chat_template,
                           stop_tokens=tuple(cfg.stop_tokens))
-    policy = load_hf_policy(cfg, adapter, dtype=dtype, device=device, check_attention=check_attention)
+    policy = load_hf_policy(cfg, adapter, dtype=dtype, device=device)
     if path.exists():
         _record_base_path(policy.model, path)
     return policy
