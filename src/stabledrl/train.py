@@ -233,7 +233,7 @@ def _old_scores(run: Run, groups: RolloutBatch, step: int, rounds: list[Share], 
     plan = _plan(run, groups, step, 1)
     logp, ref = _scores(run, run.policy, plan, rounds), None
     if run.reference is not None:
-        with run.accelerator.autocast():  # a reference copy is not prepared: ℓ_old's precision
+        with run.accelerator.autocast():  # ℓ_old's precision, for a copy accelerate did not prepare (DDP, FSDP)
             ref = _scores(run, run.reference, plan, rounds)
         row.update(drift_from_initial(logp, ref))
     if not run.cfg.objective.weight_masks:
