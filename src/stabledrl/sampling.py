@@ -6,10 +6,10 @@ commit the ones the remasking rule picks: ``low_confidence`` the most probable (
 et al. 2025, Alg. 5), ``random`` uniformly; with ``block_length`` < L in semi-autoregressive
 blocks, left to right. Each step commits ceil(masked left in the block / steps left) slots,
 and once a slot decodes to a stop token (EOS, PAD, named ones) every later slot becomes PAD,
-as in SFT targets; the sampler never draws MASK or other special tokens (`banned_token_ids`). The prompt columns are
-never written. Temperature is Gumbel-max with noise from explicit generators, one per row,
-so a row's completion does not depend on its batch. Block models decode in their own blocks
-(``prompt_attention``, `stabledrl.models.attention`).
+as in SFT targets; MASK and the other special tokens are never drawn (`banned_token_ids`).
+The prompt columns are never written. Temperature is Gumbel-max with noise from explicit
+generators, one per row, so a row's completion does not depend on its batch. Block models
+decode in their own blocks (``prompt_attention``, `stabledrl.models.attention`).
 
 Fast decoding (`SamplingConfig`): ``noise="counter"`` (device-side counter noise: other
 tokens, the same distribution; the default at a vocabulary of 32k tokens up), ``threshold`` (Fast-dLLM's parallel decoding),
