@@ -184,10 +184,10 @@ def _check_inputs(
 def _check_convention(policy: Policy, completion_ids: torch.Tensor, scored: torch.Tensor) -> None:
     """What the sampler can write (`stabledrl.data`'s convention): no scored token the sampler
     bans, a stop token only as the last scored slot, and PAD in every slot after the scored ones."""
-    banned = torch.isin(completion_ids, torch.as_tensor(banned_token_ids(policy), device=completion_ids.device))
-    if (scored & banned).any():
+    banned_ids = banned_token_ids(policy)
+    if (scored & torch.isin(completion_ids, torch.as_tensor(banned_ids, device=completion_ids.device))).any():
         raise ValueError("completion_mask scores MASK or special tokens the sampler never draws "
-                         f"({banned_token_ids(policy)}): they cannot be in a completion")
+                         f"({banned_ids}): they cannot be in a completion")
     stop = torch.isin(completion_ids, torch.as_tensor(stop_ids_of(policy), device=completion_ids.device))
     if (stop & scored & (scored.long().cumsum(-1) < scored.sum(-1, keepdim=True))).any():
         raise ValueError("completion_mask scores a stop token before the last scored slot: it does not match "

@@ -290,12 +290,12 @@ def _scored_batch(run: Run, groups: RolloutBatch, old: OldScores, plan: ViewPlan
 def _add_round(it_row: dict[str, Any], out, weight: float) -> None:
     """A round's loss and metrics into its inner iteration's row: sums weighted by the round's
     share of the loss (so a weighted mean over the rounds; the loss is the step's), maxima of *_max."""
-    new = {**out.metrics, "loss": float(out.loss.detach())}
-    if not it_row:
-        it_row.update({**{k: v if k.endswith("_max") else v * weight for k, v in new.items()}, "grad_norm": math.nan})
-        return
-    for k, v in new.items():
-        it_row[k] = max(it_row[k], v) if k.endswith("_max") else it_row[k] + v * weight
+    for k, v in {**out.metrics, "loss": float(out.loss.detach())}.items():
+        if k.endswith("_max"):
+            it_row[k] = max(it_row.get(k, v), v)
+        else:
+            it_row[k] = it_row[k] + v * weight if k in it_row else v * weight
+    it_row.setdefault("grad_norm", math.nan)
 
 
 def _backward(run: Run, loss: torch.Tensor, batch: ScoredBatch, plan: ViewPlan, share: Share, objective,

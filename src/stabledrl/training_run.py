@@ -232,7 +232,8 @@ def prepare_reference_copy(reference, accelerator) -> None:
     import deepspeed
 
     config = copy.deepcopy(accelerator.state.deepspeed_plugin.deepspeed_config)
-    config.pop("optimizer", None), config.pop("scheduler", None)  # frozen: nothing to step
+    for frozen in ("optimizer", "scheduler"):  # nothing to step
+        config.pop(frozen, None)
     if config["zero_optimization"].get("stage", 0) != 3:  # stages 1-2 partition optimizer states only
         config["zero_optimization"]["stage"] = 0
     reference.model, *_ = deepspeed.initialize(model=reference.model, config=config)

@@ -32,8 +32,8 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from stabledrl import _compat
-from stabledrl.models.attention import PromptAttention, check_prompt_attention
 from stabledrl.data import completion_stop_ids
+from stabledrl.models.attention import PromptAttention, check_prompt_attention
 from stabledrl.models.prompting import resolve_chat_template, resolve_stop_tokens
 from stabledrl.settings import ModelConfig
 

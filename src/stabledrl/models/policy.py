@@ -30,9 +30,9 @@ import torch
 from safetensors import SafetensorError, safe_open
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
+from stabledrl.data import completion_stop_ids
 from stabledrl.models.adapters import ADAPTER_FILE, ADAPTERS, load_hf_policy
 from stabledrl.models.attention import check_prompt_attention
-from stabledrl.data import completion_stop_ids
 from stabledrl.models.prompting import resolve_chat_template, resolve_stop_tokens
 from stabledrl.models.tiny import KVCache, TinyDiffusionConfig, TinyDiffusionLM
 from stabledrl.settings import ModelConfig  # defined without torch, for the command line
