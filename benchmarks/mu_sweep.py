@@ -101,7 +101,9 @@ def plot(results: list[dict], args, out: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(args.objectives), figsize=(4 * len(args.objectives), 3.4), sharey=True)
+    fig, axes = plt.subplots(1, len(args.objectives), figsize=(4 * len(args.objectives), 3.4), sharey=True,
+                             squeeze=False)
+    axes = axes[0]
     for ax, name in zip(axes, args.objectives):
         for i, mu in enumerate(args.mus):
             runs = [r for r in results if r["objective"] == name and r["mu"] == mu]
@@ -118,8 +120,9 @@ def plot(results: list[dict], args, out: Path) -> None:
         ax.grid(alpha=0.3)
     axes[0].set_ylabel(f"held-out accuracy ({args.eval_split}, {args.eval_n})")
     axes[0].legend()
-    fig.suptitle(f"{args.preset}: accuracy per rollout at μ inner iterations (independent masks; "
-                 f"mean of {len(args.seeds)} seeds)")
+    masks = config(args, args.seeds[0], args.objectives[0], args.mus[0]).masks
+    fig.suptitle(f"{args.preset}: accuracy per rollout at μ inner iterations\n({masks} masks; "
+                 f"mean of {len(args.seeds)} seed(s), each seed faint)", fontsize=10)
     fig.tight_layout()
     fig.savefig(out, dpi=110)
     plt.close(fig)
