@@ -57,7 +57,7 @@ def config(args, seed: int, name: str, mu: int) -> TrainConfig:
     base = load_config(TrainConfig, path)
     if args.rollouts % base.group_size:
         raise SystemExit(f"--rollouts {args.rollouts} is not a multiple of {path}'s group_size {base.group_size}")
-    out = Path(args.runs_dir) / args.tag / f"{name}-mu{mu}-seed{seed}"
+    out = Path(args.runs_dir) / f"{args.preset}-{args.tag}" / f"{name}-mu{mu}-seed{seed}"
     return load_config(TrainConfig, path, [
         f"output_dir={out}", f"seed={seed}", f"steps={args.steps}", f"mu={mu}",
         f"prompts_per_step={args.rollouts // base.group_size}", "masks=independent",
@@ -160,7 +160,7 @@ def main() -> None:
         if summary is None:
             continue  # another shard's cell, not finished yet
         run_dir = Path(cfg.output_dir)
-        base = test_accuracy(cfg, cfg.model, Path(args.runs_dir) / args.tag / "base-test.json")
+        base = test_accuracy(cfg, cfg.model, Path(args.runs_dir) / f"{args.preset}-{args.tag}" / "base-test.json")
         final = test_accuracy(cfg, run_dir / "final", run_dir / "test.json")
         r = {"objective": name, "mu": mu, "seed": seed, "test_initial": base, "test_final": final,
              "accuracy_curve": accuracy_curve(run_dir),
