@@ -14,12 +14,14 @@ StableDRL run it), so the ratio is noisy even at μ = 1: the regime where GRPO's
 clip lets it through and StableDRL's unconditional clip and group self-normalisation do not.
 
 Per run: greedy accuracy (the default decoder) on `--eval-n` validation problems at steps 0,
-`--eval-every`, ... (the curve: settings are read from it), on the whole test split at the
-end (the figure reported, not tuned to), and the ratio diagnostics averaged over the run (std of log ρ, bypass fraction, ESS, clip
-fraction) beside the gradient spikes and the trainer's collapse verdict
-(benchmarks/stability.py's `summarise`). Writes benchmarks/results/mu_sweep-<tag>.json and a
-figure (accuracy against rollouts, one panel per objective, one line per μ, the mean over
-seeds with each seed faint).
+`--eval-every`, ... (the curve, from which settings are read), on the whole test split at the
+end (the figure reported, not tuned to), and the ratio diagnostics averaged over the run (std
+of log ρ, bypass fraction, ESS, clip fraction) beside the gradient spikes and the trainer's
+collapse verdict (benchmarks/stability.py's `summarise`). Runs go to
+`<runs-dir>/<preset>-<tag>/<objective>-mu<μ>-seed<seed>`; a finished run is reused. Writes
+benchmarks/results/mu_sweep-<preset>-<tag>.json and a figure beside it (accuracy against
+rollouts, one panel per objective, one line per μ: the mean over seeds, each seed faint).
+docs/rollout-reuse.md reads them.
 """
 
 from __future__ import annotations
@@ -65,7 +67,7 @@ def config(args, seed: int, name: str, mu: int) -> TrainConfig:
         "save_every=1000000", "threads=1", *args.set])
 
 
-def test_accuracy(cfg: TrainConfig, model: str | Path, cache: Path) -> float:
+def accuracy_on_test(cfg: TrainConfig, model: str | Path, cache: Path) -> float:
     """Greedy accuracy of `model` under the run's evaluation decoder on the whole test split
     (the preset's task; Countdown 1,592 problems, Sudoku 1,000), kept in `cache`."""
     if cache.is_file():
@@ -93,6 +95,25 @@ def mean_or_none(values) -> float | None:
 def ratio_means(run_dir: Path) -> dict[str, float | None]:
     rows = [r for r in load_metrics(run_dir) if "grad_norm" in r]
     return {f"{key}_mean": mean_or_none(r.get(key) for r in rows) for key in RATIO_KEYS}
+
+
+def summary_table(results: list[dict], args) -> dict[str, dict]:
+    """Per objective and μ: the test accuracy before and after, the run means of the diagnostics."""
+    table = {}
+    for name in args.objectives:
+        for mu in args.mus:
+            runs = [r for r in results if r["objective"] == name and r["mu"] == mu]
+            table[f"{name} mu={mu}"] = {
+                "test_initial": runs[0]["test_initial"],
+                "test_final": [r["test_final"] for r in runs],
+                "test_final_mean": statistics.mean(r["test_final"] for r in runs),
+                "validation_initial": runs[0]["eval_initial"]["accuracy"],
+                "validation_final_mean": statistics.mean(r["eval_final"]["accuracy"] for r in runs),
+                **{f"{key}_mean": mean_or_none(r[f"{key}_mean"] for r in runs) for key in RATIO_KEYS},
+                "spikes": sum(r["spikes"] for r in runs),
+                "collapsed_runs": sum(bool(r["collapse"]) for r in runs),
+            }
+    return table
 
 
 def plot(results: list[dict], args, out: Path) -> None:
@@ -160,8 +181,8 @@ def main() -> None:
         if summary is None:
             continue  # another shard's cell, not finished yet
         run_dir = Path(cfg.output_dir)
-        base = test_accuracy(cfg, cfg.model, Path(args.runs_dir) / f"{args.preset}-{args.tag}" / "base-test.json")
-        final = test_accuracy(cfg, run_dir / "final", run_dir / "test.json")
+        base = accuracy_on_test(cfg, cfg.model, Path(args.runs_dir) / f"{args.preset}-{args.tag}" / "base-test.json")
+        final = accuracy_on_test(cfg, run_dir / "final", run_dir / "test.json")
         r = {"objective": name, "mu": mu, "seed": seed, "test_initial": base, "test_final": final,
              "accuracy_curve": accuracy_curve(run_dir),
              **ratio_means(run_dir), **summarise(run_dir, summary)}
@@ -174,20 +195,7 @@ def main() -> None:
         return  # a shard: the call without --shard writes the JSON once every cell has finished
     out = Path("benchmarks/results") / f"mu_sweep-{args.preset}-{args.tag}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    table = {}
-    for name in args.objectives:
-        for mu in args.mus:
-            runs = [r for r in results if r["objective"] == name and r["mu"] == mu]
-            table[f"{name} mu={mu}"] = {
-                "test_initial": runs[0]["test_initial"],
-                "test_final": [r["test_final"] for r in runs],
-                "test_final_mean": statistics.mean(r["test_final"] for r in runs),
-                "validation_initial": runs[0]["eval_initial"]["accuracy"],
-                "validation_final_mean": statistics.mean(r["eval_final"]["accuracy"] for r in runs),
-                **{f"{key}_mean": mean_or_none(r[f"{key}_mean"] for r in runs) for key in RATIO_KEYS},
-                "spikes": sum(r["spikes"] for r in runs),
-                "collapsed_runs": sum(bool(r["collapse"]) for r in runs),
-            }
+    table = summary_table(results, args)
     out.write_text(json.dumps({"args": vars(args), "table": table, "runs": results}, indent=2))
     plot(results, args, out.with_suffix(".png"))
     print(f"wrote {out} and {out.with_suffix('.png')}")
