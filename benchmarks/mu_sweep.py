@@ -34,7 +34,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from stability import summarise  # noqa: E402  (benchmarks/ is a folder of scripts)
+from stability import check_presets, summarise  # noqa: E402  (benchmarks/ is a folder of scripts)
 
 from stabledrl.checkpoint import finished_summary  # noqa: E402
 from stabledrl.config import load_config  # noqa: E402
@@ -165,10 +165,7 @@ def main() -> None:
     ap.add_argument("--tag", default="default")
     ap.add_argument("--runs-dir", default="runs/mu_sweep")
     args = ap.parse_args()
-    missing = [f"configs/{args.preset}-{n}.yaml" for n in args.objectives
-               if not Path(f"configs/{args.preset}-{n}.yaml").is_file()]
-    if missing:
-        ap.error(f"no preset {', '.join(missing)}: choose --objectives that {args.preset} has")
+    check_presets(ap, args.preset, args.objectives)
     k, n = (int(x) for x in args.shard.split("/"))
     todo = cells(args)
     mine = todo[k::n]

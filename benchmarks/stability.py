@@ -72,6 +72,13 @@ def summarise(run_dir: Path, summary: dict) -> dict:
     }
 
 
+def check_presets(ap: argparse.ArgumentParser, preset: str, names: list[str]) -> None:
+    """Stop with a usage error naming each configs/<preset>-<name>.yaml that does not exist."""
+    missing = [f"configs/{preset}-{name}.yaml" for name in names if not Path(f"configs/{preset}-{name}.yaml").is_file()]
+    if missing:
+        ap.error(f"no preset {', '.join(missing)}: choose --objectives that {preset} has")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
@@ -86,10 +93,7 @@ def main() -> None:
     ap.add_argument("--tag", default="default")
     ap.add_argument("--runs-dir", default="runs/stability")
     args = ap.parse_args()
-    missing = [f"configs/{args.preset}-{name}.yaml" for name in args.objectives
-               if not Path(f"configs/{args.preset}-{name}.yaml").is_file()]
-    if missing:
-        ap.error(f"no preset {', '.join(missing)}: choose --objectives that {args.preset} has")
+    check_presets(ap, args.preset, args.objectives)
     results = []
     run_dirs = []
     for seed in args.seeds:
