@@ -55,6 +55,9 @@ def cells(args) -> list[tuple[int, str, int]]:
 
 
 def config(args, seed: int, name: str, mu: int) -> TrainConfig:
+    """The preset configs/<preset>-<name>.yaml with only what the sweep varies or fixes set:
+    seed, μ, steps, `--rollouts` per step (prompts = rollouts / the preset's G), independent
+    masks, the evaluation schedule, one thread; `--set` last, so it overrides any of them."""
     path = f"configs/{args.preset}-{name}.yaml"
     base = load_config(TrainConfig, path)
     if args.rollouts % base.group_size:
