@@ -45,6 +45,8 @@ from stabledrl.tasks import get_task  # noqa: E402
 from stabledrl.train import TrainConfig, run_train  # noqa: E402
 
 OBJECTIVES = ["grpo", "stabledrl", "stabledrl-official", "spg"]
+NAMES = {"grpo": "GRPO", "stabledrl": "StableDRL", "stabledrl-official": "StableDRL on SPG (the authors')",
+         "spg": "SPG"}
 TEST_N = {"countdown": 1592, "sudoku": 1000}  # the whole test split of each
 RATIO_KEYS = ["log_ratio_std", "bypass_fraction", "ess", "clip_fraction"]
 
@@ -119,6 +121,37 @@ def summary_table(results: list[dict], args) -> dict[str, dict]:
     return table
 
 
+def markdown_table(results: list[dict], args) -> str:
+    """The table of docs/rollout-reuse.md §1: one row per objective and μ, test accuracy of every
+    seed before → after, the mean change in points, the validation accuracy at the end (mean of
+    the seeds), the run means of the ratio diagnostics, spikes per seed and the flagged runs."""
+
+    def num(x, digits):
+        return "—" if x is None else f"{x:.{digits}g}"
+
+    def pct(x):
+        return f"{100 * x:.1f}"
+
+    lines = [f"| objective | μ | test before → after (seeds {' / '.join(map(str, args.seeds))}) | mean change "
+             "| validation after (mean) | std log ρ | bypass | ESS (of G) | clipped | gradient spikes "
+             "| runs flagged collapsed |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for name in args.objectives:
+        for mu in args.mus:
+            runs = sorted((r for r in results if r["objective"] == name and r["mu"] == mu), key=lambda r: r["seed"])
+            if not runs:
+                continue
+            before, after = runs[0]["test_initial"], [r["test_final"] for r in runs]
+            change = f"{100 * (statistics.mean(after) - before):+.1f}".replace("-", "\N{MINUS SIGN}")
+            means = {key: mean_or_none(r[f"{key}_mean"] for r in runs) for key in RATIO_KEYS}
+            lines.append(" | ".join([
+                f"| {NAMES.get(name, name)}", str(mu), f"{pct(before)}% → {' / '.join(map(pct, after))}%", change,
+                f"{pct(statistics.mean(r['eval_final']['accuracy'] for r in runs))}%",
+                num(means["log_ratio_std"], 3), num(means["bypass_fraction"], 2), num(means["ess"], 3),
+                num(means["clip_fraction"], 2), " / ".join(str(r["spikes"]) for r in runs),
+                f"{sum(bool(r['collapse']) for r in runs)} of {len(runs)} |"]))
+    return "\n".join(lines)
+
+
 def plot(results: list[dict], args, out: Path) -> None:
     import matplotlib
 
@@ -167,7 +200,16 @@ def main() -> None:
     ap.add_argument("--shard", default="0/1", help="K/N: run only every N-th cell from the K-th (one per process)")
     ap.add_argument("--tag", default="default")
     ap.add_argument("--runs-dir", default="runs/mu_sweep")
+    ap.add_argument("--table", action="store_true",
+                    help="print the markdown table of the sweep's JSON (benchmarks/results/) and run nothing")
     args = ap.parse_args()
+    out = Path("benchmarks/results") / f"mu_sweep-{args.preset}-{args.tag}.json"
+    if args.table:
+        if not out.exists():
+            raise SystemExit(f"{out} does not exist: run the sweep first")
+        saved = json.loads(out.read_text())
+        print(markdown_table(saved["runs"], argparse.Namespace(**saved["args"])))
+        return
     check_presets(ap, args.preset, args.objectives)
     k, n = (int(x) for x in args.shard.split("/"))
     todo = cells(args)
@@ -193,11 +235,11 @@ def main() -> None:
               f"collapse {r['collapse'] or 'no'}", flush=True)
     if n > 1 or len(results) < len(todo):
         return  # a shard: the call without --shard writes the JSON once every cell has finished
-    out = Path("benchmarks/results") / f"mu_sweep-{args.preset}-{args.tag}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     table = summary_table(results, args)
     out.write_text(json.dumps({"args": vars(args), "table": table, "runs": results}, indent=2))
     plot(results, args, out.with_suffix(".png"))
+    print(markdown_table(results, args))
     print(f"wrote {out} and {out.with_suffix('.png')}")
 
 

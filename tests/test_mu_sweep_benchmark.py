@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from mu_sweep import OBJECTIVES, cells, config, mean_or_none  # noqa: E402
+from mu_sweep import OBJECTIVES, cells, config, markdown_table, mean_or_none  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -44,3 +44,24 @@ def test_a_rollout_count_that_a_group_does_not_divide_is_refused(monkeypatch):
 def test_mean_or_none_skips_objectives_that_log_no_value():
     assert mean_or_none([1.0, None, 3.0]) == 2.0
     assert mean_or_none([None, None]) is None
+
+
+def run_result(name, mu, seed, final, validation, ess, spikes, collapse):
+    return {"objective": name, "mu": mu, "seed": seed, "test_initial": 0.329, "test_final": final,
+            "eval_final": {"accuracy": validation}, "log_ratio_std_mean": 3.7, "bypass_fraction_mean": 0.25,
+            "ess_mean": ess, "clip_fraction_mean": 0.9, "spikes": spikes, "collapse": collapse}
+
+
+def test_the_markdown_table_is_the_docs_table_of_the_results():
+    results = [run_result("grpo", 1, 1, 0.300, 0.33, None, 4, ["spike"]),  # out of seed order on purpose
+               run_result("grpo", 1, 0, 0.310, 0.35, None, 7, []),
+               run_result("stabledrl", 2, 0, 0.364, 0.42, 4.0, 0, []),
+               run_result("stabledrl", 2, 1, 0.344, 0.40, 4.2, 0, [])]
+    table = markdown_table(results, sweep_args("countdown", objectives=["grpo", "stabledrl"], mus=[1, 2], seeds=[0, 1]))
+    # by hand: GRPO's mean (31.0 + 30.0) / 2 = 30.5 is 2.4 points below 32.9; StableDRL's (36.4 + 34.4) / 2 = 35.4,
+    # 2.5 above; the validation means are 34.0% and 41.0%; ESS 4.1; cells without runs have no row
+    assert table.splitlines()[2:] == [
+        "| GRPO | 1 | 32.9% → 31.0 / 30.0% | \N{MINUS SIGN}2.4 | 34.0% | 3.7 | 0.25 | — | 0.9 | 7 / 4 | 1 of 2 |",
+        "| StableDRL | 2 | 32.9% → 36.4 / 34.4% | +2.5 | 41.0% | 3.7 | 0.25 | 4.1 | 0.9 | 0 / 0 | 0 of 2 |",
+    ]
+    assert "(seeds 0 / 1)" in table.splitlines()[0]
