@@ -97,9 +97,11 @@ def mean_or_none(values) -> float | None:
     return statistics.mean(values) if values else None
 
 
-def ratio_means(run_dir: Path) -> dict[str, float | None]:
+def run_means(run_dir: Path) -> dict[str, float | None]:
+    """The ratio diagnostics averaged over the run's steps, and the rollouts' entropy over its last 5."""
     rows = [r for r in load_metrics(run_dir) if "grad_norm" in r]
-    return {f"{key}_mean": mean_or_none(r.get(key) for r in rows) for key in RATIO_KEYS}
+    return {**{f"{key}_mean": mean_or_none(r.get(key) for r in rows) for key in RATIO_KEYS},
+            "entropy_last_5": mean_or_none(r.get("entropy") for r in rows[-5:])}
 
 
 def summary_table(results: list[dict], args) -> dict[str, dict]:
@@ -149,6 +151,35 @@ def markdown_table(results: list[dict], args) -> str:
                 num(means["log_ratio_std"], 3), num(means["bypass_fraction"], 2), num(means["ess"], 3),
                 num(means["clip_fraction"], 2), " / ".join(str(r["spikes"]) for r in runs),
                 f"{sum(bool(r['collapse']) for r in runs)} of {len(runs)} |"]))
+    return "\n".join(lines)
+
+
+def short_float(x: float) -> str:
+    """5e-05 -> 5e-5, 0.00025 -> 2.5e-4: a learning rate as the docs write it."""
+    mantissa, exponent = f"{x:.2e}".split("e")
+    return f"{mantissa.rstrip('0').rstrip('.')}e{int(exponent)}"
+
+
+def curves_table(results: list[dict], args) -> str:
+    """The table of docs/rollout-reuse.md §2: one row per run, with its masks and learning rate,
+    the test accuracy at the end, the validation curve, the rollouts' entropy over the last 5 steps
+    and the run's mean std of log ρ."""
+    if not results:
+        return ""
+    order = {(name, mu): i for i, (name, mu) in enumerate((n, m) for n in args.objectives for m in args.mus)}
+    runs = sorted(results, key=lambda r: (order[r["objective"], r["mu"]], r["seed"]))
+    steps = " / ".join(str(s) for s, _ in runs[0]["accuracy_curve"])
+    lines = [f"| objective | masks | lr | μ | seed | test after (from {100 * runs[0]['test_initial']:.1f}%) "
+             f"| validation at steps {steps} | entropy, last 5 steps | std log ρ |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in runs:
+        cfg = config(args, r["seed"], r["objective"], r["mu"])
+        entropy, std = r.get("entropy_last_5"), r["log_ratio_std_mean"]
+        lines.append(" | ".join([
+            f"| {NAMES.get(r['objective'], r['objective'])}", cfg.masks, short_float(cfg.lr), str(r["mu"]),
+            str(r["seed"]), f"{100 * r['test_final']:.1f}%",
+            " / ".join(f"{100 * a:.1f}" for _, a in r["accuracy_curve"]),
+            "—" if entropy is None else f"{entropy:.2f}", "—" if std is None else f"{std:.3g}"]) + " |")
     return "\n".join(lines)
 
 
@@ -208,7 +239,8 @@ def main() -> None:
         if not out.exists():
             raise SystemExit(f"{out} does not exist: run the sweep first")
         saved = json.loads(out.read_text())
-        print(markdown_table(saved["runs"], argparse.Namespace(**saved["args"])))
+        saved_args = argparse.Namespace(**saved["args"])
+        print(markdown_table(saved["runs"], saved_args), curves_table(saved["runs"], saved_args), sep="\n\n")
         return
     check_presets(ap, args.preset, args.objectives)
     k, n = (int(x) for x in args.shard.split("/"))
@@ -227,7 +259,7 @@ def main() -> None:
         final = accuracy_on_test(cfg, run_dir / "final", run_dir / "test.json")
         r = {"objective": name, "mu": mu, "seed": seed, "test_initial": base, "test_final": final,
              "accuracy_curve": accuracy_curve(run_dir),
-             **ratio_means(run_dir), **summarise(run_dir, summary)}
+             **run_means(run_dir), **summarise(run_dir, summary)}
         results.append(r)
         print(f"{name:18s} mu {mu} seed {seed}: validation {r['eval_initial']['accuracy']:.3f} -> "
               f"{r['eval_final']['accuracy']:.3f}, test {base:.4f} -> {final:.4f}, std log rho {r['log_ratio_std_mean']}, "
@@ -239,7 +271,7 @@ def main() -> None:
     table = summary_table(results, args)
     out.write_text(json.dumps({"args": vars(args), "table": table, "runs": results}, indent=2))
     plot(results, args, out.with_suffix(".png"))
-    print(markdown_table(results, args))
+    print(markdown_table(results, args), curves_table(results, args), sep="\n\n")
     print(f"wrote {out} and {out.with_suffix('.png')}")
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from mu_sweep import OBJECTIVES, cells, config, markdown_table, mean_or_none  # noqa: E402
+from mu_sweep import OBJECTIVES, cells, config, curves_table, markdown_table, mean_or_none, short_float  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -65,3 +65,20 @@ def test_the_markdown_table_is_the_docs_table_of_the_results():
         "| StableDRL | 2 | 32.9% → 36.4 / 34.4% | +2.5 | 41.0% | 3.7 | 0.25 | 4.1 | 0.9 | 0 / 0 | 0 of 2 |",
     ]
     assert "(seeds 0 / 1)" in table.splitlines()[0]
+
+
+def test_the_curves_table_reads_masks_and_lr_from_each_runs_config(monkeypatch):
+    monkeypatch.chdir(ROOT)
+    run = {**run_result("stabledrl", 2, 0, 0.379, 0.448, 4.0, 0, []), "entropy_last_5": 0.2875,
+           "accuracy_curve": [[0, 0.408], [10, 0.418], [20, 0.448]]}
+    args = sweep_args("countdown", objectives=["stabledrl"], mus=[2], seeds=[0], set=["lr=2.5e-5"])
+    lines = curves_table([run], args).splitlines()
+    assert "from 32.9%" in lines[0] and "validation at steps 0 / 10 / 20" in lines[0]
+    assert lines[2] == "| StableDRL | independent | 2.5e-5 | 2 | 0 | 37.9% | 40.8 / 41.8 / 44.8 | 0.29 | 3.7 |"
+    shared = curves_table([{**run, "log_ratio_std_mean": 0.0}], sweep_args(
+        "countdown", objectives=["stabledrl"], mus=[2], seeds=[0], set=["masks=shared"])).splitlines()[2]
+    assert shared.startswith("| StableDRL | shared | 5e-5 | 2 |") and shared.endswith("| 0.29 | 0 |")
+
+
+def test_short_float_writes_a_learning_rate_as_the_docs_do():
+    assert [short_float(x) for x in (5e-5, 2.5e-5, 1e-4, 2e-4, 1e-6)] == ["5e-5", "2.5e-5", "1e-4", "2e-4", "1e-6"]
