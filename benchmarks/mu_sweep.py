@@ -20,8 +20,9 @@ of log ρ, bypass fraction, ESS, clip fraction) beside the gradient spikes and t
 collapse verdict (benchmarks/stability.py's `summarise`). Runs go to
 `<runs-dir>/<preset>-<tag>/<objective>-mu<μ>-seed<seed>`; a finished run is reused. Writes
 benchmarks/results/mu_sweep-<preset>-<tag>.json and a figure beside it (accuracy against
-rollouts, one panel per objective, one line per μ: the mean over seeds, each seed faint).
-docs/rollout-reuse.md reads them.
+rollouts, one panel per objective, one line per μ: the mean over seeds, each seed faint), and
+prints the two tables of docs/rollout-reuse.md (per objective and μ; per run); `--table`
+prints them again from the JSON.
 """
 
 from __future__ import annotations
@@ -232,7 +233,7 @@ def main() -> None:
     ap.add_argument("--tag", default="default")
     ap.add_argument("--runs-dir", default="runs/mu_sweep")
     ap.add_argument("--table", action="store_true",
-                    help="print the markdown table of the sweep's JSON (benchmarks/results/) and run nothing")
+                    help="print the two markdown tables of the sweep's JSON (benchmarks/results/) and run nothing")
     args = ap.parse_args()
     out = Path("benchmarks/results") / f"mu_sweep-{args.preset}-{args.tag}.json"
     if args.table:
