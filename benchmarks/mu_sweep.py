@@ -105,12 +105,17 @@ def run_means(run_dir: Path) -> dict[str, float | None]:
             "entropy_last_5": mean_or_none(r.get("entropy") for r in rows[-5:])}
 
 
+def cell_runs(results: list[dict], name: str, mu: int) -> list[dict]:
+    """The runs of one objective at one μ, in seed order."""
+    return sorted((r for r in results if r["objective"] == name and r["mu"] == mu), key=lambda r: r["seed"])
+
+
 def summary_table(results: list[dict], args) -> dict[str, dict]:
     """Per objective and μ: the test accuracy before and after, the run means of the diagnostics."""
     table = {}
     for name in args.objectives:
         for mu in args.mus:
-            runs = [r for r in results if r["objective"] == name and r["mu"] == mu]
+            runs = cell_runs(results, name, mu)
             table[f"{name} mu={mu}"] = {
                 "test_initial": runs[0]["test_initial"],
                 "test_final": [r["test_final"] for r in runs],
@@ -140,7 +145,7 @@ def markdown_table(results: list[dict], args) -> str:
              "| runs flagged collapsed |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for name in args.objectives:
         for mu in args.mus:
-            runs = sorted((r for r in results if r["objective"] == name and r["mu"] == mu), key=lambda r: r["seed"])
+            runs = cell_runs(results, name, mu)
             if not runs:
                 continue
             before, after = runs[0]["test_initial"], [r["test_final"] for r in runs]
@@ -195,7 +200,7 @@ def plot(results: list[dict], args, out: Path) -> None:
     axes = axes[0]
     for ax, name in zip(axes, args.objectives):
         for i, mu in enumerate(args.mus):
-            runs = [r for r in results if r["objective"] == name and r["mu"] == mu]
+            runs = cell_runs(results, name, mu)
             if not runs:
                 continue
             for r in runs:
