@@ -8,6 +8,7 @@ decoder) are `transformers` classes.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import shutil
@@ -208,7 +209,10 @@ def _sharded_llada(rank: int, path: str, init: str, report: str) -> None:
     logits = policy.logits(ids, mask)
     logits.square().mean().backward()
     torch.save(logits.detach(), f"{report}.{rank}")
+    del policy, logits
+    gc.collect()
     dist.destroy_process_group()
+    os._exit(0)  # past gloo's threads at interpreter teardown, which can abort (stabledrl.cli does the same)
 
 
 @pytest.mark.slow  # two processes, about 10 s
