@@ -5,6 +5,7 @@ difficulty-controlled training reward, over seeds.
     python benchmarks/rl_learns.py main --seeds 0 1 2            # the README's main command, 3 seeds (~30 min)
     python benchmarks/rl_learns.py controlled --config C --run-dir RUN --tag T   # of a finished run
     python benchmarks/rl_learns.py decoders --models M1 M2 ... --split test --n 1592 --tag T
+    python benchmarks/rl_learns.py curves --runs RUN0 RUN1 RUN2 --tag T   # validation curves -> best step
 
 `passk`: greedy accuracy, and at temperature 1 pass@1 (the mean over k samples) and
 pass@k (any of k samples right), on `n` problems of a split (seed 0, as `stabledrl eval`).
@@ -19,8 +20,10 @@ standard error, the slope). `controlled`: that measurement alone, for a finished
 `decoders`: greedy accuracy of each model under each greedy decoder of `DECODERS` (the
 default one block of L slots, one a step; threshold 0.9; blocks of 2; blocks of 4): does a
 gain survive a change of decoder, and how much of it does a decoder alone give the initial
-model?
-Writes benchmarks/results/rl_learns-<tag>.json.
+model? `curves`: the held-out accuracy that runs trained with `eval_split=validation` and
+`eval_every` recorded, its mean over the runs at each evaluated step, and the step where that
+mean is highest (how long a preset trains).
+Writes benchmarks/results/rl_learns-<cmd>-<tag>.json.
 
 Choose settings with `--split validation`; report `--split test` (the test split has
 1,592 Countdown-3 problems; `--n 1000` draws 1,000 of them).
@@ -193,6 +196,43 @@ def cmd_controlled(args) -> dict:
     return {"config": args.config, "set": args.set, "run_dir": args.run_dir, "training_reward": res}
 
 
+def eval_curves(run_dirs: list[str | Path]) -> dict:
+    """The held-out accuracy each run recorded at its evaluations (`eval_every`), the mean over
+    the runs at each step, and the step whose mean is highest (the earliest, on a tie): how
+    long a preset trains, chosen on runs with `eval_split=validation`. Every run must have
+    been evaluated at the same steps."""
+    curves = {}
+    for run in run_dirs:
+        rows = [r for r in load_metrics(run) if "eval_accuracy" in r]
+        curves[str(run)] = {int(r["step"]): float(r["eval_accuracy"]) for r in rows}
+    steps = sorted(next(iter(curves.values())))
+    for run, curve in curves.items():
+        if sorted(curve) != steps:
+            raise SystemExit(f"{run} was evaluated at steps {sorted(curve)}, the first run at {steps}")
+    mean = {s: statistics.mean(c[s] for c in curves.values()) for s in steps}
+    best = max(steps, key=lambda s: (mean[s], -s))
+    return {"runs": curves, "steps": steps, "mean": mean, "best_step": best}
+
+
+def curves_table(res: dict) -> str:
+    """A markdown table of `eval_curves`: one row per run and the mean, one column per step."""
+    steps = res["steps"]
+    lines = ["| run | " + " | ".join(f"step {s}" for s in steps) + " |", "|---" * (len(steps) + 1) + "|"]
+    for run, curve in res["runs"].items():
+        lines.append(f"| {run} | " + " | ".join(f"{100 * curve[s]:.1f}%" for s in steps) + " |")
+    lines.append("| mean | " + " | ".join(f"**{100 * res['mean'][s]:.1f}%**" if s == res["best_step"]
+                                          else f"{100 * res['mean'][s]:.1f}%" for s in steps) + " |")
+    return "\n".join(lines)
+
+
+def cmd_curves(args) -> dict:
+    """Held-out accuracy over training of finished runs (`--runs`), and the best step."""
+    res = eval_curves(args.runs)
+    print(curves_table(res))
+    print(f"best step: {res['best_step']}")
+    return res
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -217,6 +257,9 @@ def main() -> None:
     p.add_argument("--run-dir", required=True, help="a finished run of --config (its metrics.jsonl)")
     p.add_argument("--set", action="append", default=[], help="config override, as `stabledrl train --set`")
     p.set_defaults(func=cmd_controlled)
+    p = sub.add_parser("curves")
+    p.add_argument("--runs", nargs="+", required=True, help="run directories evaluated at the same steps")
+    p.set_defaults(func=cmd_curves)
     for p in sub.choices.values():
         p.add_argument("--split", choices=["validation", "test"], default="validation")
         p.add_argument("--n", type=int, default=1000)

@@ -1,5 +1,7 @@
-"""benchmarks/rl_learns.py: the training-reward summaries and the first step's p(PAD), against
-hand arithmetic and the sampler."""
+"""benchmarks/rl_learns.py: the training-reward summaries, the validation curves' best step and
+the first step's p(PAD), against hand arithmetic and the sampler."""
+
+import json
 
 import math
 import sys
@@ -14,7 +16,7 @@ from stabledrl.tasks import get_task
 from tests.conftest import ScriptedPolicy
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from rl_learns import pad_at_first_step, summarise_gaps  # noqa: E402
+from rl_learns import curves_table, eval_curves, pad_at_first_step, summarise_gaps  # noqa: E402
 
 
 def test_summarise_gaps_on_a_line_and_on_hand_arithmetic():
@@ -53,3 +55,39 @@ def test_pad_at_the_first_step_is_the_softmax_of_the_samplers_first_call():
     ids, mask = encode_policy_prompts(policy, [p.prompt for p in problems])
     generate(policy, ids, mask, SamplingConfig(gen_length=L))
     assert torch.equal(policy.calls[0], policy.calls[1])  # calls[1]: the sampler's first
+
+
+def _run(tmp_path, name: str, evals: dict[int, float]) -> Path:
+    """A run directory whose metrics.jsonl has training rows and the evaluation rows `evals`."""
+    run = tmp_path / name
+    run.mkdir()
+    rows = []
+    for step, acc in evals.items():
+        rows.append({"step": step, "eval_accuracy": acc, "eval_reward": 0.5, "collapse": False})
+        rows.append({"step": step + 1, "reward_mean": 0.9})  # a training row: no eval_accuracy
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return run
+
+
+def test_eval_curves_take_the_step_with_the_best_mean_and_the_earliest_on_a_tie(tmp_path):
+    # means by hand: step 0 (0.40 + 0.40) / 2 = 0.40, step 50 (0.50 + 0.44) / 2 = 0.47,
+    # step 100 (0.48 + 0.52) / 2 = 0.50: the best; each run alone would pick another step.
+    a, b = _run(tmp_path, "a", {0: 0.40, 50: 0.50, 100: 0.48}), _run(tmp_path, "b", {0: 0.40, 50: 0.44, 100: 0.52})
+    res = eval_curves([a, b])
+    assert res["steps"] == [0, 50, 100]
+    assert res["mean"] == {0: pytest.approx(0.40), 50: pytest.approx(0.47), 100: pytest.approx(0.50)}
+    assert res["best_step"] == 100
+    assert res["runs"][str(a)] == {0: 0.40, 50: 0.50, 100: 0.48}
+    table = curves_table(res).splitlines()
+    assert table[0] == "| run | step 0 | step 50 | step 100 |"
+    assert table[2] == f"| {a} | 40.0% | 50.0% | 48.0% |"
+    assert table[-1] == "| mean | 40.0% | 47.0% | **50.0%** |"
+    # equal means at steps 50 and 100: the shorter run is chosen
+    c, d = _run(tmp_path, "c", {0: 0.4, 50: 0.5, 100: 0.5}), _run(tmp_path, "d", {0: 0.4, 50: 0.5, 100: 0.5})
+    assert eval_curves([c, d])["best_step"] == 50
+
+
+def test_eval_curves_refuse_runs_evaluated_at_different_steps(tmp_path):
+    a, b = _run(tmp_path, "a", {0: 0.4, 50: 0.5}), _run(tmp_path, "b", {0: 0.4, 25: 0.5})
+    with pytest.raises(SystemExit, match="evaluated at steps \\[0, 25\\]"):
+        eval_curves([a, b])
