@@ -2,7 +2,6 @@
 the first step's p(PAD), against hand arithmetic and the sampler."""
 
 import json
-
 import math
 import sys
 from pathlib import Path
