@@ -41,7 +41,7 @@ from stabledrl.checkpoint import finished_summary  # noqa: E402
 from stabledrl.config import load_config  # noqa: E402
 from stabledrl.evaluate import evaluate  # noqa: E402
 from stabledrl.models import load_policy  # noqa: E402
-from stabledrl.report import load_metrics  # noqa: E402
+from stabledrl.report import accuracy_curve, load_metrics  # noqa: E402
 from stabledrl.tasks import get_task  # noqa: E402
 from stabledrl.train import TrainConfig, run_train  # noqa: E402
 
@@ -86,10 +86,6 @@ def accuracy_on_test(cfg: TrainConfig, model: str | Path, cache: Path) -> float:
     part.write_text(json.dumps({"model": str(model), "n": len(problems), "accuracy": res.accuracy}))
     part.replace(cache)
     return res.accuracy
-
-
-def accuracy_curve(run_dir: Path) -> list[tuple[int, float]]:
-    return [(r["step"], r["eval_accuracy"]) for r in load_metrics(run_dir) if "eval_accuracy" in r]
 
 
 def mean_or_none(values) -> float | None:

@@ -45,7 +45,7 @@ from stabledrl.config import load_config
 from stabledrl.data import encode_policy_prompts
 from stabledrl.evaluate import evaluate
 from stabledrl.models import load_policy
-from stabledrl.report import load_metrics
+from stabledrl.report import accuracy_curve, load_metrics
 from stabledrl.sampling import SamplingConfig
 from stabledrl.tasks import get_task
 from stabledrl.train import TrainConfig, run_train
@@ -201,10 +201,7 @@ def eval_curves(run_dirs: list[str | Path]) -> dict:
     the runs at each step, and the step whose mean is highest (the earliest, on a tie): how
     long a preset trains, chosen on runs with `eval_split=validation`. Every run must have
     been evaluated at the same steps."""
-    curves = {}
-    for run in run_dirs:
-        rows = [r for r in load_metrics(run) if "eval_accuracy" in r]
-        curves[str(run)] = {int(r["step"]): float(r["eval_accuracy"]) for r in rows}
+    curves = {str(run): dict(accuracy_curve(run)) for run in run_dirs}
     steps = sorted(next(iter(curves.values())))
     for run, curve in curves.items():
         if sorted(curve) != steps:

@@ -3,7 +3,7 @@ import json
 import pytest
 
 from stabledrl.cli import main
-from stabledrl.report import load_metrics, plot_runs, report_figure, run_marks, smooth
+from stabledrl.report import accuracy_curve, load_metrics, plot_runs, report_figure, run_marks, smooth
 
 
 def _run(path, spike):
@@ -99,3 +99,10 @@ def test_smooth_is_the_running_mean_of_the_last_window_values():
     # window 2: 1, (1+3)/2, (3+5)/2, (5+7)/2
     assert smooth([1.0, 3.0, 5.0, 7.0], window=2) == [1.0, 2.0, 4.0, 6.0]
     assert smooth([2.0, 4.0, 6.0], window=10) == [2.0, 3.0, 4.0]
+
+
+def test_accuracy_curve_is_the_evaluation_rows_in_step_order(tmp_path):
+    rows = [{"step": 0, "eval_accuracy": 0.25, "collapse": False}, {"step": 1, "reward_mean": 0.5},
+            {"step": 10, "reward_mean": 0.6}, {"step": 10, "eval_accuracy": 0.5, "collapse": False}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert accuracy_curve(tmp_path) == [(0, 0.25), (10, 0.5)]

@@ -69,6 +69,11 @@ def load_metrics(run_dir: str | Path) -> list[dict]:
     return read_metrics(path)
 
 
+def accuracy_curve(run_dir: str | Path) -> list[tuple[int, float]]:
+    """(step, held-out accuracy) at each evaluation the run recorded (`eval_every`), in step order."""
+    return [(r["step"], r["eval_accuracy"]) for r in load_metrics(run_dir) if "eval_accuracy" in r]
+
+
 @dataclass
 class RunMarks:
     """The steps a report marks on a run."""
