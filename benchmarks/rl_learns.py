@@ -7,8 +7,11 @@ difficulty-controlled training reward, over seeds.
     python benchmarks/rl_learns.py decoders --models M1 M2 ... --split test --n 1592 --tag T
     python benchmarks/rl_learns.py curves --runs RUN0 RUN1 RUN2 --tag T   # validation curves -> best step
 
-`passk`: greedy accuracy, and at temperature 1 pass@1 (the mean over k samples) and
-pass@k (any of k samples right), on `n` problems of a split (seed 0, as `stabledrl eval`).
+`passk`: greedy accuracy, and from k samples a problem at `--temperature` (default 1) pass@j
+for j = 1, 2, 4, … and k (pass@1 is the mean over the samples, pass@k any of the k right; the
+ones between are the unbiased estimate from the k), on `n` problems of a split (seed 0, as
+`stabledrl eval`). With a large k (`--k 64`) the curve shows how far a model's own samples
+reach: the ceiling that RL which sharpens the policy onto its right answers can climb to.
 
 `main`: runs `--config` (default: configs/countdown-stabledrl.yaml) for each seed with
 `eval_split` and `eval_n` set from `--split` / `--n`, then measures on the final model:
@@ -43,7 +46,7 @@ import torch
 from stabledrl.checkpoint import finished_summary
 from stabledrl.config import load_config
 from stabledrl.data import encode_policy_prompts
-from stabledrl.evaluate import evaluate
+from stabledrl.evaluate import evaluate, pass_at_k
 from stabledrl.models import load_policy
 from stabledrl.report import accuracy_curve, load_metrics
 from stabledrl.sampling import SamplingConfig
@@ -53,15 +56,19 @@ from stabledrl.train import TrainConfig, run_train
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def pass_at_k(model: str | Path, task, problems: list, k: int = 8, seed: int = 0) -> dict[str, float]:
-    """Greedy accuracy; pass@1 and pass@k at temperature 1 from k samples per problem."""
+def sampled_pass_at_k(model: str | Path, task, problems: list, k: int = 8, seed: int = 0,
+                      temperature: float = 1.0) -> dict[str, float]:
+    """Greedy accuracy; from k samples per problem at `temperature`, pass@j for j = 1, 2, 4, …
+    and k (the unbiased estimate, `stabledrl.evaluate.pass_at_k`; pass@k itself is the fraction
+    of problems with a right answer among the k)."""
     policy = load_policy(model)
     greedy = evaluate(policy, task, problems, SamplingConfig(), progress=False)
-    sampled = evaluate(policy, task, [p for p in problems for _ in range(k)], SamplingConfig(temperature=1.0),
+    sampled = evaluate(policy, task, [p for p in problems for _ in range(k)], SamplingConfig(temperature=temperature),
                        seed=seed, progress=False)
-    right = torch.tensor([s["correct"] for s in sampled.samples], dtype=torch.float64).view(len(problems), k)
-    return {"greedy": greedy.accuracy, "greedy_reward": greedy.mean_reward, "pass@1": float(right.mean()),
-            f"pass@{k}": float(right.max(1).values.mean()), "n": len(problems), "k": k}
+    right = torch.tensor([s["correct"] for s in sampled.samples], dtype=torch.bool).view(len(problems), k)
+    ks = sorted({2 ** i for i in range(k.bit_length()) if 2 ** i <= k} | {k})
+    return {"greedy": greedy.accuracy, "greedy_reward": greedy.mean_reward,
+            **{f"pass@{j}": pass_at_k(right, j) for j in ks}, "n": len(problems), "k": k, "temperature": temperature}
 
 
 def training_reward_controlled(cfg: TrainConfig, initial: str | Path, run_dir: Path, every: int = 5) -> dict:
@@ -155,7 +162,7 @@ def cmd_decoders(args) -> dict:
 
 def cmd_passk(args) -> dict:
     task, problems = _task_and_problems(args)
-    res = pass_at_k(args.model, task, problems, k=args.k)
+    res = sampled_pass_at_k(args.model, task, problems, k=args.k, temperature=args.temperature)
     print(json.dumps(res))
     return {"model": args.model, "split": args.split, **res}
 
@@ -173,14 +180,14 @@ def cmd_main(args) -> dict:
         problems = task.generate(args.n, split=args.split, seed=0)
         run = {"seed": seed, "seconds": seconds, "eval_initial": summary["eval_initial"],
                "eval_final": summary["eval_final"], "collapse": summary.get("collapse"),
-               "final": pass_at_k(out / "final", task, problems, k=args.k),
+               "final": sampled_pass_at_k(out / "final", task, problems, k=args.k),
                "training_reward": training_reward_controlled(cfg, cfg.model.path, out)}
         runs.append(run)
         print(f"seed {seed}: held-out {run['eval_initial']['accuracy']:.4f} -> {run['eval_final']['accuracy']:.4f}, "
               f"pass@1 {run['final']['pass@1']:.4f}, pass@{args.k} {run['final'][f'pass@{args.k}']:.4f}, "
               f"reward gap first/last sixth {run['training_reward']['gap_first_sixth']:+.3f} / "
               f"{run['training_reward']['gap_last_sixth']:+.3f} ({seconds:.0f} s)", flush=True)
-    initial = pass_at_k(cfg.model.path, task, problems, k=args.k)
+    initial = sampled_pass_at_k(cfg.model.path, task, problems, k=args.k)
     gains = [r["eval_final"]["accuracy"] - r["eval_initial"]["accuracy"] for r in runs]
     print(f"initial: {json.dumps(initial)}")
     print(f"gain (points): {', '.join(f'{100 * g:+.1f}' for g in gains)}; mean {100 * statistics.mean(gains):+.1f}")
@@ -237,6 +244,7 @@ def main() -> None:
     p.add_argument("--model", required=True)
     p.add_argument("--task", default="countdown")
     p.add_argument("--task-options", default='{"num_numbers": 3}', help="JSON")
+    p.add_argument("--temperature", type=float, default=1.0, help="of the k samples")
     p.set_defaults(func=cmd_passk)
     p = sub.add_parser("decoders")
     p.add_argument("--models", nargs="+", required=True, help="policy directories (a run's RUN/final)")

@@ -1,7 +1,12 @@
+import itertools
+import math
+from fractions import Fraction
+
 import pytest
+import torch
 
 import stabledrl.evaluate as evaluate_mod
-from stabledrl.evaluate import EvalShare, evaluate
+from stabledrl.evaluate import EvalShare, evaluate, pass_at_k
 from stabledrl.sampling import SamplingConfig
 from stabledrl.tasks import get_task
 from tests.conftest import make_tiny_policy
@@ -99,3 +104,22 @@ def test_a_task_written_to_the_bare_protocol_is_evaluated_by_its_own_reward_and_
     problems = task.inner.generate(3, split="test", seed=0)
     res = evaluate(make_tiny_policy(seed=5), task, problems, progress=False)
     assert (res.mean_reward, res.accuracy) == (0.5, 1.0)
+
+
+def test_pass_at_k_is_the_share_of_k_subsets_with_a_right_answer():
+    # Enumeration: for each problem, the fraction of the C(n, k) ways to pick k of its n
+    # samples that hold at least one right one, averaged over problems.
+    correct = torch.tensor([[1, 0, 0, 0, 0, 1], [0, 0, 0, 0, 0, 0], [1, 1, 1, 1, 1, 1],
+                            [0, 0, 1, 0, 0, 0], [0, 1, 1, 0, 1, 0]], dtype=torch.bool)
+    n = correct.shape[1]
+    for k in range(1, n + 1):
+        shares = [Fraction(sum(bool(row[list(c)].any()) for c in itertools.combinations(range(n), k)), math.comb(n, k))
+                  for row in correct]
+        assert pass_at_k(correct, k) == pytest.approx(float(sum(shares) / len(shares)), rel=1e-12)
+    # pass@1 is the mean; pass@n is "any of the n"; by hand for k = 2: problem 0 misses with
+    # C(4,2)/C(6,2) = 6/15, problem 3 with C(5,2)/C(6,2) = 10/15, problem 4 with 3/15.
+    assert pass_at_k(correct, 1) == pytest.approx(12 / 30, rel=1e-12)
+    assert pass_at_k(correct, n) == pytest.approx(4 / 5, rel=1e-12)
+    assert pass_at_k(correct, 2) == pytest.approx((9 / 15 + 0 + 1 + 5 / 15 + 12 / 15) / 5, rel=1e-12)
+    with pytest.raises(ValueError, match="pass@7"):
+        pass_at_k(correct, 7)

@@ -3,6 +3,7 @@ completion once: its reward and whether it is correct come from one `Score`)."""
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -14,7 +15,7 @@ from stabledrl.models.policy import Policy
 from stabledrl.sampling import RolloutRequest, SamplingConfig, generate_micro_batched, row_generators
 from stabledrl.tasks.base import Problem, Task, score_all
 
-__all__ = ["EVAL_MICRO_BATCH", "EvalResult", "EvalShare", "evaluate"]
+__all__ = ["EVAL_MICRO_BATCH", "EvalResult", "EvalShare", "evaluate", "pass_at_k"]
 
 
 @dataclass
@@ -28,6 +29,19 @@ class EvalResult:
 
     def summary(self) -> dict:
         return {k: v for k, v in self.__dict__.items() if k != "samples"}
+
+
+def pass_at_k(correct: torch.Tensor, k: int) -> float:
+    """The chance that at least one of k samples is right, from n ≥ k samples per problem:
+    `correct` is a boolean [problems, n]. Each problem with c right answers among its n
+    contributes 1 − C(n−c, k) / C(n, k), the unbiased estimate (Chen et al., 2021, "Evaluating
+    Large Language Models Trained on Code", §2.1), averaged over problems. With k = 1 it is
+    the mean of `correct`; with k = n the fraction of problems with a right answer among all n."""
+    n = correct.shape[1]
+    if not 1 <= k <= n:
+        raise ValueError(f"pass@{k} needs 1 <= k <= n = {n} samples per problem")
+    wrong = (~correct.bool()).sum(1).tolist()
+    return sum(1.0 - math.comb(w, k) / math.comb(n, k) for w in wrong) / len(wrong)
 
 
 @dataclass(frozen=True)
