@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -87,7 +88,10 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True, task
                     it_row.update(_step_or_skip(run, finite))
                 iterations.append(it_row)
             row.update(_over_iterations(iterations))
-        run.sched.step()
+        with warnings.catch_warnings():  # the schedule counts steps, skipped ones too (a first
+            # step skipped has no optimizer.step() before this one: torch's warning, not a fault)
+            warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step", category=UserWarning)
+            run.sched.step()
 
         # Log, evaluate, save
         row.update({**run.counters, **run.timer.row()})
