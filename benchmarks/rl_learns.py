@@ -25,7 +25,8 @@ default one block of L slots, one a step; threshold 0.9; blocks of 2; blocks of 
 gain survive a change of decoder, and how much of it does a decoder alone give the initial
 model? `curves`: the held-out accuracy that runs trained with `eval_split=validation` and
 `eval_every` recorded, its mean over the runs at each evaluated step, and the step where that
-mean is highest (how long a preset trains).
+mean is highest (how long a preset trains), with each run's rollout entropy, share of tied
+groups and reward over its first and last 10 steps.
 Writes benchmarks/results/rl_learns-<cmd>-<tag>.json.
 
 Choose settings with `--split validation`; report `--split test` (the test split has
@@ -215,7 +216,19 @@ def eval_curves(run_dirs: list[str | Path]) -> dict:
             raise SystemExit(f"{run} was evaluated at steps {sorted(curve)}, the first run at {steps}")
     mean = {s: statistics.mean(c[s] for c in curves.values()) for s in steps}
     best = max(steps, key=lambda s: (mean[s], -s))
-    return {"runs": curves, "steps": steps, "mean": mean, "best_step": best}
+    return {"runs": curves, "steps": steps, "mean": mean, "best_step": best,
+            "rollouts": {str(run): rollout_ends(run) for run in run_dirs}}
+
+
+ROLLOUT_KEYS = ("entropy", "zero_variance_fraction", "reward_mean")
+
+
+def rollout_ends(run_dir: str | Path, k: int = 10) -> dict[str, list[float]]:
+    """What the rollouts did over a run: the mean of each of `ROLLOUT_KEYS` over its first k and
+    its last k training steps (rows with a rollout; a run stopped early counts to where it got)."""
+    rows = [r for r in load_metrics(run_dir) if "reward_mean" in r]
+    return {key: [statistics.mean(r[key] for r in rows[:k]), statistics.mean(r[key] for r in rows[-k:])]
+            for key in ROLLOUT_KEYS}
 
 
 def curves_table(res: dict) -> str:

@@ -15,7 +15,7 @@ from stabledrl.tasks import get_task
 from tests.conftest import ScriptedPolicy
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from rl_learns import curves_table, eval_curves, pad_at_first_step, summarise_gaps  # noqa: E402
+from rl_learns import curves_table, eval_curves, pad_at_first_step, rollout_ends, summarise_gaps  # noqa: E402
 
 
 def test_summarise_gaps_on_a_line_and_on_hand_arithmetic():
@@ -63,7 +63,8 @@ def _run(tmp_path, name: str, evals: dict[int, float]) -> Path:
     rows = []
     for step, acc in evals.items():
         rows.append({"step": step, "eval_accuracy": acc, "eval_reward": 0.5, "collapse": False})
-        rows.append({"step": step + 1, "reward_mean": 0.9})  # a training row: no eval_accuracy
+        rows.append({"step": step + 1, "reward_mean": 0.9, "entropy": 0.3,  # a training row: no eval_accuracy
+                     "zero_variance_fraction": 0.5})
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     return run
 
@@ -90,3 +91,17 @@ def test_eval_curves_refuse_runs_evaluated_at_different_steps(tmp_path):
     a, b = _run(tmp_path, "a", {0: 0.4, 50: 0.5}), _run(tmp_path, "b", {0: 0.4, 25: 0.5})
     with pytest.raises(SystemExit, match="evaluated at steps \\[0, 25\\]"):
         eval_curves([a, b])
+
+
+def test_rollout_ends_average_the_first_and_last_training_rows(tmp_path):
+    run = tmp_path / "r"
+    run.mkdir()
+    rows = [{"step": 0, "eval_accuracy": 0.4}]  # an evaluation alone: not a rollout
+    for step, (ent, zv, rew) in enumerate([(0.8, 0.5, 0.1), (0.6, 0.3, 0.3), (0.4, 0.7, 0.5), (0.2, 0.9, 0.9)], 1):
+        rows.append({"step": step, "entropy": ent, "zero_variance_fraction": zv, "reward_mean": rew})
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    ends = rollout_ends(run, k=2)
+    # by hand: entropy (0.8 + 0.6) / 2 = 0.7 and (0.4 + 0.2) / 2 = 0.3; ties 0.4 and 0.8; reward 0.2 and 0.7
+    assert ends["entropy"] == [pytest.approx(0.7), pytest.approx(0.3)]
+    assert ends["zero_variance_fraction"] == [pytest.approx(0.4), pytest.approx(0.8)]
+    assert ends["reward_mean"] == [pytest.approx(0.2), pytest.approx(0.7)]
