@@ -88,10 +88,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True, task
                     it_row.update(_step_or_skip(run, finite))
                 iterations.append(it_row)
             row.update(_over_iterations(iterations))
-        with warnings.catch_warnings():  # the schedule counts steps, skipped ones too (a first
-            # step skipped has no optimizer.step() before this one: torch's warning, not a fault)
-            warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step", category=UserWarning)
-            run.sched.step()
+        _advance_schedule(run)
 
         # Log, evaluate, save
         row.update({**run.counters, **run.timer.row()})
@@ -110,6 +107,15 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True, task
 
 run_train = train
 """The name the command line and the benchmarks call."""
+
+
+def _advance_schedule(run: Run) -> None:
+    """One step of the learning-rate schedule, which counts steps, skipped ones too. After a
+    skipped first step no optimizer.step() came before it, and torch warns that the order is
+    wrong; here it is the design, so that one warning is silenced."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step", category=UserWarning)
+        run.sched.step()
 
 
 # --- The phases' helpers, in the order the step calls them ---------------------------------
