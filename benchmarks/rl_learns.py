@@ -67,7 +67,7 @@ def sampled_pass_at_k(model: str | Path, task, problems: list, k: int = 8, seed:
     sampled = evaluate(policy, task, [p for p in problems for _ in range(k)], SamplingConfig(temperature=temperature),
                        seed=seed, progress=False)
     right = torch.tensor([s["correct"] for s in sampled.samples], dtype=torch.bool).view(len(problems), k)
-    ks = sorted({2 ** i for i in range(k.bit_length()) if 2 ** i <= k} | {k})
+    ks = sorted({2 ** i for i in range(k.bit_length())} | {k})  # 1, 2, 4, … up to k, and k
     return {"greedy": greedy.accuracy, "greedy_reward": greedy.mean_reward,
             **{f"pass@{j}": pass_at_k(right, j) for j in ks}, "n": len(problems), "k": k, "temperature": temperature}
 
