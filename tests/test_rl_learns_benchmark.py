@@ -56,17 +56,20 @@ def test_pad_at_the_first_step_is_the_softmax_of_the_samplers_first_call():
     assert torch.equal(policy.calls[0], policy.calls[1])  # calls[1]: the sampler's first
 
 
+def _write_metrics(run: Path, rows: list[dict]) -> Path:
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return run
+
+
 def _run(tmp_path, name: str, evals: dict[int, float]) -> Path:
     """A run directory whose metrics.jsonl has training rows and the evaluation rows `evals`."""
-    run = tmp_path / name
-    run.mkdir()
     rows = []
     for step, acc in evals.items():
         rows.append({"step": step, "eval_accuracy": acc, "eval_reward": 0.5, "collapse": False})
         rows.append({"step": step + 1, "reward_mean": 0.9, "entropy": 0.3,  # a training row: no eval_accuracy
                      "zero_variance_fraction": 0.5})
-    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return run
+    return _write_metrics(tmp_path / name, rows)
 
 
 def test_eval_curves_take_the_step_with_the_best_mean_and_the_earliest_on_a_tie(tmp_path):
@@ -94,13 +97,10 @@ def test_eval_curves_refuse_runs_evaluated_at_different_steps(tmp_path):
 
 
 def test_rollout_ends_average_the_first_and_last_training_rows(tmp_path):
-    run = tmp_path / "r"
-    run.mkdir()
     rows = [{"step": 0, "eval_accuracy": 0.4}]  # an evaluation alone: not a rollout
     for step, (ent, zv, rew) in enumerate([(0.8, 0.5, 0.1), (0.6, 0.3, 0.3), (0.4, 0.7, 0.5), (0.2, 0.9, 0.9)], 1):
         rows.append({"step": step, "entropy": ent, "zero_variance_fraction": zv, "reward_mean": rew})
-    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    ends = rollout_ends(run, k=2)
+    ends = rollout_ends(_write_metrics(tmp_path / "r", rows), k=2)
     # by hand: entropy (0.8 + 0.6) / 2 = 0.7 and (0.4 + 0.2) / 2 = 0.3; ties 0.4 and 0.8; reward 0.2 and 0.7
     assert ends["entropy"] == [pytest.approx(0.7), pytest.approx(0.3)]
     assert ends["zero_variance_fraction"] == [pytest.approx(0.4), pytest.approx(0.8)]
