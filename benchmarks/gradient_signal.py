@@ -17,9 +17,9 @@ per prompt at temperature 1, the groups with a signal only):
   prompts per step at which the shared part would be half of the gradient's square norm.
 - `line-search`: one gradient from `--prompts` fresh prompts (in `--parts` disjoint
   parts; their cosine is reported), then the model moved by η along g/|g| and scored:
-  greedy accuracy on the 500 held-out problems and on 500 training problems, and the
-  mean reward of 4 rollouts per problem at temperature 1 on both (the same noise for
-  every η). η = 0 is the model itself.
+  greedy accuracy on 500 held-out problems (`--held-out`: test or validation) and on 500
+  training problems, and the mean reward of 4 rollouts per problem at temperature 1 on
+  both (the same noise for every η). η = 0 is the model itself.
 """
 
 from __future__ import annotations
@@ -103,7 +103,8 @@ def _rewards(policy, task, problems, temperature: float, reps: int, seed: int) -
     return out_r
 
 
-def line_search(name: str, method: str, *, prompts: int, parts: int, etas: list[float]) -> dict:
+def line_search(name: str, method: str, *, prompts: int, parts: int, etas: list[float],
+                held_out_split: str = "test") -> dict:
     policy = load_policy(ROOT / MODELS[name][0])
     task = get_task("countdown")
     t0 = time.perf_counter()
@@ -116,7 +117,7 @@ def line_search(name: str, method: str, *, prompts: int, parts: int, etas: list[
         print(f"{name}: gradient part {k + 1}/{parts}, {time.perf_counter() - t0:.0f} s", flush=True)
     direction = sum(gs)
     direction = direction / direction.norm()
-    held_out = task.generate(500, split="test", seed=0)
+    held_out = task.generate(500, split=held_out_split, seed=0)
     train = task.generate(500, split="train", seed=4242)
     start = [p.detach().clone() for p in policy.model.parameters()]
     scores = []
@@ -127,7 +128,7 @@ def line_search(name: str, method: str, *, prompts: int, parts: int, etas: list[
                 p.copy_(p0 + eta * direction[off : off + p.numel()].view_as(p))
                 off += p.numel()
         row = {"eta": eta}
-        for split, problems in (("test", held_out), ("train", train)):
+        for split, problems in ((held_out_split, held_out), ("train", train)):
             greedy = _rewards(policy, task, problems, 0.0, 1, seed=0)
             sampled = _rewards(policy, task, problems, 1.0, 4, seed=1)
             row[f"greedy_accuracy_{split}"] = sum(r == 1.0 for r in greedy) / len(greedy)
@@ -148,6 +149,8 @@ def main() -> None:
     ap.add_argument("--batches", type=int, default=3)
     ap.add_argument("--parts", type=int, default=2)
     ap.add_argument("--etas", type=float, nargs="+", default=[0.0, 0.01, 0.02, 0.05, 0.1])
+    ap.add_argument("--held-out", choices=["test", "validation"], default="test",
+                    help="line-search: the split of the 500 held-out problems (choose a step on validation)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
@@ -158,7 +161,8 @@ def main() -> None:
         if args.mode == "cosines":
             rows.append(cosines(m, method, prompts=args.prompts or 128, batches=args.batches))
         else:
-            rows.append(line_search(m, method, prompts=args.prompts or 6400, parts=args.parts, etas=args.etas))
+            rows.append(line_search(m, method, prompts=args.prompts or 6400, parts=args.parts, etas=args.etas,
+                                    held_out_split=args.held_out))
         print(json.dumps(rows[-1]), flush=True)
     name = "gradient_signal.json" if args.mode == "cosines" else "gradient_line_search.json"
     out = args.out or ROOT / "benchmarks" / "results" / name
