@@ -1,3 +1,4 @@
+import hashlib
 from fractions import Fraction
 
 import pytest
@@ -147,6 +148,27 @@ def test_random_answers_are_every_solution_drawn_afresh():
     # The answers have their own random stream: the same problems as in canonical mode, in order.
     canonical = get_task("countdown").generate(400, seed=0)
     assert [p.prompt for p in a] == [p.prompt for p in canonical]
+
+
+def test_a_canonical_share_mixes_the_two_modes():
+    def canonical_count(problems):
+        return sum(p.answer == solve(p.meta["numbers"])[p.meta["target"]] for p in problems)
+
+    plain = get_task("countdown", answers="random").generate(400, seed=0)
+    half = get_task("countdown", answers="random", canonical_share=0.5).generate(400, seed=0)
+    every = get_task("countdown", answers="random", canonical_share=1.0).generate(400, seed=0)
+    assert [p.prompt for p in half] == [p.prompt for p in plain]  # the same problems
+    assert get_task("countdown").reward([p.answer for p in half], half) == [1.0] * 400
+    assert canonical_count(every) == 400
+    # Half the draws keep the canonical answer and the rest are random (which is canonical
+    # 145 times in 400 here): about 200 + 145 / 2; these draws give 272.
+    assert canonical_count(plain) == 145 and 240 < canonical_count(half) < 310
+    # Plain random mode draws nothing for the share: its answers are those it drew before
+    # the option existed (sha256 of seed 0's 400 answers, computed on the earlier code).
+    digest = hashlib.sha256("|".join(p.answer for p in plain).encode()).hexdigest()
+    assert digest.startswith("7df02b4b7a526e50")
+    with pytest.raises(ValueError, match="canonical_share"):
+        get_task("countdown", answers="random", canonical_share=1.5)
 
 
 def test_four_numbers():

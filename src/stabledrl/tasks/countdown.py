@@ -183,6 +183,9 @@ class Countdown(ScoredTask):
     """Share of the number multisets held out for choosing settings (carved out of train)."""
     answers: Literal["canonical", "random"] = "canonical"
     """The SFT target: the canonical solution, or a random one of all solutions per draw."""
+    canonical_share: float = 0.0
+    """With answers="random": the chance that a draw keeps the canonical solution instead
+    (a mix of the two modes; 0 is plain random)."""
     name: str = "countdown"
 
     def __post_init__(self) -> None:
@@ -196,6 +199,8 @@ class Countdown(ScoredTask):
             raise ValueError(f"validation_fraction must be in [0, 1 - test_fraction), got {self.validation_fraction}")
         if self.answers not in ("canonical", "random"):
             raise ValueError(f"answers must be 'canonical' or 'random', got {self.answers!r}")
+        if not 0 <= self.canonical_share <= 1:
+            raise ValueError(f"canonical_share must be in [0, 1], got {self.canonical_share}")
 
     @property
     def prompt_length(self) -> int:
@@ -239,7 +244,9 @@ class Countdown(ScoredTask):
             seen.add((numbers, target))
             prompt = ",".join(map(str, numbers)) + f"={target}"
             answer = solutions[target]
-            if self.answers == "random":
+            # The share is drawn only when set, so that plain random mode keeps its stream.
+            keep = self.canonical_share > 0 and answer_rng.random() < self.canonical_share
+            if self.answers == "random" and not keep:
                 answer = answer_rng.choice(all_solutions(numbers, self.max_target)[target])
             problems.append(Problem(prompt, answer, {"numbers": numbers, "target": target}))
         return problems
