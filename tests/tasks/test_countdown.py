@@ -169,6 +169,8 @@ def test_a_canonical_share_mixes_the_two_modes():
     assert digest.startswith("7df02b4b7a526e50")
     with pytest.raises(ValueError, match="canonical_share"):
         get_task("countdown", answers="random", canonical_share=1.5)
+    with pytest.raises(ValueError, match="canonical_share"):
+        get_task("countdown", canonical_share=0.5)  # canonical answers: nothing to mix
 
 
 def test_four_numbers():

@@ -201,6 +201,8 @@ class Countdown(ScoredTask):
             raise ValueError(f"answers must be 'canonical' or 'random', got {self.answers!r}")
         if not 0 <= self.canonical_share <= 1:
             raise ValueError(f"canonical_share must be in [0, 1], got {self.canonical_share}")
+        if self.canonical_share > 0 and self.answers != "random":
+            raise ValueError("canonical_share mixes canonical into random answers: set answers='random' with it")
 
     @property
     def prompt_length(self) -> int:
