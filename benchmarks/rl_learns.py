@@ -6,6 +6,7 @@ difficulty-controlled training reward, over seeds.
     python benchmarks/rl_learns.py controlled --config C --run-dir RUN --tag T   # of a finished run
     python benchmarks/rl_learns.py decoders --models M1 M2 ... --split test --n 1592 --tag T
     python benchmarks/rl_learns.py curves --runs RUN0 RUN1 RUN2 --tag T   # validation curves -> best step
+    python benchmarks/rl_learns.py overlap --start S --trained RUN/final --reference R --split test --n 1592
 
 `passk`: greedy accuracy, and from k samples a problem at `--temperature` (default 1) pass@j
 for j = 1, 2, 4, … and k (pass@1 is the mean over the samples, pass@k any of the k right; the
@@ -26,7 +27,10 @@ gain survive a change of decoder, and how much of it does a decoder alone give t
 model? `curves`: the held-out accuracy that runs trained with `eval_split=validation` and
 `eval_every` recorded, its mean over the runs at each evaluated step, and the step where that
 mean is highest (how long a preset trains), with each run's rollout entropy, share of tied
-groups and reward over its first and last 10 steps.
+groups and reward over its first and last 10 steps. `overlap`: which problems RL turned
+right: greedy correctness per problem of the start, the trained model and a reference model,
+and how many of the problems the trained model gained (and lost) the reference gets right,
+that is, whether RL found answers or got back the reference's.
 Writes benchmarks/results/rl_learns-<cmd>-<tag>.json.
 
 Choose settings with `--split validation`; report `--split test` (the test split has
@@ -250,6 +254,35 @@ def cmd_curves(args) -> dict:
     return res
 
 
+def greedy_overlap(start: list[bool], trained: list[bool], reference: list[bool]) -> dict[str, int]:
+    """Counts over problems of greedy correctness: the problems RL gained (right after, wrong
+    before) and lost, and how many of each the reference model gets right; beside them the
+    reference's count on all the problems the start got wrong, the rate a gain would have
+    if RL picked among those blindly."""
+    if not len(start) == len(trained) == len(reference):
+        raise ValueError("one correctness flag per problem for each model")
+    rows = list(zip(start, trained, reference))
+    gained = [r for s, t, r in rows if t and not s]
+    lost = [r for s, t, r in rows if s and not t]
+    return {"problems": len(rows), "start_right": sum(start), "trained_right": sum(trained),
+            "reference_right": sum(reference), "gained": len(gained), "gained_reference_right": sum(gained),
+            "lost": len(lost), "lost_reference_right": sum(lost),
+            "start_wrong": sum(not s for s in start), "start_wrong_reference_right": sum(r for s, _, r in rows if not s),
+            "trained_right_reference_wrong": sum(t and not r for _, t, r in rows)}
+
+
+def cmd_overlap(args) -> dict:
+    task, problems = _task_and_problems(args)
+    correct = {}
+    for role in ("start", "trained", "reference"):
+        res = evaluate(load_policy(getattr(args, role)), task, problems, progress=False)
+        correct[role] = [bool(s["correct"]) for s in res.samples]
+    counts = greedy_overlap(correct["start"], correct["trained"], correct["reference"])
+    print(json.dumps(counts))
+    return {"start": args.start, "trained": args.trained, "reference": args.reference, "split": args.split,
+            "n": args.n, **counts}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -278,6 +311,13 @@ def main() -> None:
     p = sub.add_parser("curves")
     p.add_argument("--runs", nargs="+", required=True, help="run directories evaluated at the same steps")
     p.set_defaults(func=cmd_curves)
+    p = sub.add_parser("overlap")
+    p.add_argument("--start", required=True, help="the model RL started from")
+    p.add_argument("--trained", required=True, help="the trained model (RUN/final)")
+    p.add_argument("--reference", required=True, help="the model to compare the gains with")
+    p.add_argument("--task", default="countdown")
+    p.add_argument("--task-options", default='{"num_numbers": 3}', help="JSON")
+    p.set_defaults(func=cmd_overlap)
     for p in sub.choices.values():
         p.add_argument("--split", choices=["validation", "test"], default="validation")
         p.add_argument("--n", type=int, default=1000)

@@ -15,7 +15,8 @@ from stabledrl.tasks import get_task
 from tests.conftest import ScriptedPolicy
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from rl_learns import curves_table, eval_curves, pad_at_first_step, rollout_ends, summarise_gaps  # noqa: E402
+from rl_learns import (  # noqa: E402
+    curves_table, eval_curves, greedy_overlap, pad_at_first_step, rollout_ends, summarise_gaps)
 
 
 def test_summarise_gaps_on_a_line_and_on_hand_arithmetic():
@@ -105,3 +106,21 @@ def test_rollout_ends_average_the_first_and_last_training_rows(tmp_path):
     assert ends["entropy"] == [pytest.approx(0.7), pytest.approx(0.3)]
     assert ends["zero_variance_fraction"] == [pytest.approx(0.4), pytest.approx(0.8)]
     assert ends["reward_mean"] == [pytest.approx(0.2), pytest.approx(0.7)]
+
+
+def test_greedy_overlap_counts_the_gains_and_losses_against_the_reference():
+    # five problems: (start, trained, reference)
+    #   0: wrong, right, right  -> gained, the reference has it
+    #   1: wrong, right, wrong  -> gained, new
+    #   2: right, wrong, right  -> lost, the reference has it
+    #   3: right, right, wrong  -> kept
+    #   4: wrong, wrong, right  -> neither
+    start = [False, False, True, True, False]
+    trained = [True, True, False, True, False]
+    reference = [True, False, True, False, True]
+    assert greedy_overlap(start, trained, reference) == {
+        "problems": 5, "start_right": 2, "trained_right": 3, "reference_right": 3, "gained": 2,
+        "gained_reference_right": 1, "lost": 1, "lost_reference_right": 1, "start_wrong": 3,
+        "start_wrong_reference_right": 2, "trained_right_reference_wrong": 2}
+    with pytest.raises(ValueError, match="per problem"):
+        greedy_overlap(start, trained, reference[:4])
