@@ -158,8 +158,8 @@ class LLaDALlamaBlock(LLaDABlock):
     """modeling_llada.py:837, block_type "llama": the block of LLaDA-8B."""
 
 
-def _causal_bias(T):  # modeling_llada.py:494 get_causal_attention_bias: (1, 1, T, T), min above the diagonal
-    return torch.full((T, T), torch.finfo(torch.float32).min).triu(1)[None, None]
+def _causal_bias(T, device):  # modeling_llada.py:494 get_causal_attention_bias: (1, 1, T, T), min above the diagonal
+    return torch.full((T, T), torch.finfo(torch.float32).min, device=device).triu(1)[None, None]
 
 
 class LLaDAModel(nn.Module):
@@ -205,7 +205,7 @@ class LLaDAModel(nn.Module):
         bias = None
         if attention_bias is not None or padding is not None:
             if attention_bias is None:  # :1263-1268: no bias given -> the causal one, in the authors' copies
-                bias = _causal_bias(T) if LLADA_COPY == "authors" else torch.zeros(1, 1, T, T)
+                bias = _causal_bias(T, x.device) if LLADA_COPY == "authors" else torch.zeros(1, 1, T, T, device=x.device)
             elif attention_bias.dtype in (torch.int8, torch.bool):  # :1269: 0 -> min
                 bias = attention_bias.float().masked_fill(attention_bias == 0, low)
             else:
@@ -214,8 +214,8 @@ class LLaDAModel(nn.Module):
             if padding is not None:
                 bias = (bias + padding).clamp(min=low)  # :1288 ensure_finite_
         if LLADA_COPY == "causal":  # not a published copy (module docstring): causal whatever is passed
-            bias = _causal_bias(T) if bias is None else (bias + _causal_bias(T)).clamp(min=low)
-        cos, sin = _cos_sin(self.inv_freq, torch.arange(T).expand(B, T))  # columns, not real positions
+            bias = _causal_bias(T, x.device) if bias is None else (bias + _causal_bias(T, x.device)).clamp(min=low)
+        cos, sin = _cos_sin(self.inv_freq, torch.arange(T, device=x.device).expand(B, T))  # columns, not real positions
         for i, block in enumerate(self.transformer.blocks):
             s = self.activation_checkpointing_strategy
             if s == "whole_layer" or (s == "one_in_two" and i % 2 == 0):
@@ -340,7 +340,7 @@ class DreamBaseModel(DreamPreTrainedModel):
     def forward(self, input_ids, attention_mask=None, position_ids=None):
         B, T = input_ids.shape
         if position_ids is None:
-            position_ids = torch.arange(T).expand(B, T)
+            position_ids = torch.arange(T, device=input_ids.device).expand(B, T)
         cos, sin = _cos_sin(self.inv_freq, position_ids)
         x = self.embed_tokens(input_ids)
         mask = attention_mask if isinstance(attention_mask, torch.Tensor) else None  # "full" -> none
@@ -489,7 +489,7 @@ class SDARModel(SDARPreTrainedModel):
             past_key_values = DynamicCache()
         if position_ids is None:  # :802-810: after the cached tokens
             seen = past_key_values.get_seq_length() if past_key_values is not None else 0
-            position_ids = torch.arange(seen, seen + T)[None]
+            position_ids = torch.arange(seen, seen + T, device=input_ids.device)[None]
         cos, sin = _cos_sin(self.inv_freq, position_ids.expand(B, T))
         x = self.embed_tokens(input_ids)
         for layer in self.layers:  # the mask passed on as given: no _update_causal_mask (:812)

@@ -287,3 +287,16 @@ print(p.adapter, tuple(p.logits(ids, allowed, torch.arange(4)[None]).shape))
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     assert res.stdout.split()[-4:] == ["decoder", "(1,", "4,", f"{len(sdar_tokenizer())})"]
+
+
+def test_the_stand_ins_make_their_tensors_on_the_inputs_device():
+    """The real files build RoPE's positions (and LLaDA its causal bias) on the input's device. A
+    LLaDA stand-in that built them on the CPU passed every CPU test and failed at its first forward
+    on an H100 (`benchmarks/gpu_start.py`, docs/gpu-check.md). On the meta device a tensor made on
+    the CPU meets the model's and raises; the default positions are the path under test."""
+    for name, model in _stand_ins().items():
+        model = model.eval().to("meta")
+        ids = torch.zeros(2, 6, dtype=torch.long, device="meta")
+        out = model(input_ids=ids)
+        logits = getattr(out, "logits", out)
+        assert logits.device.type == "meta" and logits.shape[:2] == (2, 6), name
