@@ -15,7 +15,8 @@ model: the exit status, the seconds, the last lines of stderr on failure, the di
 and the modules FSDP wrapped (the launched process reports them), the losses of the 2 steps, and
 whether the saved weights moved. `--main` (default on) runs the README's first command as it
 stands (`stabledrl train --config configs/countdown-stabledrl.yaml`, default device: the GPU)
-and records its last lines and seconds. JSON to `--out`.
+and records its last lines and seconds. JSON to `--out`. The stand-ins are built by the tests'
+code, so this needs the repository checkout and the test extra (`pip install -e ".[test]"`).
 """
 
 from __future__ import annotations
