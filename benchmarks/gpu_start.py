@@ -72,11 +72,10 @@ def _free_port() -> int:
 
 
 def _stand_in_run(name: str, path: Path, work: Path, args) -> dict:
-    block = name == "sdar"
     sets = {"model.path": str(path), "model.adapter": "auto", "output_dir": str(work / f"run-{name}"),
             "task.name": "sudoku", "steps": 2, "prompts_per_step": 2, "group_size": 4, "mu": 1, "lr": 1e-3,
             "eval_n": 2, "save_every": 2, "zero_variance_groups": "keep", "estimator.num_samples": 2,
-            "estimator.method": "blockwise" if block else "mc", "mixed_precision": args.mixed_precision}
+            "estimator.method": "blockwise" if name == "sdar" else "mc", "mixed_precision": args.mixed_precision}
     empty = work / "empty.yaml"
     empty.write_text("{}\n")
     report = work / f"report-{name}.json"
