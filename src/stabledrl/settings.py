@@ -48,15 +48,15 @@ class ModelConfig:
 
     path: str = "checkpoints/countdown-tiny"
     """Model directory (a stabledrl model, a run's checkpoint, a `transformers` checkpoint or a Hub name)."""
-    adapter: Literal["auto", "tiny", "llada", "dream", "masked_lm", "decoder"] = "auto"
-    """auto: from the checkpoint (stabledrl models, LLaDA, Dream, SDAR/TraDo: decoder); masked_lm and other
-    decoders must be named."""
+    adapter: Literal["auto", "tiny", "llada", "dream", "sdar", "masked_lm", "decoder"] = "auto"
+    """auto: from the checkpoint (stabledrl models, LLaDA, Dream, SDAR/TraDo); masked_lm and other decoders
+    must be named. llada, dream and sdar run stabledrl's own code of the family (`stabledrl.models.native`)."""
     mask_token_id: int | None = None
     """The mask token; None: the checkpoint's config, then the tokenizer (an error if neither has one)."""
     block_size: int | None = None
-    """decoder only: the block size S of the block-diffusion reading; None: the checkpoint's (SDAR's config)."""
+    """decoder and sdar: the block size S of the block-diffusion reading; None: the checkpoint's (SDAR's config)."""
     prompt_attention: Literal["auto", "bidirectional", "sequence_blocks", "prompt_blocks"] = "auto"
-    """decoder only: where the prompt's blocks fall (`stabledrl.models.attention`). auto: as saved with a
+    """decoder and sdar: where the prompt's blocks fall (`stabledrl.models.attention`). auto: as saved with a
     stabledrl policy, else sequence_blocks (SDAR's and TraDo's: blocks of S over the whole sequence from its
     first token, so the prompt's tail shares the first completion block); prompt_blocks: the prompt's blocks
     end where it ends (dLLM-RL's trainers); bidirectional: the prompt is one block (stabledrl's tiny block
@@ -69,8 +69,10 @@ class ModelConfig:
     """auto (a GPU if there is one, else the CPU), cpu, cuda, cuda:1 ...; in a multi-process run each
     process uses the device accelerate assigns it, on CPUs when this is cpu."""
     trust_remote_code: bool | None = None
-    """Run the checkpoint's own modelling code; None: true for llada and dream, for a local checkpoint whose
-    config.json names its code (auto_map, e.g. SDAR), and as saved with a stabledrl policy; else false."""
+    """Run the checkpoint's own modelling code instead of stabledrl's (llada, dream and sdar: the published files,
+    which keep no KV cache and need transformers < 4.58 for LLaDA and Dream; docs/scale-out.md); None: false for
+    llada, dream and sdar, true for another local checkpoint whose config.json names its code (auto_map), and as
+    saved with a stabledrl policy."""
     gradient_checkpointing: bool = False
     """Recompute each transformer block's activations in the backward instead of keeping them
     (memory of the update: one block's activations per view plus the blocks' inputs; one more
@@ -102,13 +104,13 @@ class ModelConfig:
         check(self.mask_token_id is None or self.mask_token_id >= 0,
               f"model.mask_token_id must be >= 0, got {self.mask_token_id}")
         check(self.block_size is None or self.block_size >= 1, f"model.block_size must be >= 1, got {self.block_size}")
-        check(self.block_size is None or self.adapter in ("decoder", "auto"),
-              "model.block_size is for the decoder adapter (tiny block models store theirs)")
+        check(self.block_size is None or self.adapter in ("decoder", "sdar", "auto"),
+              "model.block_size is for the decoder and sdar adapters (tiny block models store theirs)")
         check(self.prompt_attention in ("auto", "bidirectional", "sequence_blocks", "prompt_blocks"),
               f"model.prompt_attention must be auto, bidirectional, sequence_blocks or prompt_blocks, "
               f"got {self.prompt_attention!r}")
-        check(self.prompt_attention == "auto" or self.adapter in ("decoder", "auto"),
-              "model.prompt_attention is for the decoder adapter (tiny block models store theirs)")
+        check(self.prompt_attention == "auto" or self.adapter in ("decoder", "sdar", "auto"),
+              "model.prompt_attention is for the decoder and sdar adapters (tiny block models store theirs)")
 
 
 @dataclass

@@ -3,13 +3,16 @@
 Every adapter answers ``logits(input_ids, attention_mask, position_ids)`` with
 ``logits[:, i]`` predicting token ``i`` (docs/methods.md, "Policy interface"):
 
-- ``llada``: LLaDA, its own code, unshifted logits. The model never sees padding: rows of
-  equal left padding run together on their real columns, with no mask (`_llada_logits`).
-- ``dream``: Dream, its own code; its logits, shifted by one, are moved back; padding goes
-  in as an additive mask in the model's dtype, with position ids.
+- ``llada``, ``dream``, ``sdar``: stabledrl's own code of the family (`stabledrl.models.native`):
+  one forward per batch with a key-padding or block mask and position ids, a `KVCache`
+  (`HFPolicy.new_cache`); Dream's logits, shifted by one, are moved back.
+- the same families on their checkpoint's published code (``trust_remote_code: true``):
+  ``llada`` never sees padding: rows of equal left padding run together on their real
+  columns, with no mask (`_llada_logits`); ``dream`` takes padding as an additive mask in the
+  model's dtype, with position ids; ``sdar`` is read as the ``decoder`` adapter reads it.
 - ``masked_lm``: any ``AutoModelForMaskedLM``; ``decoder``: a causal decoder read as a
-  block-diffusion model (SDAR / TraDo included), given a boolean block mask; with a KV cache
-  (`HFPolicy.new_cache`) where its code takes SDAR's ``store_kv``.
+  block-diffusion model (SDAR / TraDo's published code included), given a boolean block mask;
+  with a KV cache (`HFPolicy.new_cache`) where its code takes SDAR's ``store_kv``.
 
 The attention each full-attention adapter relies on is checked at load (`probe_attention`).
 docs/scale-out.md ("Adapters in detail", "Attention probe") says what each adapter passes
@@ -24,6 +27,7 @@ import contextlib
 import inspect
 import json
 import logging
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Literal, Sequence
@@ -34,6 +38,8 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from stabledrl import _compat
 from stabledrl.data import completion_stop_ids
 from stabledrl.models.attention import PromptAttention, check_prompt_attention
+from stabledrl.models.native import NATIVE_MODELS
+from stabledrl.models.tiny import KVCache
 from stabledrl.models.prompting import resolve_chat_template, resolve_stop_tokens
 from stabledrl.settings import ModelConfig
 
@@ -41,12 +47,13 @@ __all__ = ["ADAPTERS", "HFPolicy", "load_hf_policy", "ADAPTER_FILE", "probe_atte
 
 log = logging.getLogger(__name__)
 
-ADAPTERS = ("llada", "dream", "masked_lm", "decoder")
+ADAPTERS = ("llada", "dream", "sdar", "masked_lm", "decoder")
 ADAPTER_FILE = "stabledrl_adapter.json"
 """Written beside a saved adapter policy so that ``adapter: auto`` finds it again."""
 
 # Mask ids of the public checkpoints, only to make the start-up error actionable.
-_KNOWN_MASK_IDS = {"llada": 126336, "dream": 151666}
+_KNOWN_MASK_IDS = {"llada": 126336, "dream": 151666, "sdar": 151669}
+_MODEL_TYPE = {"llada": "llada", "dream": "dream", "sdar": "sdar"}  # config.json's model_type (lowercased) per family
 
 
 @dataclass
@@ -55,7 +62,7 @@ class HFPolicy:
 
     model: PreTrainedModel
     tokenizer: PreTrainedTokenizerBase
-    adapter: Literal["llada", "dream", "masked_lm", "decoder"]
+    adapter: Literal["llada", "dream", "sdar", "masked_lm", "decoder"]
     mask_token_id: int
     block_size: int | None = None
     shift_logits: bool = False
@@ -79,6 +86,8 @@ class HFPolicy:
     stop_token_ids: tuple[int, ...] = field(init=False)
     """Tokens that end a completion: EOS first, then the generation config's EOS ids, then `stop_tokens`."""
     attention_kind: Literal["full", "block"] = field(init=False)
+    native: bool = field(init=False)
+    """The model is stabledrl's own code of its family (`stabledrl.models.native`)."""
 
     def __post_init__(self) -> None:
         if self.adapter not in ADAPTERS:
@@ -104,27 +113,32 @@ class HFPolicy:
             raise ValueError(f"mask_token_id {self.mask_token_id} is one of the stop tokens {self.stop_token_ids}")
         if not 0 <= self.mask_token_id < vocab:
             raise ValueError(f"mask_token_id {self.mask_token_id} is outside the model's vocabulary of {vocab}")
+        self.native = type(self.model) in NATIVE_MODELS.values()
         self._dtype = self.model.get_input_embeddings().weight.dtype  # before any DDP/FSDP wrapping
         self._additive_mask = getattr(self.model.config, "_attn_implementation", None) == "eager"
-        self._store_kv = self.adapter == "decoder" and any(
+        block = self.adapter in ("decoder", "sdar")
+        self._store_kv = block and not self.native and any(
             "store_kv" in inspect.signature(m.forward).parameters for m in self.model.modules())
         # RoBERTa-style embeddings count positions from padding_idx + 1, BERT's from 0.
         embeddings = getattr(getattr(self.model, "base_model", None), "embeddings", None)
         pad_idx = getattr(embeddings, "padding_idx", None)
         self._position_offset = pad_idx + 1 if isinstance(pad_idx, int) else 0
-        if self.gradient_checkpointing:
+        if self.gradient_checkpointing and self.native:
+            self.model.gradient_checkpointing = True  # its own flag, in eval mode too
+        elif self.gradient_checkpointing:
             self.checkpointing_hook = _enable_checkpointing(self.model)
-        if self.adapter == "decoder":
+        if block:
             if not (self.block_size and self.block_size > 0):
-                raise ValueError("the decoder adapter is a block-diffusion model: set model.block_size (e.g. 4)")
+                raise ValueError(f"the {self.adapter} adapter is a block-diffusion model: set model.block_size (e.g. 4)")
             self.attention_kind = "block"
             self.prompt_attention = self.prompt_attention or "sequence_blocks"
             check_prompt_attention(self.prompt_attention)
         else:
             if self.block_size is not None:
-                raise ValueError(f"model.block_size is for the decoder adapter; {self.adapter} models use full attention")
+                raise ValueError(f"model.block_size is for block models (decoder, sdar); {self.adapter} models use "
+                                 "full attention")
             if self.prompt_attention not in (None, "bidirectional"):
-                raise ValueError(f"model.prompt_attention is for block models (the decoder adapter); {self.adapter} "
+                raise ValueError(f"model.prompt_attention is for block models (decoder, sdar); {self.adapter} "
                                  "models use full attention")
             self.attention_kind = "full"
             self.prompt_attention = "bidirectional"
@@ -135,10 +149,13 @@ class HFPolicy:
 
     @property
     def new_cache(self) -> Callable[[], Any]:
-        """Makes an empty KV cache (transformers' `DynamicCache`) for a decoder whose code can
-        attend to cached keys without storing the new ones (SDAR's and TraDo's `store_kv`); the
-        block sampler then keeps the keys of the prompt and of finished blocks. Absent
-        (AttributeError) for every other model, so that the sampler recomputes the prefix."""
+        """Makes an empty KV cache: a `KVCache` for the native models (the block sampler's exact
+        cache of SDAR; Fast-dLLM's approximate caches of LLaDA and Dream), transformers'
+        `DynamicCache` for a decoder whose published code can attend to cached keys without
+        storing the new ones (SDAR's and TraDo's `store_kv`). Absent (AttributeError) for
+        every other model, so that the sampler recomputes the prefix."""
+        if self.native:
+            return KVCache
         if not self._store_kv:
             raise AttributeError(f"{type(self.model).__name__} takes no store_kv: no KV cache through this adapter")
         from transformers import DynamicCache
@@ -157,7 +174,7 @@ class HFPolicy:
         """(B, T) ids -> (B, T, V) logits; logits[:, i] predicts token i. With `cache` (from
         `new_cache`; a (B, T, Tc + T) mask, cached keys first) the tokens also attend to the
         cached ones, and `extend_cache` appends theirs to it."""
-        if cache is not None and not self._store_kv:
+        if cache is not None and not (self._store_kv or self.native):
             raise ValueError(f"the {self.adapter} adapter of {type(self.model).__name__} keeps no KV cache")
         B, T = input_ids.shape
         if attention_mask is None:
@@ -171,6 +188,8 @@ class HFPolicy:
             if attention_mask.dim() != 2:
                 raise ValueError("position_ids are required with a boolean (B, T, T) mask")
             position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+        if self.native:
+            return self._native_logits(input_ids, attention_mask, position_ids, cache, extend_cache)
         kwargs: dict[str, Any]
         if self.adapter == "llada":
             out = self._llada_logits(input_ids, attention_mask)  # (B, T, V)
@@ -196,6 +215,15 @@ class HFPolicy:
         elif self.adapter != "masked_lm":
             kwargs["use_cache"] = False  # decoders would otherwise build a KV cache per call
         out = self._forward(input_ids, **kwargs)  # (B, T, V)
+        if self.shift_logits:  # native[:, i] predicts token i+1: move it to column i+1
+            out = torch.cat([out[:, :1], out[:, :-1]], dim=1)
+        return out
+
+    def _native_logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor | None,
+                       cache: KVCache | None, extend_cache: bool) -> torch.Tensor:
+        """One forward of the native model, whatever the padding (module docstring)."""
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                         past_key_values=cache, extend_cache=extend_cache).logits  # (B, T, V)
         if self.shift_logits:  # native[:, i] predicts token i+1: move it to column i+1
             out = torch.cat([out[:, :1], out[:, :-1]], dim=1)
         return out
@@ -239,6 +267,9 @@ class HFPolicy:
         path = Path(path)
         _compat.save_pretrained(self.model, path, state_dict=state_dict)
         self.tokenizer.save_pretrained(path)
+        source = getattr(getattr(self.model, "config", None), "_name_or_path", "")
+        if self.native and source and Path(source).resolve() != path.resolve():
+            _keep_published_code(path / "config.json", source)
         (path / ADAPTER_FILE).write_text(json.dumps(
             {"adapter": self.adapter, "mask_token_id": self.mask_token_id, "block_size": self.block_size,
              "shift_logits": self.shift_logits, "trust_remote_code": self.trust_remote_code,
@@ -333,6 +364,39 @@ def _names_its_code(path: str | Path) -> bool:
         return False
 
 
+def _check_family(path: str | Path, adapter: str) -> None:
+    """A local checkpoint of another family than `adapter` is refused in one line."""
+    config = Path(path) / "config.json"
+    if not config.is_file():
+        return  # a Hub name: from_pretrained reads (and checks) it
+    model_type = str(json.loads(config.read_text()).get("model_type", "")).lower()
+    if model_type != _MODEL_TYPE[adapter]:
+        raise ValueError(f"{config}: model_type {model_type!r} is not a {adapter} checkpoint; set model.adapter to "
+                         "the checkpoint's family (auto reads it), or model.trust_remote_code: true to run its own code")
+
+
+def _keep_published_code(config_file: Path, source: str) -> None:
+    """Point a saved native checkpoint's ``auto_map`` at its family's published modelling files,
+    so that the published code loads it too: the files are copied from a local `source`
+    directory, or named in `source`'s Hub repository (transformers' ``repo--module.Class``)."""
+    if not config_file.is_file():
+        return  # LoRA adapters: the base keeps its code
+    config = json.loads(config_file.read_text())
+    auto_map = config.get("auto_map")
+    if not auto_map:
+        return
+    src = Path(source)
+    for key, ref in auto_map.items():
+        if not isinstance(ref, str) or "--" in ref:
+            continue
+        module_file = src / (ref.rsplit(".", 1)[0] + ".py")
+        if module_file.is_file():
+            shutil.copy2(module_file, config_file.parent / module_file.name)
+        elif not src.exists():
+            auto_map[key] = f"{source}--{ref}"
+    config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
 def _resolve_mask_id(adapter: str, explicit: int | None, model: PreTrainedModel, tokenizer) -> int:
     for source, value in (("model.mask_token_id", explicit),
                           ("the checkpoint's config", getattr(model.config, "mask_token_id", None)),
@@ -361,7 +425,7 @@ def load_hf_policy(cfg: ModelConfig, adapter: str, *, dtype: torch.dtype = torch
     trust_remote_code, stop_tokens = cfg.trust_remote_code, tuple(cfg.stop_tokens)
     chat_template = None if cfg.chat_template == "auto" else cfg.chat_template
     prompt_attention = None if cfg.prompt_attention == "auto" else cfg.prompt_attention
-    auto = {"llada": AutoModel, "dream": AutoModel, "masked_lm": AutoModelForMaskedLM,
+    auto = {"llada": AutoModel, "dream": AutoModel, "sdar": AutoModelForCausalLM, "masked_lm": AutoModelForMaskedLM,
             "decoder": AutoModelForCausalLM}[adapter]
     saved = Path(path) / ADAPTER_FILE
     if saved.is_file():  # a policy saved by stabledrl: its settings unless given explicitly
@@ -373,22 +437,28 @@ def load_hf_policy(cfg: ModelConfig, adapter: str, *, dtype: torch.dtype = torch
         chat_template = meta.get("chat_template") if chat_template is None else chat_template
         stop_tokens = stop_tokens or meta.get("stop_tokens", ())
         prompt_attention = meta.get("prompt_attention") if prompt_attention is None else prompt_attention
-    remote = (adapter in ("llada", "dream") or _names_its_code(path)) if trust_remote_code is None else trust_remote_code
-    if remote:
-        _compat.check_remote_code_supported(adapter)
-        _compat.install_remote_code_shims()
-    model = auto.from_pretrained(str(path), dtype=dtype, trust_remote_code=remote).to(device)
+    native = adapter in NATIVE_MODELS and not trust_remote_code
+    remote = (not native and _names_its_code(path)) if trust_remote_code is None else trust_remote_code
+    if native:
+        _check_family(path, adapter)
+        model = NATIVE_MODELS[adapter].from_pretrained(str(path), dtype=dtype).to(device)
+    else:
+        if remote:
+            _compat.check_remote_code_supported(adapter)
+            _compat.install_remote_code_shims()
+        model = auto.from_pretrained(str(path), dtype=dtype, trust_remote_code=remote).to(device)
     model.eval()
-    tokenizer = AutoTokenizer.from_pretrained(str(path), trust_remote_code=remote)
+    # The families' published tokenizers load through their own files (Dream's names its class there).
+    tokenizer = AutoTokenizer.from_pretrained(str(path), trust_remote_code=remote or native)
     mask_id = _resolve_mask_id(adapter, mask_token_id, model, tokenizer)
-    if adapter == "decoder" and block_size is None:  # SDAR / TraDo name their block size
+    if adapter in ("decoder", "sdar") and block_size is None:  # SDAR / TraDo name their block size
         block_size = getattr(model.config, "block_size", None)
     shift = (adapter == "dream") if shift_logits is None else shift_logits
     _compat.fit_no_split_modules(model)
     policy = HFPolicy(model, tokenizer, adapter, mask_id, block_size=block_size, shift_logits=shift,
                       trust_remote_code=remote, chat_template=chat_template, stop_tokens=tuple(stop_tokens),
                       prompt_attention=prompt_attention, gradient_checkpointing=cfg.gradient_checkpointing)
-    if cfg.check_attention and policy.attention_kind == "full" and _compat.weights_loaded_here():
+    if cfg.check_attention and remote and policy.attention_kind == "full" and _compat.weights_loaded_here():
         code = type(model).__module__.rsplit(".", 1)[-1] + ".py" if remote else type(model).__name__
         with _compat.gathered_parameters(model):  # partitioned where ZeRO-3 loaded it
             probe_attention(policy.logits, vocab=model.get_input_embeddings().num_embeddings, device=device,

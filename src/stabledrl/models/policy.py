@@ -42,7 +42,7 @@ __all__ = ["Policy", "TinyPolicy", "ModelConfig", "load_policy", "resolve_adapte
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # model_type in a checkpoint's config.json -> adapter, for `adapter: auto`.
 _MODEL_TYPES = {TinyDiffusionConfig.model_type: "tiny", "llada": "llada", "dream": "dream",
-                "sdar": "decoder"}  # SDAR and TraDo: block diffusion on a causal decoder
+                "sdar": "sdar"}  # SDAR and TraDo
 
 
 @runtime_checkable
