@@ -9,9 +9,10 @@ TraDo): the prompt's tail shares a block with the first completion slots. Each t
 recomputes one quantity the way that code does, for each sequence alone and without
 padding, and compares it with stabledrl's batched, left-padded computation: the
 likelihood's staircase pass (exact ELBO, sampled plans, the sampler's path), the sampler's
-logits at every step, and the SFT loss. The SDAR stand-in (tests/models/fake_dllm.py) runs
-through the decoder adapter, which has no KV cache; the tiny model with
-``prompt_attention: sequence_blocks`` in its config runs the sampler's cache path.
+logits at every step, and the SFT loss. The SDAR stand-in (tests/models/fake_dllm.py) gives
+the references; stabledrl's native SDAR with its weights runs through the sdar adapter; the
+tiny model with ``prompt_attention: sequence_blocks`` in its config runs the sampler's cache
+path too.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import torch
 from stabledrl.data import completion_mask, encode_completions, encode_prompts
 from stabledrl.likelihood import Completions, estimate, plan_views, score_views
 from stabledrl.models import HFPolicy
+from stabledrl.models.native import SDARConfig, SDARForCausalLM
 from stabledrl.sampling import SamplingConfig, generate, row_generators
 from stabledrl.sft import diffusion_loss, sample_mask_levels
 from tests.conftest import make_tiny_policy
@@ -38,16 +40,23 @@ ANSWERS = ["3*5", "12-4", "1", "8/2=4", "6"]
 
 
 def sdar_policy(seed: int = 0) -> HFPolicy:
-    """The SDAR stand-in behind the decoder adapter (SDAR's tokenizer: no BOS, PAD = EOS)."""
+    """stabledrl's native SDAR behind the sdar adapter (SDAR's tokenizer: no BOS, PAD = EOS), with
+    the weights of the SDAR stand-in kept as `policy.published` for the references."""
     tok = sdar_tokenizer()
     torch.manual_seed(seed)
-    model = fake_dllm.SDARForCausalLM(fake_dllm.SDARConfig(
-        vocab_size=len(tok), block_size=S, mask_token_id=tok.mask_token_id, pad_token_id=tok.pad_token_id,
-        eos_token_id=tok.eos_token_id))
-    for m in model.modules():  # spread logits, so that a wrong mask shows
+    fields = dict(vocab_size=len(tok), hidden_size=32, intermediate_size=48, num_attention_heads=2,
+                  num_key_value_heads=1, head_dim=24, num_hidden_layers=2, rope_theta=1e6, block_size=S,
+                  mask_token_id=tok.mask_token_id,
+                  pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+    published = fake_dllm.SDARForCausalLM(fake_dllm.SDARConfig(**fields))
+    for m in published.modules():  # spread logits, so that a wrong mask shows
         if isinstance(m, (torch.nn.Linear, torch.nn.Embedding)):
             torch.nn.init.normal_(m.weight, std=0.2)
-    return HFPolicy(model.eval(), tok, "decoder", tok.mask_token_id, block_size=S)
+    model = SDARForCausalLM(SDARConfig(**fields))
+    model.load_state_dict(published.state_dict())
+    policy = HFPolicy(model.eval(), tok, "sdar", tok.mask_token_id, block_size=S)
+    policy.published = published.eval()
+    return policy
 
 
 def tiny_sdar_style(seed: int = 5):
@@ -75,8 +84,8 @@ def sdar_forward(policy, seq: torch.Tensor) -> torch.Tensor:
     T = seq.numel()
     mask, pos = sdar_block_mask(T), torch.arange(T)[None]
     if isinstance(policy, HFPolicy):
-        return policy.model(input_ids=seq[None], attention_mask=mask[None, None], position_ids=pos,
-                            use_cache=False).logits[0]
+        return policy.published(input_ids=seq[None], attention_mask=mask[None, None], position_ids=pos,
+                                use_cache=False).logits[0]
     return policy.model(input_ids=seq[None], attention_mask=mask.bool()[None], position_ids=pos).logits[0]
 
 

@@ -1,17 +1,18 @@
 """Workarounds for third-party code, in one place (STYLE.md, habit 1).
 
 The real checkpoints ship their own modelling code (``trust_remote_code``), written against
-the `transformers` of their day; pyproject.toml pins the versions under which LLaDA's and
-Dream's code works, and this module covers what the pin cannot:
+the `transformers` of their day; stabledrl runs its own code of LLaDA, Dream and SDAR by
+default (`stabledrl.models.native`), and this module covers what the published files need
+when a user asks for them:
 
 - `install_remote_code_shims`: a ``LossKwargs`` for SDAR / TraDo, and a pure-torch
   ``flash_attn`` where flash-attn is not installed;
 - `save_pretrained`: saves Dream, whose generation config predates ``validate(strict=...)``;
 - `checkpointing_in_eval_mode`: activation checkpointing in the eval-mode RL update, which
   transformers' layers only do in train mode;
-- `fit_no_split_modules`, `gathered_parameters`, `weights_loaded_here`: FSDP's layer wrap,
-  DeepSpeed ZeRO-3's partitioned load and FSDP's RAM-efficient load;
-- `check_remote_code_supported`: one clear line where transformers 5.x breaks the remote code.
+- `fit_no_split_modules`, `gathered_parameters`, `weights_loaded_here`, `sharded_at_prepare`:
+  FSDP's layer wrap, DeepSpeed ZeRO-3's partitioned load and FSDP's RAM-efficient load;
+- `check_remote_code_supported`: one clear line where transformers 5.x breaks the published code.
 
 docs/scale-out.md, "Workarounds for third-party code", says what each works around and why.
 Nothing here runs at import time: `stabledrl.models.adapters` calls these functions.
@@ -34,10 +35,10 @@ import transformers
 
 __all__ = ["REMOTE_CODE_TRANSFORMERS", "install_remote_code_shims", "check_remote_code_supported", "save_pretrained",
            "checkpointing_in_eval_mode", "fit_no_split_modules", "flash_attn_func", "rms_norm_fn",
-           "gathered_parameters", "weights_loaded_here"]
+           "gathered_parameters", "weights_loaded_here", "sharded_at_prepare"]
 
 REMOTE_CODE_TRANSFORMERS = ">=4.56,<4.58"
-"""The transformers versions under which the real LLaDA, Dream and SDAR code runs (pyproject.toml)."""
+"""The transformers versions under which the published LLaDA, Dream and SDAR code runs."""
 
 
 class LossKwargs(TypedDict, total=False):
@@ -127,6 +128,15 @@ def _install_flash_attn_fallback() -> None:
             setattr(sys.modules[parent], child, module)
 
 
+def sharded_at_prepare() -> bool:
+    """True where accelerate's FSDP loads the model RAM-efficiently (``fsdp_cpu_ram_efficient_loading``,
+    configs/accelerate/fsdp.yaml): the loaded model must stay on the CPU, where `prepare` moves it to the
+    meta device, shards it and sends each process its shards, so that no GPU ever holds the whole model."""
+    from transformers.integrations.fsdp import is_fsdp_enabled
+
+    return is_fsdp_enabled()
+
+
 def weights_loaded_here() -> bool:
     """False on the processes to which transformers gave uninitialised weights, for FSDP to
     broadcast the first process's at `prepare` (``fsdp_cpu_ram_efficient_loading``, as in
@@ -173,13 +183,13 @@ def _major(version: str) -> int:
     return int(version.split(".")[0])
 
 
-def check_remote_code_supported(adapter: str) -> None:
-    """A ValueError naming the versions to install when the installed transformers cannot run
-    the remote code of `adapter` (llada, dream: known to fail under 5.x)."""
-    if adapter in ("llada", "dream") and _major(transformers.__version__) >= 5:
-        raise ValueError(f"the published {adapter} modelling code does not run under transformers "
-                         f"{transformers.__version__}; install transformers{REMOTE_CODE_TRANSFORMERS} "
-                         f"(pip install 'transformers{REMOTE_CODE_TRANSFORMERS}', as pyproject.toml pins)")
+def check_remote_code_supported(family: str) -> None:
+    """A ValueError naming what to do when the installed transformers cannot run the published
+    code of `family` (llada, dream, sdar: a model_type, lowercased; each fails under 5.x)."""
+    if family in ("llada", "dream", "sdar") and _major(transformers.__version__) >= 5:
+        raise ValueError(f"the published {family} modelling code does not run under transformers "
+                         f"{transformers.__version__}: drop model.trust_remote_code to run stabledrl's own {family} "
+                         f"code, or install 'transformers{REMOTE_CODE_TRANSFORMERS}'")
 
 
 def _validate_takes_strict(generation_config: Any) -> bool:

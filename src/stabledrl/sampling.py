@@ -332,7 +332,8 @@ def check_sampler(policy: Policy, sampling: SamplingConfig) -> None:
         raise ValueError("approx_cache is for full-attention models; a block model's kv_cache is already exact")
     if cache != "none" and not hasattr(policy, "new_cache"):
         raise ValueError(f"approx_cache {cache!r} needs a policy with a KV cache (new_cache(), cache= in "
-                         f"logits), which {type(policy).__name__} lacks (the HF adapters have none): set it to 'none'")
+                         f"logits), which {type(policy).__name__} lacks (of the real checkpoints, only the native llada, dream "
+                         "and sdar models have one; a checkpoint's own code has none): set it to 'none'")
 
 
 def resolve_noise(policy: Policy, sampling: SamplingConfig) -> SamplingConfig:
@@ -418,14 +419,18 @@ class _ApproxCache:
     of everything but the block (``dual``). The block's later calls feed the block and the
     suffix (``prefix``) or the block alone (``dual``), attending to the kept keys. An
     approximation: under full attention the kept keys depend on the tokens fed after them,
-    which change as the block is decoded (and with them the suffix's, under ``dual``)."""
+    which change as the block is decoded (and with them the suffix's, under ``dual``).
+
+    A policy whose model reads column i for token i + 1 (``shift_logits``, Dream) is fed the
+    column before the block as well: its logits predict the block's first slot."""
 
     def __init__(self, policy, kind: str, P: int, lo: int, hi: int, attn: torch.Tensor, pos: torch.Tensor) -> None:
         self.policy, self.kind, self.P, self.lo, self.hi = policy, kind, P, lo, hi
         self.attn, self.pos = attn, pos  # (B, P+L) all rows
+        self.shift = int(bool(getattr(policy, "shift_logits", False)))
         T = attn.size(1)
         col = torch.arange(T, device=attn.device)
-        fed = (col >= P + lo) & ((col < P + hi) | (kind == "prefix"))  # (T,) the columns a later call feeds
+        fed = (col >= P + lo - self.shift) & ((col < P + hi) | (kind == "prefix"))  # (T,) what a later call feeds
         self.fed, self.kept = fed.nonzero().flatten(), (~fed).nonzero().flatten()
         self.kv, self.rows = None, None  # the kept keys/values, and the batch rows they are of
 
@@ -442,7 +447,7 @@ class _ApproxCache:
             cache = cache.select(rows=torch.searchsorted(self.rows, active))
         keys = self.attn[active][:, torch.cat([self.kept, self.fed])]  # (A, Tc+F) key padding, cached first
         out = self.policy.logits(x[:, self.fed], keys, self.pos[active][:, self.fed], cache=cache)
-        return out[:, : hi - lo]
+        return out[:, self.shift : self.shift + hi - lo]
 
 
 def _decode_full(dec: _Decoding, prompt_ids, prompt_mask, block_length: int, per_block: list[int]) -> None:

@@ -77,7 +77,6 @@ from transformers.cache_utils import DynamicCache
 from transformers.modeling_flash_attention_utils import FlashAttentionKwargs
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import CausalLMOutputWithPast, MaskedLMOutput
-from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.utils import LossKwargs  # as SDAR's file does: missing from transformers >= 4.56
 
 # JetAstra/SDAR training/model/SDAR-8B-Chat/modeling_sdar.py:51: outside any try, so the file
@@ -93,7 +92,7 @@ LLADA_COPY = "authors"  # which modeling_llada.py this file stands for (module d
 DREAM_COPY = "hub"  # which modeling_dream.py
 
 
-def _rotate(x, cos, sin):  # x: (B, H, T, Dh); cos/sin: (B, 1, T, Dh)
+def _rotate(x, cos, sin):  # x: (B, H, T, Dh); cos/sin: (B, 1, T, Dh). Every family's rotate_half.
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
@@ -104,45 +103,143 @@ def _cos_sin(inv_freq, positions):  # (Dh/2,), (B, T) -> two (B, 1, T, Dh)
     return emb.cos(), emb.sin()
 
 
-class _Layer(nn.Module):
-    """Pre-norm attention + MLP; `mask` is whatever the owning model hands to SDPA."""
+def _inv_freq(theta, dim):  # every family's: theta ** -(arange(0, dim, 2) / dim)
+    return 1.0 / theta ** (torch.arange(0, dim, 2).float() / dim)
 
-    def __init__(self, d, heads, norm=nn.RMSNorm):
+
+class _RMSNorm(nn.Module):
+    """LLaDA's RMSLayerNorm (modeling_llada.py:315-327) and Qwen2's: normalise in float32, cast
+    back, then the weight."""
+
+    def __init__(self, d, eps):
         super().__init__()
-        self.heads = heads
-        self.n1, self.n2 = norm(d), norm(d)
-        self.qkv = nn.Linear(d, 3 * d)
-        self.out = nn.Linear(d, d, bias=False)
-        self.mlp = nn.Sequential(nn.Linear(d, 2 * d), nn.SiLU(), nn.Linear(2 * d, d))
+        self.weight = nn.Parameter(torch.ones(d))
+        self.eps = eps
 
-    def attend(self, q, k, v, mask):  # (B, H, T, Dh) each -> (B, H, T, Dh)
+    def forward(self, x):
+        h = x.float()
+        return self.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+
+
+class _Layer(nn.Module):
+    """Pre-norm attention and SwiGLU MLP; `mask` is whatever the owning model hands to SDPA.
+    A subclass names its modules as its family's file does (`_project`, `_out`, `_norm1`,
+    `_norm2`, `_mlp`); grouped key/value heads are repeated (modeling_llada.py:644-651, Qwen2's repeat_kv)."""
+
+    heads = kv_heads = head_dim = 0
+
+    def attend(self, q, k, v, mask):  # (B, H, T, Dh), (B, Hkv, S, Dh) x 2 -> (B, H, T, Dh)
+        if k.size(1) != q.size(1):
+            k, v = (t.repeat_interleave(q.size(1) // t.size(1), dim=1) for t in (k, v))
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
     def forward(self, x, cos, sin, mask, kv=None):  # kv: (k, v) -> the keys and values attended to (a cache)
         B, T, D = x.shape
-        q, k, v = self.qkv(self.n1(x)).view(B, T, 3, self.heads, -1).permute(2, 0, 3, 1, 4)  # 3 x (B, H, T, Dh)
+        q, k, v = self._project(self._norm1(x))  # (B, T, H*Dh), (B, T, Hkv*Dh) x 2
+        q = q.view(B, T, self.heads, self.head_dim)
+        k = k.view(B, T, self.kv_heads, self.head_dim)
+        q, k = self._qk_norm(q, k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)  # (B, H, T, Dh), (B, Hkv, T, Dh)
+        v = v.view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)
         k = _rotate(k, cos, sin)
         if kv is not None:
-            k, v = kv(k, v)  # (B, H, Tc + T, Dh) each
+            k, v = kv(k, v)  # (B, Hkv, Tc + T, Dh) each
         a = self.attend(_rotate(q, cos, sin), k, v, mask)
-        x = x + self.out(a.transpose(1, 2).reshape(B, T, D))
-        return x + self.mlp(self.n2(x))
+        x = x + self._out(a.transpose(1, 2).reshape(B, T, -1))
+        return x + self._mlp(self._norm2(x))
+
+    def _qk_norm(self, q, k):
+        return q, k
+
+
+class _QwenLayer(_Layer):
+    """Qwen2's layer names (Dream; SDAR adds q_norm, k_norm)."""
+
+    def __init__(self, d, heads, kv_heads, head_dim, inter, eps, qkv_bias, norm=_RMSNorm, attention=None):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
+        self.input_layernorm, self.post_attention_layernorm = norm(d, eps), norm(d, eps)
+        self.self_attn = attention if attention is not None else nn.Module()
+        self.self_attn.q_proj = nn.Linear(d, heads * head_dim, bias=qkv_bias)
+        self.self_attn.k_proj = nn.Linear(d, kv_heads * head_dim, bias=qkv_bias)
+        self.self_attn.v_proj = nn.Linear(d, kv_heads * head_dim, bias=qkv_bias)
+        self.self_attn.o_proj = nn.Linear(heads * head_dim, d, bias=False)
+        self.mlp = nn.Module()
+        self.mlp.gate_proj = nn.Linear(d, inter, bias=False)
+        self.mlp.up_proj = nn.Linear(d, inter, bias=False)
+        self.mlp.down_proj = nn.Linear(inter, d, bias=False)
+
+    def _norm1(self, x):
+        return self.input_layernorm(x)
+
+    def _norm2(self, x):
+        return self.post_attention_layernorm(x)
+
+    def _project(self, h):
+        a = self.self_attn
+        return a.q_proj(h), a.k_proj(h), a.v_proj(h)
+
+    def _out(self, y):
+        return self.self_attn.o_proj(y)
+
+    def _mlp(self, h):
+        return self.mlp.down_proj(F.silu(self.mlp.gate_proj(h)) * self.mlp.up_proj(h))
 
 
 # ----------------------------------------------------------------------------------- LLaDA
 class LLaDAConfig(PretrainedConfig):
     model_type = "llada"
 
-    def __init__(self, vocab_size=32, d_model=32, n_heads=2, n_layers=2, rope_theta=10000.0,
-                 max_sequence_length=128, mask_token_id=None, use_cache=False, weight_tying=False, **kwargs):
-        self.vocab_size, self.d_model, self.n_heads, self.n_layers = vocab_size, d_model, n_heads, n_layers
+    # The Hub config.json's fields (LLaDA-8B-Instruct), small; the arithmetic switches at their values.
+    def __init__(self, vocab_size=32, d_model=32, n_heads=2, n_kv_heads=1, n_layers=2, mlp_hidden_size=48,
+                 rope_theta=500000.0, rms_norm_eps=1e-5, max_sequence_length=128, mask_token_id=None, use_cache=False,
+                 weight_tying=False, embedding_size=None, block_type="llama", activation_type="silu",
+                 layer_norm_type="rms", rope=True, rope_full_precision=True, include_bias=False,
+                 include_qkv_bias=False, alibi=False, attention_layer_norm=False, scale_logits=False,
+                 input_emb_norm=False, block_group_size=1, **kwargs):
+        self.vocab_size, self.d_model, self.n_heads, self.n_kv_heads = vocab_size, d_model, n_heads, n_kv_heads
+        self.n_layers, self.mlp_hidden_size, self.rms_norm_eps = n_layers, mlp_hidden_size, rms_norm_eps
         self.rope_theta, self.max_sequence_length = rope_theta, max_sequence_length
         self.mask_token_id, self.weight_tying = mask_token_id, weight_tying
+        self.embedding_size = embedding_size if embedding_size is not None else vocab_size
+        self.block_type, self.activation_type, self.layer_norm_type = block_type, activation_type, layer_norm_type
+        self.rope, self.rope_full_precision, self.include_bias = rope, rope_full_precision, include_bias
+        self.include_qkv_bias, self.alibi, self.attention_layer_norm = include_qkv_bias, alibi, attention_layer_norm
+        self.scale_logits, self.input_emb_norm, self.block_group_size = scale_logits, input_emb_norm, block_group_size
         super().__init__(use_cache=use_cache, **kwargs)
+        self.use_cache = use_cache  # configuration_llada.py:441 passes it on; transformers 5's base drops it
 
 
 class LLaDABlock(_Layer):
     """Gen-Verse/dLLM-RL models/llada/modeling_llada.py:521, the base of the two block types."""
+
+    def __init__(self, c):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = c.n_heads, c.n_kv_heads, c.d_model // c.n_heads
+        d, inner = c.d_model, c.mlp_hidden_size  # :530 hidden_size; :854-873 the llama block's projections
+        self.attn_norm, self.ff_norm = _RMSNorm(d, c.rms_norm_eps), _RMSNorm(d, c.rms_norm_eps)
+        self.q_proj = nn.Linear(d, d, bias=False)
+        self.k_proj = nn.Linear(d, self.kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(d, self.kv_heads * self.head_dim, bias=False)
+        self.attn_out = nn.Linear(d, d, bias=False)
+        self.ff_proj = nn.Linear(d, inner, bias=False)
+        self.up_proj = nn.Linear(d, inner, bias=False)
+        self.ff_out = nn.Linear(inner, d, bias=False)
+
+    def _norm1(self, x):
+        return self.attn_norm(x)
+
+    def _norm2(self, x):
+        return self.ff_norm(x)
+
+    def _project(self, h):
+        return self.q_proj(h), self.k_proj(h), self.v_proj(h)
+
+    def _out(self, y):
+        return self.attn_out(y)
+
+    def _mlp(self, h):  # :925-931: ff_proj is the gate, act(ff_proj(x)) * up_proj(x)
+        return self.ff_out(F.silu(self.ff_proj(h)) * self.up_proj(h))
 
     def attend(self, q, k, v, mask):
         # "hub": the attention call passes attn_mask=None (the Hub copy's behaviour; the same line is in
@@ -169,12 +266,12 @@ class LLaDAModel(nn.Module):
         super().__init__()
         self.config = config
         self.transformer = nn.ModuleDict(dict(
-            wte=nn.Embedding(config.vocab_size, config.d_model),
-            blocks=nn.ModuleList(LLaDALlamaBlock(config.d_model, config.n_heads) for _ in range(config.n_layers)),
-            ln_f=nn.RMSNorm(config.d_model),
-            ff_out=nn.Linear(config.d_model, config.vocab_size, bias=False)))
-        half = config.d_model // config.n_heads // 2
-        self.register_buffer("inv_freq", 1.0 / config.rope_theta ** (torch.arange(half).float() / half), persistent=False)
+            wte=nn.Embedding(config.embedding_size, config.d_model),  # modeling_llada.py:1061-1064
+            blocks=nn.ModuleList(LLaDALlamaBlock(config) for _ in range(config.n_layers)),
+            ln_f=_RMSNorm(config.d_model, config.rms_norm_eps),
+            ff_out=nn.Linear(config.d_model, config.embedding_size, bias=False)))  # :1083-1092 (weight_tying false)
+        self.register_buffer("inv_freq", _inv_freq(config.rope_theta, config.d_model // config.n_heads),
+                             persistent=False)  # :392-393
         self.activation_checkpointing_strategy = None
         self.checkpointed_calls = 0  # for the tests: blocks run through torch.utils.checkpoint
         if init_params:  # modeling_llada.py:1096; LLaDAModelLM passes init_params=False (:1393)
@@ -267,12 +364,15 @@ class LLaDAModelLM(PreTrainedModel):
 class DreamConfig(PretrainedConfig):
     model_type = "Dream"
 
-    def __init__(self, vocab_size=32, hidden_size=32, num_attention_heads=2, num_hidden_layers=2,
-                 rope_theta=10000.0, rope_scaling=None, max_position_embeddings=128, mask_token_id=None, **kwargs):
-        self.vocab_size, self.hidden_size = vocab_size, hidden_size
+    # Dream-v0-Instruct-7B's config.json fields, small.
+    def __init__(self, vocab_size=32, hidden_size=32, intermediate_size=48, num_attention_heads=2, num_key_value_heads=1,
+                 num_hidden_layers=2, rope_theta=1000000.0, rope_scaling=None, rms_norm_eps=1e-6, hidden_act="silu",
+                 use_sliding_window=False, max_position_embeddings=128, mask_token_id=None, **kwargs):
+        self.vocab_size, self.hidden_size, self.intermediate_size = vocab_size, hidden_size, intermediate_size
         self.num_attention_heads, self.num_hidden_layers = num_attention_heads, num_hidden_layers
+        self.num_key_value_heads, self.rms_norm_eps, self.hidden_act = num_key_value_heads, rms_norm_eps, hidden_act
         self.rope_theta, self.rope_scaling, self.max_position_embeddings = rope_theta, rope_scaling, max_position_embeddings
-        self.mask_token_id = mask_token_id
+        self.use_sliding_window, self.mask_token_id = use_sliding_window, mask_token_id
         kwargs.setdefault("tie_word_embeddings", False)
         super().__init__(**kwargs)
 
@@ -301,8 +401,13 @@ class DreamGenerationMixin:
     """Dream's sampler lives here; the adapters never call it."""
 
 
-class DreamDecoderLayer(_Layer):
-    """Gen-Verse/dLLM-RL models/dream/modeling_dream.py:460 (its SDPA attention at :436-444)."""
+class DreamDecoderLayer(_QwenLayer):
+    """Gen-Verse/dLLM-RL models/dream/modeling_dream.py:460 (its SDPA attention at :436-444); Qwen2's
+    names, biases on q, k and v only."""
+
+    def __init__(self, c):
+        super().__init__(c.hidden_size, c.num_attention_heads, c.num_key_value_heads,
+                         c.hidden_size // c.num_attention_heads, c.intermediate_size, c.rms_norm_eps, qkv_bias=True)
 
     def attend(self, q, k, v, mask):
         if DREAM_COPY == "dllm_rl" and mask is not None:  # models/dream/modeling_dream.py:441: .to(q dtype)
@@ -328,12 +433,15 @@ class DreamBaseModel(DreamPreTrainedModel):
     def __init__(self, config):
         super().__init__(config)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DreamDecoderLayer(config.hidden_size, config.num_attention_heads)
-                                    for _ in range(config.num_hidden_layers))
-        self.norm = nn.RMSNorm(config.hidden_size)
+        self.layers = nn.ModuleList(DreamDecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.norm = _RMSNorm(config.hidden_size, config.rms_norm_eps)
+        # modeling_dream.py reads ROPE_INIT_FUNCTIONS[rope_type], rope_type "default" when rope_scaling is null:
+        # transformers 5 removed that key, so the real file fails there (stabledrl refuses Dream's remote code
+        # under 5.x first, _compat.check_remote_code_supported); the stand-in computes the default itself.
         rope_type = "default" if config.rope_scaling is None else config.rope_scaling.get("rope_type")
-        inv_freq, self.attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](config, None)
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        assert rope_type == "default", "the stand-in computes the default RoPE only"
+        self.register_buffer("inv_freq", _inv_freq(config.rope_theta, config.hidden_size // config.num_attention_heads),
+                             persistent=False)
         self.gradient_checkpointing = False
         self.post_init()
 
@@ -376,10 +484,16 @@ class KwargsForCausalLM(FlashAttentionKwargs, LossKwargs):
 class SDARConfig(PretrainedConfig):
     model_type = "sdar"
 
-    def __init__(self, vocab_size=32, hidden_size=32, num_attention_heads=2, num_hidden_layers=2,
-                 rope_theta=10000.0, rope_scaling=None, max_position_embeddings=128, block_size=4,
-                 fuse_cross_entropy=False, use_cache=True, **kwargs):  # configuration_sdar.py:165 use_cache
+    # SDAR-8B-Chat's config.json fields, small (head_dim its own, not hidden / heads).
+    def __init__(self, vocab_size=32, hidden_size=32, intermediate_size=48, num_attention_heads=2,
+                 num_key_value_heads=1, head_dim=24, num_hidden_layers=2, rope_theta=1000000.0, rope_scaling=None,
+                 rms_norm_eps=1e-6, hidden_act="silu", attention_bias=False, use_sliding_window=False,
+                 max_position_embeddings=128, block_size=4, fuse_cross_entropy=False, use_cache=True,
+                 **kwargs):  # configuration_sdar.py:165 use_cache
         self.vocab_size, self.hidden_size, self.use_cache = vocab_size, hidden_size, use_cache
+        self.intermediate_size, self.num_key_value_heads, self.head_dim = intermediate_size, num_key_value_heads, head_dim
+        self.rms_norm_eps, self.hidden_act, self.attention_bias = rms_norm_eps, hidden_act, attention_bias
+        self.use_sliding_window = use_sliding_window
         self.num_attention_heads, self.num_hidden_layers = num_attention_heads, num_hidden_layers
         self.rope_theta, self.rope_scaling, self.max_position_embeddings = rope_theta, rope_scaling, max_position_embeddings
         self.block_size, self.fuse_cross_entropy = block_size, fuse_cross_entropy
@@ -424,13 +538,16 @@ class SDARRMSNorm(nn.Module):
         return flash_rms_norm(x, weight=self.weight, bias=None, eps=self.variance_epsilon)
 
 
-class _SDARAttention(_Layer):
-    """Attention and MLP of a decoder layer (SDAR's attention checks the mode, not the layer)."""
+class SDARAttention(nn.Module):
+    """modeling_sdar.py:214: q, k, v, o projections without biases; q_norm and k_norm, RMSNorms over
+    each head (:227-229), applied to the projections before RoPE (:251-253)."""
 
-    def __init__(self, d, heads):
-        super().__init__(d, heads, norm=SDARRMSNorm)
+    def __init__(self, c):
+        super().__init__()
+        self.q_norm = SDARRMSNorm(c.head_dim, eps=c.rms_norm_eps)
+        self.k_norm = SDARRMSNorm(c.head_dim, eps=c.rms_norm_eps)
 
-    def attend(self, q, k, v, mask):  # modeling_sdar.py:570-596, the eval path
+    def attend(self, q, k, v, mask):  # modeling_sdar.py:570-596, the eval path (the attention checks its own mode)
         if self.training:
             raise RuntimeError("SDAR's training attention takes a flex-attention BlockMask built by its own "
                                "SFT forward")
@@ -438,16 +555,24 @@ class _SDARAttention(_Layer):
         if mask is None or torch.all(mask):  # :573 "decoding": flash-attn, no mask; (B, T, H, Dh) layout
             q, k, v = (t.transpose(1, 2) for t in (q, k, v))
             return flash_attn_func(q, k, v, causal=False).transpose(1, 2)
+        if k.size(1) != q.size(1):  # grouped heads, repeated
+            k, v = (t.repeat_interleave(q.size(1) // t.size(1), dim=1) for t in (k, v))
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # :585 "prefilling"
 
 
-class SDARDecoderLayer(GradientCheckpointingLayer):
-    """modeling_sdar.py:600."""
+class SDARDecoderLayer(GradientCheckpointingLayer, _QwenLayer):
+    """modeling_sdar.py:600: Qwen3's names."""
 
-    def __init__(self, d, heads, layer_idx=0):
-        super().__init__()
-        self.inner = _SDARAttention(d, heads)
+    def __init__(self, c, layer_idx=0):
+        super().__init__(c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
+                         c.intermediate_size, c.rms_norm_eps, False, norm=SDARRMSNorm, attention=SDARAttention(c))
         self.layer_idx = layer_idx
+
+    def attend(self, q, k, v, mask):
+        return self.self_attn.attend(q, k, v, mask)
+
+    def _qk_norm(self, q, k):  # (B, T, H, Dh): per head
+        return self.self_attn.q_norm(q), self.self_attn.k_norm(k)
 
     def forward(self, x, cos, sin, mask, past_key_value=None, store_kv=False):
         def kv(k, v):  # modeling_sdar.py:545-555, after RoPE
@@ -458,7 +583,7 @@ class SDARDecoderLayer(GradientCheckpointingLayer):
                 return torch.cat([past_k, k], dim=-2), torch.cat([past_v, v], dim=-2)
             return k, v
 
-        return self.inner(x, cos, sin, mask, kv)
+        return _QwenLayer.forward(self, x, cos, sin, mask, kv)
 
 
 class SDARPreTrainedModel(PreTrainedModel):
@@ -473,11 +598,10 @@ class SDARModel(SDARPreTrainedModel):
     def __init__(self, config):
         super().__init__(config)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(SDARDecoderLayer(config.hidden_size, config.num_attention_heads, i)
-                                    for i in range(config.num_hidden_layers))
-        self.norm = SDARRMSNorm(config.hidden_size)
-        inv_freq, _ = ROPE_INIT_FUNCTIONS["default"](config, None)
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.layers = nn.ModuleList(SDARDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = SDARRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        # modeling_sdar.py: ROPE_INIT_FUNCTIONS["default"], gone in transformers 5 (module docstring)
+        self.register_buffer("inv_freq", _inv_freq(config.rope_theta, config.head_dim), persistent=False)
         self.gradient_checkpointing = False
         self.post_init()
 

@@ -20,7 +20,7 @@ from stabledrl.models import ModelConfig, load_policy
 from stabledrl.models.adapters import load_hf_policy, probe_attention
 from stabledrl.sampling import SamplingConfig, generate
 from tests.conftest import make_tiny_policy
-from tests.models.test_adapters import fake_dllm, save_stand_ins, sdar_tokenizer
+from tests.models.test_adapters import fake_dllm, remote_code, save_stand_ins, sdar_tokenizer
 
 ROOT = Path(__file__).parents[2]
 
@@ -42,10 +42,10 @@ def test_the_stand_ins_declare_the_real_classes_no_split_modules():
     assert models["llada"]._no_split_modules == ["LLaDABlock", "LLaDASequentialBlock", "LLaDALlamaBlock"]
     assert {"LLaDABlock", "LLaDASequentialBlock"}.isdisjoint(_modules(models["llada"]))
     assert "LLaDALlamaBlock" in _modules(models["llada"])
-    assert models["dream"]._no_split_modules == ["DreamDecoderLayer"]
+    assert list(models["dream"]._no_split_modules) == ["DreamDecoderLayer"]  # (a set under transformers 5)
     assert "DreamDecoderLayer" in _modules(models["dream"])
-    assert models["sdar"]._no_split_modules == ["SDARDecoderLayer"] and "SDARDecoderLayer" in _modules(models["sdar"])
-    assert models["tiny"]._no_split_modules == ["_Block"]
+    assert list(models["sdar"]._no_split_modules) == ["SDARDecoderLayer"] and "SDARDecoderLayer" in _modules(models["sdar"])
+    assert list(models["tiny"]._no_split_modules) == ["_Block"]
 
 
 def test_accelerates_layer_wrap_fails_on_llada_until_its_list_is_fitted():
@@ -99,21 +99,23 @@ def _raw_forward(model, boolean_mask: bool):
     return logits
 
 
+@remote_code
 def test_the_probe_refuses_a_copy_made_causal_by_a_padding_mask(copies):
     # dLLM-RL's and the StableDRL authors' modeling_llada.py: a (B, T) mask holding a 0 and no
     # bias -> the causal bias, in every row (the issue's measurement)
-    policy = load_policy(ModelConfig(path=str(copies["authors"]["llada"])))  # the adapter passes no mask: loads
+    policy = load_policy(ModelConfig(trust_remote_code=True, path=str(copies["authors"]["llada"])))  # the adapter passes no mask: loads
     with pytest.raises(ValueError, match="attends causally"):
         probe_attention(_raw_forward(policy.model, False), vocab=24, avoid=(0, 1, 3), source="modeling_llada.py")
     # ML-GSAI's (key padding, no causal default) passes either way
-    policy = load_policy(ModelConfig(path=str(copies["key_padding"]["llada"])))
+    policy = load_policy(ModelConfig(trust_remote_code=True, path=str(copies["key_padding"]["llada"])))
     probe_attention(_raw_forward(policy.model, False), vocab=24, avoid=(0, 1, 3), source="modeling_llada.py")
 
 
+@remote_code
 def test_the_probe_refuses_the_llada_copy_that_drops_its_mask_if_given_padding(copies):
     # The Hub copy's attention call passes attn_mask=None: padding is attended whatever is passed.
     # The adapter never gives it padding (next tests), so the copy loads.
-    policy = load_policy(ModelConfig(path=str(copies["hub"]["llada"])))
+    policy = load_policy(ModelConfig(trust_remote_code=True, path=str(copies["hub"]["llada"])))
     with pytest.raises(ValueError, match="attends to padding"):
         probe_attention(_raw_forward(policy.model, False), vocab=24, avoid=(0, 1, 3), source="modeling_llada.py")
 
@@ -128,11 +130,12 @@ def _padded(policy, prompts, L=3):
     return torch.cat([ids, comp], dim=1), torch.cat([mask, torch.ones_like(comp)], dim=1)
 
 
+@remote_code
 def test_every_llada_copy_gives_a_padded_row_the_logits_of_the_row_alone(copies):
     # Prompt lengths 9, 7 and 4 (BOS included): three padding counts, so each row runs as a
     # batch of one on its real columns, the shape of the row alone: the same kernels, equal bits.
     for name in LLADA_COPIES:
-        policy = load_policy(ModelConfig(path=str(copies[name]["llada"])))  # the probe accepts every copy
+        policy = load_policy(ModelConfig(trust_remote_code=True, path=str(copies[name]["llada"])))  # the probe accepts every copy
         ids, mask = _padded(policy, ["3,5,7=22", "12,4=9", "1=1"])
         with torch.no_grad():
             batch = policy.logits(ids, mask, position_ids(mask))  # (3, T, V)
@@ -149,10 +152,11 @@ def test_every_llada_copy_gives_a_padded_row_the_logits_of_the_row_alone(copies)
     assert (batch[real] - native[real]).abs().max() <= 1e-5 * native.abs().max()
 
 
+@remote_code
 def test_llada_rows_of_one_padding_count_run_together(copies):
     # Two rows share each padding count: one forward per count (2, not 4), and each row's logits
     # equal the row alone up to the rounding of a batch of two (measured: 0 here; bound 1e-6 of scale).
-    policy = load_policy(ModelConfig(path=str(copies["hub"]["llada"])))
+    policy = load_policy(ModelConfig(trust_remote_code=True, path=str(copies["hub"]["llada"])))
     ids, mask = _padded(policy, ["3,5,7=22", "1=1", "9,8,7=24", "2=2"])
     calls = []
     policy.model.model.register_forward_pre_hook(lambda m, args: calls.append(tuple(args[0].shape)))
@@ -165,32 +169,36 @@ def test_llada_rows_of_one_padding_count_run_together(copies):
             assert (batch[b, -n:] - alone).abs().max() <= 1e-6 * alone.abs().max(), b
 
 
+@remote_code
 def test_the_probe_still_refuses_a_causal_llada(copies):
     # No mask reaches the model, so no copy can be made causal through the adapter; a model that
     # is causal itself is refused, in one line naming its file.
     path = copies["causal"]["llada"]
     with pytest.raises(ValueError, match=f"^{path / 'fake_dllm.py'} \\(llada adapter\\): position 0 does not depend") as e:
-        load_policy(ModelConfig(path=str(path)))
+        load_policy(ModelConfig(path=str(path), trust_remote_code=True))
     assert "\n" not in str(e.value)
 
 
+@remote_code
 def test_check_attention_off_loads_the_causal_llada_from_the_config_or_the_keyword(copies):
     # One switch, the config's check_attention; load_policy's keyword, when given, overrides it.
     path = str(copies["causal"]["llada"])
-    assert load_policy(path, check_attention=False).attention_kind == "full"
-    assert load_policy(ModelConfig(path=path, check_attention=False)).attention_kind == "full"
-    assert load_hf_policy(ModelConfig(path=path, check_attention=False), "llada").attention_kind == "full"
-    for refused in (lambda: load_policy(ModelConfig(path=path, check_attention=False), check_attention=True),
-                    lambda: load_hf_policy(ModelConfig(path=path), "llada")):
+    remote = dict(path=path, trust_remote_code=True)
+    assert load_policy(ModelConfig(**remote), check_attention=False).attention_kind == "full"
+    assert load_policy(ModelConfig(**remote, check_attention=False)).attention_kind == "full"
+    assert load_hf_policy(ModelConfig(**remote, check_attention=False), "llada").attention_kind == "full"
+    for refused in (lambda: load_policy(ModelConfig(**remote, check_attention=False), check_attention=True),
+                    lambda: load_hf_policy(ModelConfig(**remote), "llada")):
         with pytest.raises(ValueError, match="attends causally"):
             refused()
 
 
+@remote_code
 def test_the_sampler_and_the_likelihood_agree_across_llada_copies(copies):
     # A padded batch: every copy gives the same tokens and the same log-likelihood terms, bit for bit.
     seqs, terms = {}, {}
     for name in LLADA_COPIES:
-        policy = load_policy(ModelConfig(path=str(copies[name]["llada"])))
+        policy = load_policy(ModelConfig(trust_remote_code=True, path=str(copies[name]["llada"])))
         ids, mask = encode_prompts(policy.tokenizer, ["3,5,7=22", "12,4=9", "1=1"])
         with torch.no_grad():
             out = generate(policy, ids, mask, SamplingConfig(gen_length=8, steps=4, block_length=4, temperature=1.0),
@@ -206,11 +214,12 @@ def test_the_sampler_and_the_likelihood_agree_across_llada_copies(copies):
     assert terms["hub"].abs().sum() > 0
 
 
+@remote_code
 def test_the_probe_refuses_a_boolean_mask_where_dream_casts_it(copies):
     # dLLM-RL's modeling_dream.py casts the mask to the query dtype: True/False become 1/0 added
     # to the scores, so a boolean key mask masks nothing; the adapter's additive mask survives it
     for name in ("authors", "dream_dllm_rl"):
-        policy = load_policy(ModelConfig(path=str(copies[name]["dream"])))  # the probe passes at load
+        policy = load_policy(ModelConfig(trust_remote_code=True, path=str(copies[name]["dream"])))  # the probe passes at load
         if name == "dream_dllm_rl":
             with pytest.raises(ValueError, match="attends to padding"):
                 probe_attention(_raw_forward(policy.model, True), vocab=24, avoid=(0, 1, 3), source="modeling_dream.py")
@@ -218,9 +227,10 @@ def test_the_probe_refuses_a_boolean_mask_where_dream_casts_it(copies):
             probe_attention(_raw_forward(policy.model, True), vocab=24, avoid=(0, 1, 3), source="modeling_dream.py")
 
 
+@remote_code
 def test_the_probe_passes_the_adapters_of_the_faithful_copies(copies):
     for name in ("llada", "dream", "masked_lm"):
-        policy = load_policy(ModelConfig(path=str(copies["authors"][name]), adapter=name))
+        policy = load_policy(ModelConfig(trust_remote_code=True, path=str(copies["authors"][name]), adapter=name))
         probe_attention(policy.logits, vocab=24, avoid=(0, 1, 3), source=name)
 
 
@@ -260,6 +270,7 @@ def test_the_flash_attn_stand_ins_equal_the_arithmetic():
         _compat.flash_attn_func(q, k, v, alibi_slopes=torch.ones(4))
 
 
+@remote_code
 def test_sdars_file_needs_flash_attn_and_loads_through_the_shim(tmp_path):
     # A fresh process without flash-attn: the stand-in file (module-level flash_attn imports,
     # as modeling_sdar.py:51) does not import; load_policy's shims make its own imports work,
@@ -277,7 +288,7 @@ try:
     raise SystemExit("imported without flash_attn")
 except ModuleNotFoundError as e:
     assert e.name == "flash_attn", e
-p = load_policy(ModelConfig(path={str(sdar)!r}))
+p = load_policy(ModelConfig(path={str(sdar)!r}, trust_remote_code=True))
 assert not transformers.utils.is_flash_attn_2_available()
 ids = torch.tensor([[5, 6, 7, 8]])
 allowed = torch.ones(1, 4, 4, dtype=torch.bool)  # all True: SDAR's flash_attn_func path
@@ -286,7 +297,7 @@ print(p.adapter, tuple(p.logits(ids, allowed, torch.arange(4)[None]).shape))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
-    assert res.stdout.split()[-4:] == ["decoder", "(1,", "4,", f"{len(sdar_tokenizer())})"]
+    assert res.stdout.split()[-4:] == ["sdar", "(1,", "4,", f"{len(sdar_tokenizer())})"]
 
 
 def test_the_stand_ins_make_their_tensors_on_the_inputs_device():
@@ -297,6 +308,6 @@ def test_the_stand_ins_make_their_tensors_on_the_inputs_device():
     for name, model in _stand_ins().items():
         model = model.eval().to("meta")
         ids = torch.zeros(2, 6, dtype=torch.long, device="meta")
-        out = model(input_ids=ids)
+        out = model(input_ids=ids, **({"use_cache": False} if name != "tiny" else {}))
         logits = getattr(out, "logits", out)
         assert logits.device.type == "meta" and logits.shape[:2] == (2, 6), name

@@ -70,7 +70,7 @@ def test_config_takes_its_fields_as_keywords_and_round_trips_through_json(tmp_pa
     cfg = TinyDiffusionConfig(vocab_size=40, hidden_size=16, num_attention_heads=2, attention_kind="block",
                               block_size=4, mask_token_id=3, pad_token_id=0, eos_token_id=2, tie_word_embeddings=True)
     assert (cfg.vocab_size, cfg.hidden_size, cfg.num_attention_heads, cfg.block_size) == (40, 16, 2, 4)
-    assert (cfg.mask_token_id, cfg.pad_token_id, cfg.eos_token_id, cfg.bos_token_id) == (3, 0, 2, None)
+    assert (cfg.mask_token_id, cfg.pad_token_id, cfg.eos_token_id, getattr(cfg, "bos_token_id", None)) == (3, 0, 2, None)
     assert cfg.tie_word_embeddings is True
     # unset fields take their defaults; intermediate_size defaults to 4 * hidden_size
     assert (cfg.num_hidden_layers, cfg.intermediate_size, cfg.rope_theta, cfg.rms_norm_eps) == (4, 64, 10000.0, 1e-6)

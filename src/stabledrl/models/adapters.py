@@ -3,13 +3,11 @@
 Every adapter answers ``logits(input_ids, attention_mask, position_ids)`` with
 ``logits[:, i]`` predicting token ``i`` (docs/methods.md, "Policy interface"):
 
-- ``llada``, ``dream``, ``sdar``: stabledrl's own code of the family (`stabledrl.models.native`):
-  one forward per batch with a key-padding or block mask and position ids, a `KVCache`
-  (`HFPolicy.new_cache`); Dream's logits, shifted by one, are moved back.
-- the same families on their checkpoint's published code (``trust_remote_code: true``):
-  ``llada`` never sees padding: rows of equal left padding run together on their real
-  columns, with no mask (`_llada_logits`); ``dream`` takes padding as an additive mask in the
-  model's dtype, with position ids; ``sdar`` is read as the ``decoder`` adapter reads it.
+- ``llada``, ``dream``, ``sdar``: stabledrl's own code of the family (`stabledrl.models.native`),
+  one forward per batch, with a `KVCache` (`HFPolicy.new_cache`); Dream's logits moved back by one.
+- the same on their published code (``trust_remote_code: true``): ``llada`` never sees padding
+  (rows of equal left padding run together, no mask: `_llada_logits`); ``dream`` takes an
+  additive mask in the model's dtype, with position ids; ``sdar`` is read as ``decoder`` is.
 - ``masked_lm``: any ``AutoModelForMaskedLM``; ``decoder``: a causal decoder read as a
   block-diffusion model (SDAR / TraDo's published code included), given a boolean block mask;
   with a KV cache (`HFPolicy.new_cache`) where its code takes SDAR's ``store_kv``.
@@ -268,8 +266,8 @@ class HFPolicy:
         _compat.save_pretrained(self.model, path, state_dict=state_dict)
         self.tokenizer.save_pretrained(path)
         source = getattr(getattr(self.model, "config", None), "_name_or_path", "")
-        if self.native and source and Path(source).resolve() != path.resolve():
-            _keep_published_code(path / "config.json", source)
+        if self.native and source and Path(source).resolve() != path.resolve() and (path / "config.json").is_file():
+            _keep_published_files(path, source, getattr(self.model, "generation_config", None))
         (path / ADAPTER_FILE).write_text(json.dumps(
             {"adapter": self.adapter, "mask_token_id": self.mask_token_id, "block_size": self.block_size,
              "shift_logits": self.shift_logits, "trust_remote_code": self.trust_remote_code,
@@ -364,28 +362,47 @@ def _names_its_code(path: str | Path) -> bool:
         return False
 
 
+def _generation_config(path: str | Path) -> Any:
+    """The checkpoint's generation_config.json as a plain `GenerationConfig` (a family's own
+    fields, Dream's ``alg`` and ``steps``, kept as attributes), or None when it has none."""
+    from transformers import GenerationConfig
+
+    try:
+        return GenerationConfig.from_pretrained(str(path))
+    except OSError:
+        return None
+
+
+def _model_type(path: str | Path) -> str | None:
+    """A local checkpoint's model_type, lowercased (Dream's is "Dream"); None for a Hub name."""
+    config = Path(path) / "config.json"
+    return str(json.loads(config.read_text()).get("model_type", "")).lower() if config.is_file() else None
+
+
 def _check_family(path: str | Path, adapter: str) -> None:
     """A local checkpoint of another family than `adapter` is refused in one line."""
     config = Path(path) / "config.json"
-    if not config.is_file():
-        return  # a Hub name: from_pretrained reads (and checks) it
-    model_type = str(json.loads(config.read_text()).get("model_type", "")).lower()
-    if model_type != _MODEL_TYPE[adapter]:
+    model_type = _model_type(path)
+    if model_type is not None and model_type != _MODEL_TYPE[adapter]:
         raise ValueError(f"{config}: model_type {model_type!r} is not a {adapter} checkpoint; set model.adapter to "
                          "the checkpoint's family (auto reads it), or model.trust_remote_code: true to run its own code")
 
 
-def _keep_published_code(config_file: Path, source: str) -> None:
-    """Point a saved native checkpoint's ``auto_map`` at its family's published modelling files,
-    so that the published code loads it too: the files are copied from a local `source`
-    directory, or named in `source`'s Hub repository (transformers' ``repo--module.Class``)."""
-    if not config_file.is_file():
-        return  # LoRA adapters: the base keeps its code
+def _keep_published_files(path: Path, source: str, generation_config: Any) -> None:
+    """What a native checkpoint saved in `path` keeps of the one it was loaded from, `source`: its
+    generation_config.json as written (a family's own fields, which transformers' class drops on a
+    round trip), and an ``auto_map`` that still finds its published modelling files, so that the
+    published code loads it too: copied from a local `source` directory, or named in `source`'s
+    Hub repository (transformers' ``repo--module.Class``)."""
+    src, config_file = Path(source), path / "config.json"
+    if (src / "generation_config.json").is_file():
+        shutil.copy2(src / "generation_config.json", path / "generation_config.json")
+    elif generation_config is not None:
+        generation_config.save_pretrained(path)
     config = json.loads(config_file.read_text())
     auto_map = config.get("auto_map")
     if not auto_map:
         return
-    src = Path(source)
     for key, ref in auto_map.items():
         if not isinstance(ref, str) or "--" in ref:
             continue
@@ -441,12 +458,15 @@ def load_hf_policy(cfg: ModelConfig, adapter: str, *, dtype: torch.dtype = torch
     remote = (not native and _names_its_code(path)) if trust_remote_code is None else trust_remote_code
     if native:
         _check_family(path, adapter)
-        model = NATIVE_MODELS[adapter].from_pretrained(str(path), dtype=dtype).to(device)
+        model = NATIVE_MODELS[adapter].from_pretrained(str(path), dtype=dtype)
+        model.generation_config = _generation_config(path)  # its EOS ids name stop tokens; saved with the model
     else:
         if remote:
-            _compat.check_remote_code_supported(adapter)
+            _compat.check_remote_code_supported(_model_type(path) or adapter)
             _compat.install_remote_code_shims()
-        model = auto.from_pretrained(str(path), dtype=dtype, trust_remote_code=remote).to(device)
+        model = auto.from_pretrained(str(path), dtype=dtype, trust_remote_code=remote)
+    if not _compat.sharded_at_prepare():
+        model.to(device)  # under FSDP's sharded load the weights stay on the CPU: `prepare` moves each shard
     model.eval()
     # The families' published tokenizers load through their own files (Dream's names its class there).
     tokenizer = AutoTokenizer.from_pretrained(str(path), trust_remote_code=remote or native)

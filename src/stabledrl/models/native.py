@@ -1,31 +1,22 @@
 """stabledrl's own code for the published diffusion LMs: LLaDA, Dream, SDAR / TraDo.
 
-The published checkpoints ship modelling files written against the `transformers` of their
-day, with no KV cache (LLaDA, Dream) and attention masks honoured differently by each copy
-(docs/scale-out.md, "Native models"). These classes compute the same numbers from the same
-weights (tested against each family's published code, docs/scale-out.md says how), under
-their published class, module and parameter names, so that:
+The same numbers as each family's published modelling file from the same weights (tested,
+docs/scale-out.md "Native models"), under the published class, module and parameter names:
+checkpoints load as they are, and a saved one loads into the published code again. Unlike
+those files, one forward serves a left-padded batch (a (B, T) key-padding mask, or a boolean
+(B, T, Tc + T) one, with position ids over each row's real tokens), and a `KVCache` holds the
+keys of tokens already processed (SDAR's exact block cache; Fast-dLLM's caches of LLaDA and
+Dream, `stabledrl.sampling`). One layer's arithmetic serves all (pre-norm attention with
+RoPE, SwiGLU, RMSNorm in float32); the families differ in names, biases and norms:
 
-- a checkpoint's safetensors load as they are and a saved one loads back into the published
-  code (config.json keeps every field, ``auto_map`` included);
-- one forward serves a batch of any left padding: a (B, T) key-padding mask, or a boolean
-  (B, T, Tc + T) mask, with position ids counted over each row's real tokens;
-- a `KVCache` (the tiny model's) holds the keys of tokens already processed: the exact block
-  cache of SDAR and Fast-dLLM's approximate caches of LLaDA and Dream (`stabledrl.sampling`).
+- LLaDA (``LLaDAModelLM``, ``llada``): ``model.transformer.{wte, blocks.i, ln_f, ff_out}``, a
+  block of ``attn_norm, q/k/v_proj, attn_out, ff_norm, ff_proj`` (the gate) ``, up_proj, ff_out``.
+- Dream (``DreamModel``, ``Dream``): Qwen2's names, biases on q, k, v; logits[:, i] predict i + 1.
+- SDAR / TraDo (``SDARForCausalLM``, ``sdar``): Qwen3's names, RMSNorm over each head's
+  queries and keys before RoPE; block diffusion (an explicit boolean mask, always).
 
-The families share one decoder layer's arithmetic (pre-norm attention with RoPE, SwiGLU
-MLP, RMSNorm computed in float32); they differ in names, biases and norms:
-
-- LLaDA (``LLaDAModelLM``, model_type ``llada``): ``model.transformer.{wte, blocks.i, ln_f,
-  ff_out}``, a block holding ``attn_norm, q_proj, k_proj, v_proj, attn_out, ff_norm, ff_proj
-  (the gate), up_proj, ff_out``; bidirectional; logits[:, i] predict token i.
-- Dream (``DreamModel``, model_type ``Dream``): Qwen2's names (``model.layers.i.self_attn.
-  q_proj`` ...), biases on q, k and v; bidirectional; logits[:, i] predict token i + 1.
-- SDAR / TraDo (``SDARForCausalLM``, model_type ``sdar``): Qwen3's names, RMSNorm over each
-  head's queries and keys before RoPE; block diffusion (an explicit boolean mask, always).
-
-Shapes: B batch, T new tokens, Tc cached tokens, D width, H query heads, Hkv key/value
-heads, Dh head width, V vocabulary.
+Shapes: B batch, T new tokens, Tc cached, D width, H query heads, Hkv key/value heads, Dh head
+width, V vocabulary.
 """
 
 from __future__ import annotations
@@ -229,18 +220,18 @@ class _Attention(nn.Module):
             self.k_norm = RMSNorm(a.head_dim, a.eps, a.norm_weight_in_float32)
 
 
-def _attend(a: Architecture, h: torch.Tensor, q_proj: nn.Linear, k_proj: nn.Linear, v_proj: nn.Linear,
-            q_norm: nn.Module | None, k_norm: nn.Module | None, cos: torch.Tensor, sin: torch.Tensor,
+def _attend(a: Architecture, h: torch.Tensor, proj: nn.Module, cos: torch.Tensor, sin: torch.Tensor,
             mask: torch.Tensor | None, past: tuple[torch.Tensor, torch.Tensor] | None,
             ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """Normalised input h (B, T, D) -> attention output (B, T, H * Dh) before the output
-    projection, and this call's keys and values with the cached ones before them."""
+    projection, and this call's keys and values with the cached ones before them. `proj` holds
+    q_proj, k_proj, v_proj (and q_norm, k_norm where the family has them)."""
     B, T, _ = h.shape
-    q = q_proj(h).view(B, T, a.num_heads, a.head_dim)  # (B, T, H, Dh)
-    k = k_proj(h).view(B, T, a.num_kv_heads, a.head_dim)  # (B, T, Hkv, Dh)
-    v = v_proj(h).view(B, T, a.num_kv_heads, a.head_dim).transpose(1, 2)  # (B, Hkv, T, Dh)
-    if q_norm is not None:
-        q, k = q_norm(q), k_norm(k)
+    q = proj.q_proj(h).view(B, T, a.num_heads, a.head_dim)  # (B, T, H, Dh)
+    k = proj.k_proj(h).view(B, T, a.num_kv_heads, a.head_dim)  # (B, T, Hkv, Dh)
+    v = proj.v_proj(h).view(B, T, a.num_kv_heads, a.head_dim).transpose(1, 2)  # (B, Hkv, T, Dh)
+    if a.qk_norm:
+        q, k = proj.q_norm(q), proj.k_norm(k)
     fp32 = a.rope_in_float32
     q, k = _rotate(q.transpose(1, 2), cos, sin, fp32), _rotate(k.transpose(1, 2), cos, sin, fp32)  # (B, H|Hkv, T, Dh)
     if past is not None:
@@ -264,10 +255,8 @@ class _QwenLayer(nn.Module):
         self.mlp.down_proj = nn.Linear(a.intermediate_size, a.hidden_size, bias=False)
 
     def forward(self, x, cos, sin, mask, past=None):  # (B, T, D) -> (B, T, D), (k, v)
-        att = self.self_attn
-        y, kv = _attend(self.arch, self.input_layernorm(x), att.q_proj, att.k_proj, att.v_proj,
-                        getattr(att, "q_norm", None), getattr(att, "k_norm", None), cos, sin, mask, past)
-        x = x + att.o_proj(y)
+        y, kv = _attend(self.arch, self.input_layernorm(x), self.self_attn, cos, sin, mask, past)
+        x = x + self.self_attn.o_proj(y)
         h, mlp = self.post_attention_layernorm(x), self.mlp
         return x + mlp.down_proj(F.silu(mlp.gate_proj(h)) * mlp.up_proj(h)), kv
 
@@ -298,8 +287,7 @@ class LLaDALlamaBlock(nn.Module):
         self.ff_out = nn.Linear(a.intermediate_size, d, bias=False)
 
     def forward(self, x, cos, sin, mask, past=None):  # (B, T, D) -> (B, T, D), (k, v)
-        y, kv = _attend(self.arch, self.attn_norm(x), self.q_proj, self.k_proj, self.v_proj, None, None,
-                        cos, sin, mask, past)
+        y, kv = _attend(self.arch, self.attn_norm(x), self, cos, sin, mask, past)
         x = x + self.attn_out(y)
         h = self.ff_norm(x)
         return x + self.ff_out(F.silu(self.ff_proj(h)) * self.up_proj(h)), kv

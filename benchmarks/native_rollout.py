@@ -1,0 +1,97 @@
+"""Rollout speed of the native LLaDA under Fast-dLLM's caches, on the CPU, at LLaDA's vocabulary.
+
+    python benchmarks/native_rollout.py                      # ~15 min on one thread
+
+A randomly initialised native LLaDA (`stabledrl.models.native.LLaDAModelLM`) of a reduced
+shape (width 128, 2 layers, 4 heads, MLP 384) with LLaDA's whole vocabulary (126,464), so that
+the output layer and the draw cost what they cost at 8B per token; 16 rows (one prompt's group)
+of 32 prompt tokens, 256 completion tokens in blocks of 32, 64 steps, temperature 1, counter
+noise (the recipes'). Schemes: no cache, prefix cache, dual cache, dual cache + threshold 0.9.
+Random weights give near-uniform predictions, which never reach the threshold: there it saves
+no call (the tiny tasks measure what it saves on a trained model, docs/decoding.md).
+
+Tokens per CPU second = 16 · 256 / process time of one `generate` (one thread: other jobs on the
+machine barely change it), median over repeats; the model calls; the speed-up over no cache.
+Writes benchmarks/results/native_rollout.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from stabledrl.models.adapters import HFPolicy
+from stabledrl.models.native import LLaDAConfig, LLaDAModelLM
+from stabledrl.sampling import SamplingConfig, generate, row_generators
+from stabledrl.tokenizer import build_char_tokenizer
+
+SCHEMES = {"none": {}, "prefix": {"approx_cache": "prefix"}, "dual": {"approx_cache": "dual"},
+           "dual+threshold0.9": {"approx_cache": "dual", "threshold": 0.9}}
+
+
+def reduced_llada(vocab: int, width: int, layers: int) -> HFPolicy:
+    torch.manual_seed(0)
+    config = LLaDAConfig(d_model=width, n_heads=4, n_kv_heads=4, n_layers=layers, mlp_hidden_size=3 * width,
+                         vocab_size=vocab, embedding_size=vocab, block_type="llama", activation_type="silu",
+                         layer_norm_type="rms", rope=True, rope_theta=500000.0, weight_tying=False,
+                         mask_token_id=126336 if vocab > 126336 else vocab - 1)
+    tok = build_char_tokenizer()  # ids below 30: only its special tokens matter to the sampler
+    return HFPolicy(LLaDAModelLM(config).eval(), tok, "llada", config.mask_token_id)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rows", type=int, default=16)
+    ap.add_argument("--prompt", type=int, default=32)
+    ap.add_argument("--length", type=int, default=256)
+    ap.add_argument("--block", type=int, default=32)
+    ap.add_argument("--steps", type=int, default=64)
+    ap.add_argument("--vocab", type=int, default=126464)
+    ap.add_argument("--width", type=int, default=128)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--schemes", nargs="+", default=list(SCHEMES), choices=list(SCHEMES))
+    ap.add_argument("--out", type=Path, default=Path("benchmarks/results/native_rollout.json"))
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    policy = reduced_llada(args.vocab, args.width, args.layers)
+    ids = torch.randint(100, 126000, (args.rows, args.prompt), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    rows = {}
+    for name in args.schemes:
+        sampling = SamplingConfig(gen_length=args.length, steps=args.steps, block_length=args.block, temperature=1.0,
+                                  noise="counter", **SCHEMES[name])
+        cpu, wall = [], []
+        for r in range(args.repeats):
+            c0, w0 = time.process_time(), time.perf_counter()
+            with torch.no_grad():
+                out = generate(policy, ids, mask, sampling, generator=row_generators(f"r{r}", 0, args.rows))
+            cpu.append(time.process_time() - c0)
+            wall.append(time.perf_counter() - w0)
+        tokens = args.rows * args.length
+        rows[name] = {"cpu_seconds": statistics.median(cpu), "wall_seconds": statistics.median(wall),
+                      "tokens_per_cpu_second": tokens / statistics.median(cpu), "model_calls": out.forward_passes,
+                      "repeats": args.repeats}
+        print(f"{name:18s} {rows[name]['tokens_per_cpu_second']:8.1f} tokens/CPU-s, {out.forward_passes} calls",
+              flush=True)
+    if "none" in rows:
+        for r in rows.values():
+            r["speedup_vs_none"] = r["tokens_per_cpu_second"] / rows["none"]["tokens_per_cpu_second"]
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({
+        "command": "python benchmarks/native_rollout.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        "settings": {k: v for k, v in vars(args).items() if k != "out"},
+        "parameters": sum(p.numel() for p in policy.model.parameters()),
+        "torch": torch.__version__, "python": platform.python_version(), "threads": 1, "schemes": rows}, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,182 @@
+"""stabledrl's own LLaDA, Dream and SDAR (`stabledrl.models.native`) against the published code.
+
+The reference is each family's stand-in (`fake_dllm.py`: the published file's names, arithmetic
+and quirks, each with its file and line), built from the same config.json and weights and run
+one row at a time, unpadded, as every copy of the published files agrees on; SDAR under its
+own block-causal mask. benchmarks/published_parity.py runs the same comparison against the
+published files themselves (docs/scale-out.md, "Native models").
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from stabledrl.data import encode_prompts, position_ids
+from stabledrl.models import ModelConfig, load_policy
+from stabledrl.models.attention import block_causal_attention_mask
+from stabledrl.models.native import NATIVE_MODELS, LLaDAConfig, architecture
+from stabledrl.sampling import SamplingConfig, _ApproxCache, generate, row_generators
+from tests.models.test_adapters import dirs, fake_dllm, remote_code  # noqa: F401 (the fixture)
+
+PROMPTS = ["3,5,7=22", "12,4,6=9", "1=1", "8,8=16"]  # three padding counts: 0, 1 and 5 columns
+STAND_IN = {"llada": (fake_dllm.LLaDAConfig, fake_dllm.LLaDAModelLM), "dream": (fake_dllm.DreamConfig, fake_dllm.DreamModel),
+            "sdar": (fake_dllm.SDARConfig, fake_dllm.SDARForCausalLM)}
+
+
+def _stand_in(path):
+    """The family's published-code stand-in with the checkpoint's config and weights, loaded by
+    hand (LLaDA's published class does not survive transformers 5's from_pretrained)."""
+    config = json.loads((path / "config.json").read_text())
+    config_cls, model_cls = STAND_IN[str(config["model_type"]).lower()]
+    model = model_cls(config_cls(**{k: v for k, v in config.items() if k not in ("model_type", "architectures")}))
+    model.load_state_dict(load_file(path / "model.safetensors"), strict=True)
+    return model.eval()
+
+
+def _padded(policy):
+    ids, mask = encode_prompts(policy.tokenizer, PROMPTS)  # (4, P) left-padded
+    assert len(set((mask == 0).sum(1).tolist())) == 3  # three padding counts
+    return ids, mask
+
+
+@pytest.mark.parametrize("family", ["llada", "dream", "sdar"])
+def test_each_family_loads_natively_under_its_published_names(dirs, family):
+    policy = load_policy(ModelConfig(path=str(dirs[family])))
+    assert policy.native and type(policy.model) is NATIVE_MODELS[family]
+    saved = load_file(dirs[family] / "model.safetensors")
+    ours = policy.model.state_dict()
+    assert set(saved) == set(ours)  # the published key names, no conversion
+    assert all(torch.equal(saved[k], ours[k]) for k in saved)
+
+
+@pytest.mark.parametrize("family", ["llada", "dream", "sdar"])
+def test_padded_batch_logits_equal_the_published_code_row_by_row(dirs, family):
+    policy = load_policy(ModelConfig(path=str(dirs[family])))
+    reference = _stand_in(dirs[family])
+    ids, mask = _padded(policy)
+    pos = position_ids(mask)
+    with torch.no_grad():
+        if family == "sdar":  # SDAR's blocks, counted from each row's first token
+            attn = block_causal_attention_mask(mask, 0, policy.block_size, "sequence_blocks")  # (B, P, P)
+            ours = policy.model(ids, attention_mask=attn, position_ids=pos).logits  # (B, P, V)
+        else:
+            ours = policy.model(ids, attention_mask=mask).logits  # (B, P, V), the model's own columns
+        for b in range(ids.size(0)):
+            real = ids[b:b + 1, mask[b].bool()]  # (1, n)
+            n = real.size(1)
+            if family == "sdar":
+                blocks = torch.arange(n) // policy.block_size
+                own = (blocks[None, :] <= blocks[:, None])[None, None]  # (1, 1, n, n) as SDAR's sampler builds it
+                theirs = reference(input_ids=real, attention_mask=own, position_ids=torch.arange(n)[None],
+                                   use_cache=False).logits
+            else:
+                theirs = reference(input_ids=real, use_cache=False).logits  # (1, n, V): no mask, every copy's full attention
+            assert (ours[b, -n:] - theirs[0]).abs().max() <= 1e-4, b
+
+
+def test_one_forward_for_a_batch_of_three_padding_counts(dirs):
+    policy = load_policy(ModelConfig(path=str(dirs["llada"])))
+    ids, mask = _padded(policy)
+    calls = []
+    policy.model.register_forward_pre_hook(lambda *a: calls.append(1))
+    policy.logits(ids, mask, position_ids(mask)).sum().backward()
+    assert len(calls) == 1
+
+
+def test_dreams_shifted_logits_are_moved_back_by_one(dirs):
+    policy = load_policy(ModelConfig(path=str(dirs["dream"])))
+    assert policy.shift_logits
+    ids, mask = _padded(policy)
+    with torch.no_grad():
+        out = policy.logits(ids, mask, position_ids(mask))
+        raw = policy.model(ids, attention_mask=mask).logits  # [:, i] predicts token i + 1
+    assert torch.equal(out[:, 1:], raw[:, :-1]) and torch.equal(out[:, 0], raw[:, 0])
+
+
+@pytest.mark.parametrize("family", ["llada", "dream"])
+@pytest.mark.parametrize("approx_cache", ["prefix", "dual"])
+def test_a_refreshed_cached_step_is_the_uncached_step(dirs, family, approx_cache):
+    # Fast-dLLM's caches on the native models: a block's first call is the uncached call (bit for
+    # bit), and fed the tokens they were built from, later calls give the uncached logits (Dream: the
+    # column before the block fed too, its logits predicting the block's first slot).
+    policy = load_policy(ModelConfig(path=str(dirs[family])))
+    ids, mask = _padded(policy)
+    B, P = ids.shape
+    L, lo, hi = 12, 4, 8
+    comp = torch.randint(4, 20, (B, L), generator=torch.Generator().manual_seed(0))
+    x = torch.cat([ids, comp], dim=1)
+    attn = torch.cat([mask, torch.ones(B, L, dtype=mask.dtype)], dim=1)
+    pos = position_ids(attn)
+    rows = torch.arange(B)
+    with torch.no_grad():
+        want = policy.logits(x, attn, pos)[:, P + lo : P + hi]  # (B, 4, V)
+        cache = _ApproxCache(policy, approx_cache, P, lo, hi, attn, pos)
+        assert torch.equal(cache.logits(x, rows), want)
+        assert (cache.logits(x, rows) - want).abs().max() <= 1e-4 * want.abs().max()
+        some = torch.tensor([0, 2])
+        assert (cache.logits(x[some], some) - want[some]).abs().max() <= 1e-4 * want.abs().max()
+        x2 = x.clone()
+        x2[:, P + lo + 1] = policy.mask_token_id  # the block changes: the kept keys go stale
+        stale = cache.logits(x2, rows)
+        assert (stale - policy.logits(x2, attn, pos)[:, P + lo : P + hi]).abs().max() > 1e-6
+
+
+@pytest.mark.parametrize("family", ["llada", "dream"])
+def test_the_dual_cache_with_one_step_per_block_samples_the_exact_tokens(dirs, family):
+    # Every call is then a block's refresh: the cached sampler is the uncached one.
+    policy = load_policy(ModelConfig(path=str(dirs[family])))
+    ids, mask = _padded(policy)
+    common = dict(gen_length=8, steps=4, block_length=2, temperature=1.0, noise="counter")
+    want = generate(policy, ids, mask, SamplingConfig(**common), generator=row_generators("d", 0, 4))
+    got = generate(policy, ids, mask, SamplingConfig(**common, approx_cache="dual"), generator=row_generators("d", 0, 4))
+    assert torch.equal(got.completion_ids, want.completion_ids) and torch.equal(got.unmask_step, want.unmask_step)
+    # threshold decoding on the cache: a confidence above 1/V always clears 0.01, so each block takes one call
+    fast = generate(policy, ids, mask, SamplingConfig(**{**common, "steps": 8}, approx_cache="dual", threshold=0.01),
+                    generator=row_generators("d", 0, 4))
+    assert fast.forward_passes == 4 and not (fast.completion_ids == policy.mask_token_id).any()
+
+
+def test_a_saved_native_checkpoint_keeps_the_published_layout_and_loads_back(dirs, tmp_path):
+    policy = load_policy(ModelConfig(path=str(dirs["dream"])))
+    policy.save(tmp_path / "saved")
+    saved = load_file(tmp_path / "saved" / "model.safetensors")
+    assert set(saved) == set(load_file(dirs["dream"] / "model.safetensors"))
+    config = json.loads((tmp_path / "saved" / "config.json").read_text())
+    assert config["model_type"] == "Dream" and config["auto_map"]["AutoModel"] == "fake_dllm.DreamModel"
+    assert (tmp_path / "saved" / "fake_dllm.py").is_file()  # the published code travels with it
+    assert json.loads((tmp_path / "saved" / "generation_config.json").read_text())["steps"] == 512
+    again = load_policy(tmp_path / "saved")
+    ids, mask = _padded(policy)
+    with torch.no_grad():
+        assert torch.equal(again.logits(ids, mask), policy.logits(ids, mask))
+    # ... and the published code (the stand-in) reads the same weights to the same logits
+    reference = _stand_in(tmp_path / "saved")
+    with torch.no_grad():
+        assert (reference(input_ids=ids[:1], use_cache=False).logits - policy.model(ids[:1]).logits).abs().max() <= 1e-4
+
+
+@remote_code
+def test_the_published_code_loads_a_native_checkpoint_through_its_auto_map(dirs, tmp_path):
+    for family in ("llada", "dream", "sdar"):
+        load_policy(ModelConfig(path=str(dirs[family]))).save(tmp_path / family)
+        published = load_policy(ModelConfig(path=str(tmp_path / family), trust_remote_code=True))
+        assert not published.native and type(published.model).__module__.endswith("fake_dllm")
+
+
+def test_a_config_it_does_not_compute_is_refused_naming_the_field(dirs, tmp_path):
+    shutil.copytree(dirs["llada"], tmp_path / "llada")
+    config_file = tmp_path / "llada" / "config.json"
+    config = json.loads(config_file.read_text())
+    config_file.write_text(json.dumps({**config, "block_type": "sequential"}))
+    with pytest.raises(ValueError, match=r"block_type = 'sequential' is not understood.*trust_remote_code"):
+        load_policy(ModelConfig(path=str(tmp_path / "llada")))
+    with pytest.raises(ValueError, match="scale_logits"):
+        architecture(LLaDAConfig(block_type="llama", activation_type="silu", layer_norm_type="rms", rope=True,
+                                 scale_logits=True))
+    with pytest.raises(ValueError, match="model_type 'dream' is not a llada checkpoint"):
+        load_policy(ModelConfig(path=str(dirs["dream"]), adapter="llada"))
