@@ -246,6 +246,7 @@ class Footprint:
     noise: str = "generator"  # the sampler's noise: generator (float64, every column) or counter
     block_length: int | None = None  # the sampler's block: counter noise draws over its columns only
     block_size: int | None = None  # a block model's S: KV-cached rollouts, staircase scoring [q ; y ; q̃ ; ỹ]
+    approx_cache: bool = False  # rollout.approx_cache prefix / dual: a full-attention model's rollouts keep a KV cache
 
 
 def scored_length(f: Footprint) -> int:
@@ -328,9 +329,11 @@ def predict_memory(shape: Shape, f: Footprint) -> dict[str, Any]:
     - optimizer: all gradients and the step's temporaries: √v and its quotient for the
       largest parameter (torch's per-tensor AdamW, on CPU), or √v of all that is stepped at
       once (foreach; `optimizer_chunk` bounds it, and adds the trainer's copy of the chunk).
-    Rollouts of LLaDA (full attention) keep no KV cache and run the whole P + L columns each
-    step. A block model (`block_size` S) feeds one block of S columns against a cache of
-    2·nl·(P + L)·kv values per row, and scores the staircase (`scored_length`)."""
+    Rollouts of LLaDA (full attention) run the whole P + L columns each step; with Fast-dLLM's
+    caches (`approx_cache`) they also hold the keys and values of every column, 2·nl·(P + L)·kv
+    values per row (a block's first call runs the whole sequence and keeps them all). A block
+    model (`block_size` S) feeds one block of S columns against such a cache, and scores the
+    staircase (`scored_length`)."""
     N = param_count(shape)
     d, V, L = shape.hidden_size, shape.vocab_size, f.gen_length
     T = scored_length(f)
@@ -366,7 +369,8 @@ def predict_memory(shape: Shape, f: Footprint) -> dict[str, Any]:
         pick = A * Tr * V * 4 + 28 * A * W * V
     else:
         pick = A * Tr * V * logit + (4 * A * L * V if f.autocast else 0) + 40 * A * L * V
-    cache = 2 * A * shape.num_hidden_layers * (f.prompt_length + L) * shape.kv_width * act if f.block_size else 0
+    kv_cached = f.block_size or f.approx_cache
+    cache = 2 * A * shape.num_hidden_layers * (f.prompt_length + L) * shape.kv_width * act if kv_cached else 0
     terms["rollout_transient"] = cache + max(held + forward_peak(A, Tr), held + A * Tr * V * to_float32, pick)
     # log-softmax over the L completion slots of the float32 logits: on CUDA the strided slice is first
     # copied whole (measured on an H100: 8 bytes per logit of n·T·V with L = T/2, not 6)
@@ -792,7 +796,8 @@ def recipe_footprint(r: Recipe, cfg: TrainConfig) -> Footprint:
     f = footprint(cfg, r.prompt_length, lora_params=lora, weight_bytes=2 if cfg.model.dtype == "bfloat16" else 4,
                   shards=r.processes, optimizer_chunk=2**26, foreach=True)
     return dataclasses.replace(f, checkpointing=cfg.model.gradient_checkpointing, noise=cfg.rollout.noise,
-                               block_length=cfg.rollout.block_length, block_size=r.block_size)
+                               block_length=cfg.rollout.block_length, block_size=r.block_size,
+                               approx_cache=cfg.rollout.approx_cache != "none")
 
 
 def predict_recipes(gpu_bytes: float) -> dict[str, Any]:

@@ -190,6 +190,14 @@ def test_block_models_score_the_staircase_and_cache_keys():
     assert t["rollout_transient"] == 49_152 + 131_072
 
 
+def test_full_attention_rollouts_under_fast_dllms_caches_hold_every_columns_keys():
+    # approx_cache: the keys and values of all 13 + 11 = 24 columns, 2 · 4 rows · 2 layers · 24 · 32 · 4 bytes
+    # = 49,152 on top of the uncached rollout's transient
+    plain = scale.predict_memory(TINY, _footprint(noise="counter"))["terms"]["rollout_transient"]
+    cached = scale.predict_memory(TINY, _footprint(noise="counter", approx_cache=True))["terms"]["rollout_transient"]
+    assert cached - plain == 49_152
+
+
 def test_dream_and_sdar_shapes_have_their_base_models_parameter_counts():
     # Qwen2.5-7B (Dream-7B): per layer q, o 2·3584² = 25,690,112; k, v 2·3584·512 = 3,670,016; biases
     # 3584 + 1024; MLP 3·3584·18944 = 203,685,888; norms 7,168 -> 233,057,792 · 28 = 6,525,618,176;
