@@ -72,6 +72,9 @@ def cmd_run(args) -> None:
         return res
 
     rollouts.roll_out = counting
+    git = ["git", "-C", str(ROOT)]  # the library this run imported (src is edited alongside)
+    calls["commit"] = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    calls["src_dirty"] = bool(subprocess.run([*git, "status", "--porcelain", "src"], capture_output=True, text=True).stdout)
     t0 = time.perf_counter()
     summary = run_train(cfg, progress=False)
     wall = time.perf_counter() - t0

@@ -4,11 +4,15 @@
     python benchmarks/gpu_check.py --train full --layers 8    # full fine-tuning of the first 8 layers' depth
     python benchmarks/gpu_check.py --model PATH               # a real checkpoint (load_policy)
     python benchmarks/gpu_check.py --size tiny --device cpu   # the same path at a tiny size (the test)
+    python benchmarks/gpu_check.py --model-code tiny          # the project's TinyDiffusionLM at that shape
 
-The default model is the project's own bidirectional transformer (`TinyDiffusionLM`) at
-LLaDA-8B's shape (32 layers, width 4096, 32 heads, SwiGLU 12288, vocabulary 126,464, RoPE θ
-5e5, RMSNorm, no biases, untied head: 8,015,581,184 parameters), random bfloat16 weights;
-not LLaDA's modelling file. The step is `benchmarks/scale.py`'s `rl_step`, the trainer's
+The default model is stabledrl's native LLaDA (`stabledrl.models.native.LLaDAModelLM`, what
+`adapter: llada` loads) at LLaDA-8B's shape (32 layers, width 4096, 32 heads, SwiGLU 12288,
+vocabulary 126,464, RoPE θ 5e5, RMSNorm, no biases, untied head: 8,015,581,184 parameters),
+random weights made directly on the device in the base dtype. Before the step, the rollout
+alone under each of Fast-dLLM's caches (`--schemes`: none, prefix, dual, dual with threshold
+0.9): tokens/s, model calls and peak memory of `generate` for the `--rows` rows (random
+weights never reach the threshold: its row shows the cost of the check alone). The step is `benchmarks/scale.py`'s `rl_step`, the trainer's
 (one process) wired from the library's components, for a config made of this script's
 options (`train_config`): rollouts (built-in engine, counter noise), ℓ_old on the trainer's
 mask plan, one update (a graph, or `backward_views` under a view budget; the stabledrl
@@ -38,12 +42,16 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import scale  # noqa: E402
 
-from stabledrl.models import TinyPolicy, add_lora  # noqa: E402
+from stabledrl.models import HFPolicy, TinyPolicy, add_lora  # noqa: E402
+from stabledrl.models.native import LLaDAConfig, LLaDAModelLM  # noqa: E402
+from stabledrl.sampling import generate, row_generators  # noqa: E402
 from stabledrl.settings import EstimatorConfig, LoraSettings, SamplingConfig, StableDRLConfig, TrainConfig  # noqa: E402
 from stabledrl.tokenizer import build_char_tokenizer  # noqa: E402
 
 GB = 1e9
 SIZES = ("llada-8b", "tiny")  # shapes of benchmarks/scale.py
+SCHEMES = {"none": {}, "prefix": {"approx_cache": "prefix"}, "dual": {"approx_cache": "dual"},
+           "dual+threshold0.9": {"approx_cache": "dual", "threshold": 0.9}}
 
 
 class _Tokens:
@@ -82,7 +90,10 @@ def build(args) -> tuple[TinyPolicy, scale.Shape | None]:
         shape = scale.SHAPES[args.size]
         if args.layers:
             shape = dataclasses.replace(shape, num_hidden_layers=args.layers)
-        policy = TinyPolicy(scale.build_model(shape, args.device, dtype), build_char_tokenizer())
+        if args.model_code == "tiny":
+            policy = TinyPolicy(scale.build_model(shape, args.device, dtype), build_char_tokenizer())
+        else:
+            policy = native_llada(shape, args.device, dtype)
     model = policy.model
     if args.checkpointing:
         if hasattr(model, "gradient_checkpointing") and isinstance(model.gradient_checkpointing, bool):
@@ -94,6 +105,51 @@ def build(args) -> tuple[TinyPolicy, scale.Shape | None]:
         add_lora(policy, LoraSettings(r=args.lora_r, alpha=2.0 * args.lora_r, dropout=0.0), seed=0)
     policy.model.eval()
     return policy, shape
+
+
+def native_llada(shape: scale.Shape, device: str, dtype: torch.dtype) -> HFPolicy:
+    """A random native LLaDA of `shape` behind the llada adapter, made directly on `device` in
+    `dtype` (the char tokenizer's special tokens: its ids are below any shape's vocabulary)."""
+    tok = build_char_tokenizer()
+    config = LLaDAConfig(d_model=shape.hidden_size, n_heads=shape.num_attention_heads,
+                         n_kv_heads=shape.num_key_value_heads or shape.num_attention_heads,
+                         n_layers=shape.num_hidden_layers, mlp_hidden_size=shape.intermediate_size,
+                         vocab_size=shape.vocab_size, embedding_size=shape.vocab_size, rope_theta=shape.rope_theta,
+                         block_type="llama", activation_type="silu", layer_norm_type="rms", rope=True,
+                         weight_tying=False, mask_token_id=tok.mask_token_id, pad_token_id=tok.pad_token_id,
+                         eos_token_id=tok.eos_token_id)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = LLaDAModelLM(config).eval()
+    finally:
+        torch.set_default_dtype(previous)
+    return HFPolicy(model, tok, "llada", tok.mask_token_id)
+
+
+def rollout_schemes(policy, args, ids: torch.Tensor, cuda: bool) -> dict[str, Any]:
+    """The rollout alone under each of `args.schemes`: seconds, tokens/s, model calls, peak memory
+    (CUDA) of one `generate` of the rows (after one untimed call of the first scheme)."""
+    out: dict[str, Any] = {}
+    for i, name in enumerate(["warm-up"] + args.schemes):
+        sampling = SamplingConfig(gen_length=args.gen_length, steps=args.steps, block_length=args.block_length,
+                                  temperature=args.temperature, noise=args.noise,
+                                  **SCHEMES[args.schemes[0] if i == 0 else name])
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            gen = generate(policy, ids, torch.ones_like(ids), sampling, generator=row_generators("check", 0, len(ids)))
+        if cuda:
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - t0
+        if i:
+            out[name] = {"seconds": seconds, "tokens_per_s": ids.size(0) * args.gen_length / seconds,
+                         "model_calls": gen.forward_passes,
+                         "peak_bytes": torch.cuda.max_memory_allocated() if cuda else None}
+    return out
 
 
 def _shape_of(cfg) -> scale.Shape | None:
@@ -173,6 +229,10 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size", choices=SIZES, default="llada-8b", help="the random model's shape")
     ap.add_argument("--model", help="a checkpoint directory instead (stabledrl.models.policy.load_policy)")
+    ap.add_argument("--model-code", choices=["native", "tiny"], default="native",
+                    help="the random model: stabledrl's native LLaDA, or the project's TinyDiffusionLM")
+    ap.add_argument("--schemes", nargs="*", default=list(SCHEMES), choices=list(SCHEMES),
+                    help="rollout caches timed before the step (none: skip)")
     ap.add_argument("--layers", type=int, help="depth of the random model (default: the shape's)")
     ap.add_argument("--train", choices=["lora", "full"], default="lora")
     ap.add_argument("--lora-r", type=int, default=16)
@@ -248,9 +308,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ids[:, 0] = policy.tokenizer.bos_token_id if policy.tokenizer.bos_token_id is not None else ids[0, 0]
     ids = ids.to(policy.device)
     run = scale._Run(train_config(args), policy, None, acc, opt, params, ids, torch.ones_like(ids))
-    print(f"model: {'checkpoint ' + args.model if args.model else 'TinyDiffusionLM at ' + args.size + ' shape'}, "
-          f"{n_params:,} parameters ({cfg.num_hidden_layers} layers), train {args.train}: {trainable:,} "
+    source = (f"checkpoint {args.model}" if args.model else
+              f"random {'native LLaDA' if args.model_code == 'native' else 'TinyDiffusionLM'}, {args.size} shape")
+    layers = shape.num_hidden_layers if shape is not None else cfg.num_hidden_layers
+    print(f"model: {source}, {n_params:,} parameters ({layers} layers), train {args.train}: {trainable:,} "
           f"trainable; built in {build_seconds:.1f} s", flush=True)
+    schemes = rollout_schemes(policy, args, ids, cuda) if args.schemes else {}
+    for name, r in schemes.items():
+        print(f"rollout, {name}: {r['tokens_per_s']:.0f} tokens/s, {r['model_calls']} calls, {r['seconds']:.2f} s",
+              flush=True)
     t0 = time.perf_counter()
     rl_step(run, tokens, 0)  # warm-up: kernels, AdamW's states
     warm = time.perf_counter() - t0
@@ -264,7 +330,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     phases = ("rollout", "scoring", "update", "optimizer")
     med = {k: statistics.median(s[k]["seconds"] for s in steps) for k in phases}
     last = steps[-1]
-    dense, attn = flops_per_token(n_matmul, cfg.num_hidden_layers, cfg.hidden_size)
+    width = shape.hidden_size if shape is not None else cfg.hidden_size
+    dense, attn = flops_per_token(n_matmul, layers, width)
     backward = 2 if args.train == "full" else 1
     flops = {k: dense * last[k]["tokens"] + attn * last[k]["tokens_sq"] for k in ("rollout", "scoring")}
     flops["update"] = (1 + backward) * flops["scoring"]  # the same views; a view budget's no-grad pass not counted
@@ -275,15 +342,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     "gpu_bytes": torch.cuda.mem_get_info()[1] if cuda else None, "torch": torch.__version__,
                     "cuda": torch.version.cuda, "platform": platform.platform(),
                     "matmul_bf16_tflops_8192": mm},
-        "model": {"source": args.model or f"random TinyDiffusionLM, {args.size} shape (the project's bidirectional "
-                  "transformer, not LLaDA's modelling file)", "params": n_params, "matmul_params": n_matmul,
-                  "layers": cfg.num_hidden_layers, "hidden_size": cfg.hidden_size, "vocab_size": vocab,
+        "model": {"source": source, "params": n_params, "matmul_params": n_matmul,
+                  "layers": layers, "hidden_size": width, "vocab_size": vocab,
                   "train": args.train, "trainable": trainable, "checkpointing": args.checkpointing},
         "settings": {k: v for k, v in vars(args).items() if k not in ("out",)},
         "warmup_seconds": warm, "build_seconds": build_seconds,
         "median_seconds": {**med, "step": statistics.median(sum(s[k]["seconds"] for k in phases) for s in steps)},
         "counts": last["counts"],
         "rollout_tokens_per_s": last["counts"]["completion_slots"] / med["rollout"],
+        "rollout_schemes": schemes,
         "model_tflop": {k: v / 1e12 for k, v in flops.items()},
         "mfu": {k: flops[k] / med[k] / (args.peak_tflops * 1e12) for k in flops} if cuda else None,
         "peak_tflops": args.peak_tflops,

@@ -25,7 +25,11 @@ def test_one_step_on_cpu_counts_its_tokens_and_flops_and_meets_the_memory_model(
     # before its last slot (all 64 slots scored), so every row has work left at every step
     assert r["counts"] == {"rows": 4, "completion_slots": 64, "scored_slots": 64, "views": 8, "forward_passes": 8}
     assert r["model"]["params"] == 43_168
-    assert r["model"]["trainable"] == scale.lora_param_count(scale.SHAPES["tiny"], 16)
+    # the native LLaDA's seven linear modules a layer: 2 · 16 · (11 · 32 + 3 · 96) = 20,480
+    assert r["model"]["trainable"] == scale.llada_lora_param_count(scale.SHAPES["tiny"], 16, ["all-linear"]) == 20_480
+    # the rollout alone under each cache: at most the schedule's 8 calls (fewer if every row ended)
+    assert list(r["rollout_schemes"]) == list(gpu_check.SCHEMES)
+    assert all(0 < s["tokens_per_s"] and 1 <= s["model_calls"] <= 8 for s in r["rollout_schemes"].values())
     step = r["steps"][-1]
     # every sampler call feeds the 4 rows' 24 tokens: 8 · 4 · 24 = 768; scoring and the update one pass of 8 views
     assert (step["rollout"]["tokens"], step["scoring"]["tokens"], step["update"]["tokens"]) == (768, 192, 192)
