@@ -69,7 +69,11 @@ class Architecture:
 # ------------------------------------------------------------------------------ configs
 class _FamilyConfig(PretrainedConfig):
     """A published family's config.json, every field kept as written (so that a saved
-    checkpoint loads into the published code again); `architecture` reads what it needs."""
+    checkpoint loads into the published code again); `architecture` reads what it needs. Each
+    subclass defines its own __init__: transformers 5 would otherwise generate one that skips this."""
+
+    _defaults: ClassVar[dict[str, Any]] = {}
+    """The published configuration class's defaults, for a field config.json leaves out."""
 
     def __init__(self, **kwargs: Any) -> None:
         for name, value in self._defaults.items():
@@ -81,17 +85,11 @@ class _FamilyConfig(PretrainedConfig):
         kwargs.setdefault("tie_word_embeddings", False)
         super().__init__(**kwargs)
 
-    _defaults: ClassVar[dict[str, Any]] = {}
-
 
 class LLaDAConfig(_FamilyConfig):
     """LLaDA's config.json (its ``LLaDAConfig``: OLMo's field names)."""
 
     model_type = "llada"
-    def __init__(self, **kwargs: Any) -> None:  # its own: transformers 5 would generate one that skips ours
-        super().__init__(**kwargs)
-
-    # The published configuration class's defaults (OLMo's ModelConfig), for a field config.json leaves out.
     _defaults = {"d_model": 768, "n_heads": 12, "n_kv_heads": None, "n_layers": 12, "mlp_ratio": 4,
                  "mlp_hidden_size": None, "activation_type": "swiglu", "block_type": "sequential", "block_group_size": 1,
                  "alibi": False, "rope": False, "rope_full_precision": True, "multi_query_attention": None,
@@ -100,32 +98,33 @@ class LLaDAConfig(_FamilyConfig):
                  "include_bias": False, "bias_for_layer_norm": None, "scale_logits": False, "clip_qkv": None,
                  "vocab_size": 50257, "embedding_size": 50304, "weight_tying": True}
 
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+
 
 class DreamConfig(_FamilyConfig):
     """Dream's config.json (Qwen2's field names)."""
 
     model_type = "Dream"
-    def __init__(self, **kwargs: Any) -> None:  # its own: transformers 5 would generate one that skips ours
-        super().__init__(**kwargs)
-
-    # The published configuration class's defaults, for a field config.json leaves out.
     _defaults = {"vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 22016, "num_hidden_layers": 32,
                  "num_attention_heads": 32, "num_key_value_heads": 32, "hidden_act": "silu", "rope_theta": 10000.0,
                  "rope_scaling": None, "rms_norm_eps": 1e-6, "use_sliding_window": False}
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
 
 
 class SDARConfig(_FamilyConfig):
     """SDAR's and TraDo's config.json (Qwen3's field names and ``block_size``)."""
 
     model_type = "sdar"
-    def __init__(self, **kwargs: Any) -> None:  # its own: transformers 5 would generate one that skips ours
-        super().__init__(**kwargs)
-
-    # The published configuration class's defaults, for a field config.json leaves out.
     _defaults = {"vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 22016, "num_hidden_layers": 32,
                  "num_attention_heads": 32, "num_key_value_heads": 32, "head_dim": 128, "hidden_act": "silu",
                  "rope_theta": 10000.0, "rope_scaling": None, "rms_norm_eps": 1e-6, "attention_bias": False,
                  "use_sliding_window": False, "block_size": 4}
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
 
 
 def _refuse(config: PretrainedConfig, field: str, value: Any, *, allowed: Any) -> None:
