@@ -7,7 +7,12 @@ runs without the Hub. Each class reproduces the interface and the quirks of the 
 stands for, read from the published code (GSAI-ML/LLaDA-8B-Instruct ``modeling_llada.py``,
 Dream-org/Dream-v0-Instruct-7B ``modeling_dream.py`` and ``generation_utils.py``, JetLM
 SDAR-*-Chat / TraDo ``modeling_sdar.py`` and SDAR's ``generate.py``); the arithmetic is
-written here, small.
+written here, small, under the published module and parameter names and config fields
+(stabledrl's native models load these checkpoints as they load the published ones):
+LLaDA's ``model.transformer.{wte, blocks.i.{attn_norm, q_proj, k_proj, v_proj, attn_out,
+ff_norm, ff_proj, up_proj, ff_out}, ln_f, ff_out}``, Dream's and SDAR's Qwen names
+(``model.layers.i.self_attn.q_proj`` ..., Dream's q/k/v biases, SDAR's ``q_norm``/``k_norm``),
+grouped key/value heads.
 
 Copies in circulation differ in their attention while sharing class names and config; the
 module constants ``LLADA_COPY`` and ``DREAM_COPY`` say which copy this file stands for (a test

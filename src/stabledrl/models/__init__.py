@@ -13,6 +13,7 @@ from stabledrl.models.attention import (
 )
 from stabledrl.models.adapters import ADAPTERS, HFPolicy, load_hf_policy
 from stabledrl.models.lora import LoraSettings, add_lora, base_policy
+from stabledrl.models.native import NATIVE_MODELS, DreamModel, LLaDAModelLM, SDARForCausalLM
 from stabledrl.models.policy import ModelConfig, Policy, TinyPolicy, load_policy, resolve_adapter
 from stabledrl.models.tiny import KVCache, TinyDiffusionConfig, TinyDiffusionLM
 
@@ -25,6 +26,10 @@ __all__ = [
     "ADAPTERS",
     "HFPolicy",
     "load_hf_policy",
+    "NATIVE_MODELS",
+    "LLaDAModelLM",
+    "DreamModel",
+    "SDARForCausalLM",
     "LoraSettings",
     "add_lora",
     "base_policy",
