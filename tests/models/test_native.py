@@ -10,7 +10,11 @@ published files themselves (docs/scale-out.md, "Native models").
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -180,3 +184,16 @@ def test_a_config_it_does_not_compute_is_refused_naming_the_field(dirs, tmp_path
                                  scale_logits=True))
     with pytest.raises(ValueError, match="model_type 'dream' is not a llada checkpoint"):
         load_policy(ModelConfig(path=str(dirs["dream"]), adapter="llada"))
+
+
+def test_a_native_family_loads_in_a_fresh_process_without_its_codes_imports(dirs):
+    # The stand-ins' file imports flash-attn at module level, as SDAR's does: the native path never
+    # imports it (no shim installed, no remote config class read for the tokenizer).
+    code = ("import sys; from stabledrl.models import ModelConfig, load_policy; "
+            f"p = load_policy(ModelConfig(path={str(dirs['sdar'])!r})); "
+            "print(p.native, 'flash_attn' in sys.modules)")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[2] / "src"),
+                                                        os.environ.get("PYTHONPATH", "")])}
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.split()[-2:] == ["True", "False"]

@@ -362,6 +362,20 @@ def _names_its_code(path: str | Path) -> bool:
         return False
 
 
+def _load_tokenizer(path: str | Path, remote: bool, native: bool) -> PreTrainedTokenizerBase:
+    """The checkpoint's tokenizer; under the native code its own tokenizer file only where the
+    tokenizer needs one (Dream's names its class there), not the model's code."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(path), trust_remote_code=remote)
+    except ValueError as e:
+        if remote or not native or "trust_remote_code" not in str(e):
+            raise
+        log.info("%s: its tokenizer is defined in its own file; loading it with trust_remote_code", path)
+        return AutoTokenizer.from_pretrained(str(path), trust_remote_code=True)
+
+
 def _generation_config(path: str | Path) -> Any:
     """The checkpoint's generation_config.json as a plain `GenerationConfig` (a family's own
     fields, Dream's ``alg`` and ``steps``, kept as attributes), or None when it has none."""
@@ -434,7 +448,7 @@ def load_hf_policy(cfg: ModelConfig, adapter: str, *, dtype: torch.dtype = torch
     saved with unless `cfg` names them (``chat_template`` and ``prompt_attention`` auto and
     ``stop_tokens`` empty take the saved ones). `cfg.check_attention`: probe a full-attention
     model's attention (`probe_attention`)."""
-    from transformers import AutoModel, AutoModelForCausalLM, AutoModelForMaskedLM, AutoTokenizer
+    from transformers import AutoModel, AutoModelForCausalLM, AutoModelForMaskedLM
 
     if adapter not in ADAPTERS:
         raise ValueError(f"adapter must be one of {ADAPTERS}, got {adapter!r}")
@@ -468,8 +482,7 @@ def load_hf_policy(cfg: ModelConfig, adapter: str, *, dtype: torch.dtype = torch
     if not _compat.sharded_at_prepare():
         model.to(device)  # under FSDP's sharded load the weights stay on the CPU: `prepare` moves each shard
     model.eval()
-    # The families' published tokenizers load through their own files (Dream's names its class there).
-    tokenizer = AutoTokenizer.from_pretrained(str(path), trust_remote_code=remote or native)
+    tokenizer = _load_tokenizer(path, remote, native)
     mask_id = _resolve_mask_id(adapter, mask_token_id, model, tokenizer)
     if adapter in ("decoder", "sdar") and block_size is None:  # SDAR / TraDo name their block size
         block_size = getattr(model.config, "block_size", None)

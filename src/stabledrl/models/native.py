@@ -32,7 +32,7 @@ from torch.utils.checkpoint import checkpoint
 from transformers import PretrainedConfig, PreTrainedModel
 from transformers.modeling_outputs import MaskedLMOutput
 
-from stabledrl.models.tiny import KVCache
+from stabledrl.models.tiny import KVCache, rope_frequencies
 
 __all__ = ["Architecture", "LLaDAConfig", "DreamConfig", "SDARConfig", "LLaDAModelLM", "DreamModel",
            "SDARForCausalLM", "NATIVE_MODELS", "architecture"]
@@ -309,12 +309,6 @@ class _NativeLM(PreTrainedModel):
         super().__init__(config)
         self.arch = architecture(config)
         self.gradient_checkpointing = False  # True: recompute each layer in the backward, in eval mode too
-        self.register_buffer("inv_freq", self._inv_freq(), persistent=False)
-
-    def _inv_freq(self) -> torch.Tensor:
-        """(Dh/2,) RoPE's frequencies, theta^(-2i/Dh), written as every family's file writes them."""
-        dim = self.arch.head_dim
-        return 1.0 / self.arch.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
 
     def _parts(self) -> tuple[nn.Embedding, nn.ModuleList, nn.Module, nn.Linear | None]:
         """The embedding, the layers, the final norm and the output head (None: tied)."""
@@ -340,8 +334,6 @@ class _NativeLM(PreTrainedModel):
                 nn.init.zeros_(module.bias)
         elif isinstance(module, RMSNorm):
             nn.init.ones_(module.weight)
-        elif module is self:
-            self.inv_freq.copy_(self._inv_freq())
 
     def forward(
         self,
@@ -367,7 +359,9 @@ class _NativeLM(PreTrainedModel):
         mask, position_ids = self._mask(input_ids, attention_mask, position_ids, len(cache) if cached else 0)
         if position_ids is None:
             position_ids = torch.arange(T, device=input_ids.device).expand(B, T)
-        freqs = position_ids[:, None, :, None].float() * self.inv_freq  # (B, 1, T, Dh/2)
+        # theta^(-2i/Dh), as every family's file writes it (there, a buffer)
+        inv_freq = rope_frequencies(self.arch.rope_theta, self.arch.head_dim, input_ids.device)  # (Dh/2,)
+        freqs = position_ids[:, None, :, None].float() * inv_freq  # (B, 1, T, Dh/2)
         freqs = torch.cat((freqs, freqs), dim=-1)
         cos, sin = freqs.cos(), freqs.sin()  # (B, 1, T, Dh)
         embed, layers, norm, head = self._parts()

@@ -22,6 +22,7 @@ V vocabulary.
 
 from __future__ import annotations
 
+import functools
 from typing import Literal
 
 import torch
@@ -31,7 +32,7 @@ from torch.utils.checkpoint import checkpoint
 from transformers import PretrainedConfig, PreTrainedModel
 from transformers.modeling_outputs import MaskedLMOutput
 
-__all__ = ["TinyDiffusionConfig", "TinyDiffusionLM", "KVCache"]
+__all__ = ["TinyDiffusionConfig", "TinyDiffusionLM", "KVCache", "rope_frequencies"]
 
 
 # The fields of `TinyDiffusionConfig` and their defaults; `intermediate_size=None` means 4 * hidden_size.
@@ -94,6 +95,14 @@ class TinyDiffusionConfig(PretrainedConfig):
         # not to (5.x ties only declared pairs): a checkpoint would then load one into the other.
         kwargs.setdefault("tie_word_embeddings", False)
         super().__init__(**kwargs)
+
+
+@functools.lru_cache(maxsize=None)
+def rope_frequencies(theta: float, dim: int, device: torch.device) -> torch.Tensor:
+    """(dim/2,) RoPE's frequencies theta^(-2i/dim) in float32, computed on the CPU (the same values on
+    every device) and kept per device. Not a buffer: transformers 5 leaves a non-persistent buffer
+    unset (zeros) where it loads a model for FSDP's RAM-efficient start, and accelerate keeps it so."""
+    return (1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)).to(device)
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -170,9 +179,6 @@ class TinyDiffusionLM(PreTrainedModel):
         self.blocks = nn.ModuleList(_Block(config) for _ in range(config.num_hidden_layers))
         self.norm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        half = config.hidden_size // config.num_attention_heads // 2
-        inv_freq = 1.0 / config.rope_theta ** (torch.arange(half, dtype=torch.float32) / half)  # (Dh/2,)
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.gradient_checkpointing = False  # True: recompute each block in the backward (ModelConfig)
         self.post_init()
 
@@ -191,9 +197,6 @@ class TinyDiffusionLM(PreTrainedModel):
             nn.init.normal_(module.weight, mean=0.0, std=std)
         elif isinstance(module, nn.RMSNorm):
             nn.init.ones_(module.weight)
-        elif module is self:
-            half = self.config.hidden_size // self.config.num_attention_heads // 2
-            self.inv_freq.copy_(1.0 / self.config.rope_theta ** (torch.arange(half, dtype=torch.float32) / half))
 
     def forward(
         self,
@@ -222,7 +225,9 @@ class TinyDiffusionLM(PreTrainedModel):
         mask, position_ids = self._sdpa_mask(input_ids, attention_mask, position_ids, past)
         if position_ids is None:
             position_ids = torch.arange(T, device=input_ids.device).expand(B, T)
-        angles = position_ids[:, None, :, None].float() * self.inv_freq  # (B, 1, T, Dh/2)
+        inv_freq = rope_frequencies(float(self.config.rope_theta), self.config.hidden_size // self.config.num_attention_heads,
+                                    input_ids.device)  # (Dh/2,)
+        angles = position_ids[:, None, :, None].float() * inv_freq  # (B, 1, T, Dh/2)
         cos, sin = angles.cos(), angles.sin()
         if extend_cache and past_key_values is None:
             raise ValueError("extend_cache needs a KVCache in past_key_values")
