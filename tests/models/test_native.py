@@ -197,3 +197,40 @@ def test_a_native_family_loads_in_a_fresh_process_without_its_codes_imports(dirs
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
     assert res.stdout.split()[-2:] == ["True", "False"]
+
+
+def _small_configs() -> dict:
+    from stabledrl.models.native import DreamConfig, SDARConfig
+
+    return {"llada": LLaDAConfig(d_model=32, n_heads=2, n_layers=1, mlp_hidden_size=48, vocab_size=40, embedding_size=40,
+                                 block_type="llama", activation_type="silu", layer_norm_type="rms", rope=True,
+                                 weight_tying=False),
+            "dream": DreamConfig(vocab_size=40, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                                 num_attention_heads=2, num_key_value_heads=1),
+            "sdar": SDARConfig(vocab_size=40, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                               num_attention_heads=2, num_key_value_heads=1, head_dim=16, tie_word_embeddings=True)}
+
+
+def test_a_tied_head_is_the_embedding_matrix():
+    # SDAR-1.7B and Qwen3's small sizes tie the head to the embedding: no weights of its own, logits h · Eᵀ
+    torch.manual_seed(0)
+    model = NATIVE_MODELS["sdar"](_small_configs()["sdar"]).eval()
+    assert "lm_head.weight" not in model.state_dict() and model.get_output_embeddings() is None
+    ids = torch.randint(0, 40, (2, 5))
+    seen = {}
+    model.model.norm.register_forward_hook(lambda m, a, out: seen.setdefault("h", out))
+    with torch.no_grad():
+        logits = model(ids, attention_mask=torch.ones(2, 5, 5, dtype=torch.bool),
+                       position_ids=torch.arange(5).expand(2, 5)).logits
+    assert torch.allclose(logits, seen["h"] @ model.model.embed_tokens.weight.T, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("family", ["llada", "dream", "sdar"])
+def test_every_family_runs_in_bfloat16(family):
+    # the recipes' compute dtype: finite bfloat16 logits (RoPE and the norms in float32 inside)
+    model = NATIVE_MODELS[family](_small_configs()[family]).to(torch.bfloat16).eval()
+    ids = torch.randint(0, 40, (2, 5), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones(2, 5, 5, dtype=torch.bool) if family == "sdar" else torch.ones(2, 5)
+    with torch.no_grad():
+        out = model(ids, attention_mask=mask, position_ids=torch.arange(5).expand(2, 5)).logits
+    assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
