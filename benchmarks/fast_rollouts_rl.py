@@ -84,9 +84,9 @@ def cmd_run(args) -> None:
 
 
 def cmd_launch(args) -> None:
-    todo = [(s, seed) for seed in args.seeds for s in args.settings]  # seed by seed: stopped early, seeds compare
-    if args.runs:  # an explicit order, SETTING:SEED ...
-        todo = [(r.split(":")[0], int(r.split(":")[1])) for r in args.runs]
+    todo = [(args.task, s, seed) for seed in args.seeds for s in args.settings]  # seed by seed: stopped early, seeds compare
+    if args.runs:  # an explicit order, [TASK:]SETTING:SEED ...
+        todo = [(*([args.task] if r.count(":") == 1 else []), *r.split(":")) for r in args.runs]
     running: list[subprocess.Popen] = []
     def busy() -> int:  # training runs of this script on the machine, ours or another launcher's
         ps = subprocess.run(["pgrep", "-fc", "fast_rollouts_rl.py run "], capture_output=True, text=True)
@@ -95,13 +95,13 @@ def cmd_launch(args) -> None:
     while todo or running:
         running = [p for p in running if p.poll() is None]
         while todo and busy() < args.jobs:
-            setting, seed = todo.pop(0)
-            log = run_dir(args.task, setting, seed).with_suffix(".log")
+            task, setting, seed = todo.pop(0)
+            log = run_dir(task, setting, seed).with_suffix(".log")
             log.parent.mkdir(parents=True, exist_ok=True)
-            cmd = [sys.executable, __file__, "run", "--task", args.task, "--setting", setting, "--seed", str(seed),
+            cmd = [sys.executable, __file__, "run", "--task", task, "--setting", setting, "--seed", str(seed),
                    *(x for kv in args.set for x in ("--set", kv))]
             running.append(subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, cwd=ROOT))
-            print(f"started {setting} seed {seed} -> {log}", flush=True)
+            print(f"started {task} {setting} seed {seed} -> {log}", flush=True)
             time.sleep(2)
         time.sleep(5)
     cmd_summarise(args)
@@ -188,7 +188,7 @@ def main() -> None:
             p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
         if name == "launch":
             p.add_argument("--jobs", type=int, default=2, help="runs at a time (this script's runs on the machine)")
-            p.add_argument("--runs", nargs="+", default=[], help="SETTING:SEED in this order (default: each seed's settings)")
+            p.add_argument("--runs", nargs="+", default=[], help="[TASK:]SETTING:SEED in this order (default: each seed's settings)")
     args = parser.parse_args()
     {"run": cmd_run, "launch": cmd_launch, "summarise": cmd_summarise}[args.cmd](args)
 
