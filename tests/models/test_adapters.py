@@ -51,6 +51,15 @@ remote_code = pytest.mark.skipif(
 SDAR_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|MASK|>", "[UNK]"]
 
 
+def run_fresh(code: str) -> str:
+    """`code` in a fresh Python process (this checkout's src first on its path): its stdout."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[2] / "src"),
+                                                        os.environ.get("PYTHONPATH", "")])}
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    return res.stdout
+
+
 def sdar_tokenizer() -> PreTrainedTokenizerFast:
     """A character tokenizer with the special tokens of SDAR-Chat's (Qwen3's): no BOS, EOS and PAD
     <|endoftext|>, the end-of-turn <|im_end|> (the generation config's EOS) and <|MASK|>."""
@@ -555,14 +564,10 @@ def test_sdar_completions_can_end_at_its_end_of_turn_token(dirs):
 def test_sdar_code_loads_in_a_fresh_process(dirs):
     # SDAR's file imports transformers.utils.LossKwargs, gone since transformers 4.56: the
     # adapter installs the shim before loading (a fresh process, where nothing else has).
-    code = ("from stabledrl.models import ModelConfig, load_policy; "
-            f"p = load_policy(ModelConfig(path={str(dirs['sdar'])!r}, trust_remote_code=True)); "
-            "print(p.adapter, p.block_size, p.native)")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[2] / "src"),
-                                                        os.environ.get("PYTHONPATH", "")])}
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
-    assert res.returncode == 0, res.stderr[-2000:]
-    assert res.stdout.split()[-3:] == ["sdar", "4", "False"]
+    out = run_fresh("from stabledrl.models import ModelConfig, load_policy; "
+                    f"p = load_policy(ModelConfig(path={str(dirs['sdar'])!r}, trust_remote_code=True)); "
+                    "print(p.adapter, p.block_size, p.native)")
+    assert out.split()[-3:] == ["sdar", "4", "False"]
 
 
 def test_a_missing_or_colliding_mask_token_is_a_start_up_error(dirs, tmp_path):

@@ -10,11 +10,7 @@ published files themselves (docs/scale-out.md, "Native models").
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -25,7 +21,7 @@ from stabledrl.models import ModelConfig, load_policy
 from stabledrl.models.attention import block_causal_attention_mask
 from stabledrl.models.native import NATIVE_MODELS, LLaDAConfig, architecture
 from stabledrl.sampling import SamplingConfig, _ApproxCache, generate, row_generators
-from tests.models.test_adapters import dirs, fake_dllm, remote_code  # noqa: F401 (the fixture)
+from tests.models.test_adapters import dirs, fake_dllm, remote_code, run_fresh  # noqa: F401 (the fixture)
 
 PROMPTS = ["3,5,7=22", "12,4,6=9", "1=1", "8,8=16"]  # three padding counts: 0, 1 and 5 columns
 STAND_IN = {"llada": (fake_dllm.LLaDAConfig, fake_dllm.LLaDAModelLM), "dream": (fake_dllm.DreamConfig, fake_dllm.DreamModel),
@@ -189,14 +185,10 @@ def test_a_config_it_does_not_compute_is_refused_naming_the_field(dirs, tmp_path
 def test_a_native_family_loads_in_a_fresh_process_without_its_codes_imports(dirs):
     # The stand-ins' file imports flash-attn at module level, as SDAR's does: the native path never
     # imports it (no shim installed, no remote config class read for the tokenizer).
-    code = ("import sys; from stabledrl.models import ModelConfig, load_policy; "
-            f"p = load_policy(ModelConfig(path={str(dirs['sdar'])!r})); "
-            "print(p.native, 'flash_attn' in sys.modules)")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[2] / "src"),
-                                                        os.environ.get("PYTHONPATH", "")])}
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
-    assert res.returncode == 0, res.stderr[-2000:]
-    assert res.stdout.split()[-2:] == ["True", "False"]
+    out = run_fresh("import sys; from stabledrl.models import ModelConfig, load_policy; "
+                    f"p = load_policy(ModelConfig(path={str(dirs['sdar'])!r})); "
+                    "print(p.native, 'flash_attn' in sys.modules)")
+    assert out.split()[-2:] == ["True", "False"]
 
 
 def _small_configs() -> dict:
