@@ -131,7 +131,10 @@ def summarise_run(task: str, setting: str, seed: int) -> dict | None:
             "rollout_forward_passes": extra.get("forward_passes"),
             "rollout_row_forward_passes": extra.get("row_forward_passes"), "rollouts": None,
             "gain_points_per_1000_s": 100 * (final - start) / wall * 1000 if wall else None,
-            "step_means": means, "skipped_steps": summary.get("skipped_steps"),
+            "step_means": means,
+            "first_last_10_steps": {k: [_mean(r.get(k) for r in steps[:10]), _mean(r.get(k) for r in steps[-10:])]
+                                    for k in ("reward_mean", "accuracy_train", "entropy", "zero_variance_fraction")},
+            "skipped_steps": summary.get("skipped_steps"),
             "zero_variance_groups": summary.get("zero_variance_groups"), "collapse": summary.get("collapse"),
             "steps_logged": len(steps)}
 

@@ -121,31 +121,55 @@ def test_d1_normalisation():
     assert not d1.equivalent("\\sqrt", "\\sqrt{}")      # an empty piece after \sqrt raises
 
 
+# math-verify's ±1, then the authors' anti-short-boxed bonus (0 or 1; its cases below). Non-space
+# characters: "48+24=72,sotheansweris" 22 outside the box of 33, 0.67 < 0.85: no bonus.
 @pytest.mark.parametrize("completion, expected", [
-    ("48 + 24 = 72, so the answer is \\boxed{72}.", 1.0),
-    ("48 + 24 = 72 clips in total.", 1.0),       # no box: math-verify takes the last number
-    ("So the total is 72 clips, not 70.", -1.0),  # ... which is 70 here
-    ("The answer is \\boxed{73}.", -1.0),         # wrong
-    ("I do not know.", -1.0),                     # unparseable
-    ("", -1.0),
-    (STRICT.replace("She sold 48 + 24.", "I count them.").format("seventy-two"), -1.0),  # d1's format: nothing
-    ("She sold 48 + 24.", 1.0),                   # math-verify reads the last expression, 48 + 24 = 72
+    ("48 + 24 = 72, so the answer is \\boxed{72}.", 1.0 + 0),
+    ("48 + 24 = 72 clips in total.", 1.0 + 1),       # no box: math-verify takes the last number; no box, bonus
+    ("So the total is 72 clips, not 70.", -1.0 + 1),  # ... which is 70 here
+    ("The answer is \\boxed{73}.", -1.0 + 0),         # wrong; 12 of 22 characters outside the box
+    ("I do not know.", -1.0 + 1),                     # unparseable
+    ("", -1.0 + 0),                                   # empty: 0 / (0 + 1e-6) < 0.85
+    (STRICT.replace("She sold 48 + 24.", "I count them.").format("seventy-two"), -1.0 + 1),  # d1's format: nothing
+    ("She sold 48 + 24.", 1.0 + 1),                   # math-verify reads the last expression, 48 + 24 = 72
 ])
 def test_stabledrl_gsm8k_reward(gsm8k_file, tmp_path, completion, expected):
     task = get_task("gsm8k", path=gsm8k_file, convention="stabledrl", cache_dir=str(tmp_path / "hf"))
     p = one_problem(task)
     assert p.meta["last"] == "72"  # the gold: the text after the reference's last "####"
     assert task.reward([completion], [p]) == [expected]
-    assert task.is_correct(completion, p) is (expected == 1.0)
+    assert task.is_correct(completion, p) is (expected >= 1.0)
     task.close()
+
+
+LONG = "We add the clips of April and of May, " * 8  # 8 · 29 = 232 non-space characters
+
+
+@pytest.mark.parametrize("completion, bonus", [
+    ("\\boxed{72}", 0.0),                     # a bare box
+    ("  $\\boxed{72}$. ", 0.0),               # still bare: $, spaces and a closing mark around it
+    ("So \\boxed{72}", 0.0),                  # "So" is 2 of 12 characters: 0.17 < 0.85
+    ("The answer is 72.", 1.0),                # short, no box: all 14 characters outside one
+    ("", 0.0),                                 # empty
+    ("x" * 150 + " \\boxed{7}", 1.0),         # short, but 150 of 159 characters outside the box: 0.94
+    ("x" * 40 + " \\boxed{7}", 0.0),          # 40 of 49: 0.82 < 0.85
+    ("\\boxed{\\frac{1}{2}}", 0.0),            # not bare to their pattern ([^}]*), "{2}}" 4 of 19 outside
+    (LONG + "\\boxed{72}", 1.0),              # 232 + 10 >= 200 non-space characters: always 1
+    ("\\boxed{" + "9" * 199 + "}", 1.0),       # 207 characters, all in the box: long enough
+])
+def test_the_stabledrl_authors_anti_short_boxed_bonus(completion, bonus):
+    from stabledrl.tasks.math import anti_short_boxed_reward
+
+    assert anti_short_boxed_reward(completion) == bonus
 
 
 def test_stabledrl_math_reward(math_file, tmp_path):
     # the gold is the whole reference solution; math-verify finds its boxed 1/2
     task = get_task("math", path=math_file, convention="stabledrl", cache_dir=str(tmp_path / "hf"))
     p = one_problem(task)
-    got = task.reward(["Thus \\boxed{0.5}", "Thus \\boxed{1/3}", "no idea"], [p] * 3)
-    assert got == [1.0, -1.0, -1.0]
+    got = task.reward(["Thus \\boxed{0.5}", "Thus \\boxed{1/3}", "no idea", LONG + "Thus \\boxed{0.5}"], [p] * 4)
+    # ±1, then the bonus: "Thus" is 4 of 16 characters (a short, mainly boxed answer): 0; "no idea" 1; long: 1
+    assert got == [1.0 + 0, -1.0 + 0, -1.0 + 1, 1.0 + 1]
     task.close()
 
 

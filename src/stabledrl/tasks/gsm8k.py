@@ -8,7 +8,9 @@ ours, neither published setup): the reward below. d1: d1's reasoning/answer form
 five summed rewards (`stabledrl.tasks.d1`), up to 4. stabledrl: the StableDRL authors'
 (dataloaders/math.py, reward_gsm8k): +1.0 when math-verify finds the whole completion
 equivalent to the text after the reference's last "####", else -1.0 (wrong, unparseable,
-timed out); the prompt asks for a \\boxed{} answer.
+timed out), plus their training loop's `anti_short_boxed_reward` (0 or 1: 0 for a short
+completion that is mostly a \\boxed{}), so rewards in {-1, 0, 1, 2}; the prompt asks for a
+\\boxed{} answer.
 
 simple's reward: 1.0 when the completion's final number equals the reference number after
 "####", else 0.0. The completion's final number is taken from the last explicit answer
@@ -30,7 +32,7 @@ from typing import Literal
 from stabledrl.tasks import d1
 from stabledrl.tasks.base import Problem, Score, ScoredTask, Split, register_task
 from stabledrl.tasks.datasets import DatasetTask, _last_boxed_span, convention_template, format_prompt
-from stabledrl.tasks.math import MathVerifier
+from stabledrl.tasks.math import MathVerifier, anti_short_boxed_reward
 
 __all__ = ["GSM8K", "extract_number", "parse_number", "reference_number"]
 
@@ -134,7 +136,7 @@ class GSM8K(DatasetTask, ScoredTask):
         if self.convention == "stabledrl":
             assert self.verifier is not None
             ok = self.verifier.equivalent(problem.meta["last"], completion, raw=True)
-            return Score(1.0 if ok else -1.0, correct=ok)
+            return Score((1.0 if ok else -1.0) + anti_short_boxed_reward(completion), correct=ok)
         value = extract_number(completion)
         return 1.0 if value is not None and value == Decimal(problem.meta["target"]) else 0.0
 

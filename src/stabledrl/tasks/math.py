@@ -9,7 +9,8 @@ Local files, Hub names and `validation_size`: as for gsm8k (`stabledrl.tasks.dat
 ours, neither published setup): the reward below. d1: d1's reasoning/answer format and
 its two summed rewards (`stabledrl.tasks.d1`). stabledrl: the StableDRL authors'
 (dataloaders/math.py, reward_mixed): +1.0 when math-verify finds the whole completion
-equivalent to the whole reference solution, else -1.0; the prompt asks for a \\boxed{}.
+equivalent to the whole reference solution, else -1.0, plus their training loop's
+`anti_short_boxed_reward` (0 or 1), so rewards in {-1, 0, 1, 2}; the prompt asks for a \\boxed{}.
 
 simple's reward: 1.0 when the completion's final answer is equivalent to the gold answer
 per math-verify (`parse` + `verify`), else 0.0. The final answer is the last top-level
@@ -38,7 +39,7 @@ from stabledrl.tasks import d1
 from stabledrl.tasks.base import Problem, Score, ScoredTask, Split, register_task
 from stabledrl.tasks.datasets import DatasetTask, convention_template, format_prompt, last_boxed
 
-__all__ = ["MathTask", "MathVerifier", "extract_answer"]
+__all__ = ["MathTask", "MathVerifier", "extract_answer", "anti_short_boxed_reward"]
 
 logger = logging.getLogger(__name__)
 
@@ -194,6 +195,29 @@ TEMPLATES: dict[str, str] = {
 """Each convention's default `prompt_template`."""
 
 
+_PURE_BOX = re.compile(r"[\s$]*\\boxed\{[^}]*\}[\s$]*[.?!'\"“”’]*\s*")
+_BOX_SPAN = re.compile(r"\\boxed\{.*?\}", re.DOTALL)
+_SPACE = re.compile(r"\s+")
+
+
+def anti_short_boxed_reward(completion: str, *, min_total_chars: int = 200, non_boxed_ratio_threshold: float = 0.85
+                            ) -> float:
+    """The StableDRL authors' bonus, added to their ±1 reward (their networks/llada_svpo.py,
+    `anti_short_boxed_reward`): 0.0 for a completion of fewer than `min_total_chars`
+    non-space characters that is only a \\boxed{...} (with $, spaces and a closing
+    punctuation mark) or whose characters outside \\boxed{...} spans are under
+    `non_boxed_ratio_threshold` of its non-space characters; else 1.0. Their patterns, warts
+    included: a span ends at the first "}", so of \\boxed{\\frac{1}{2}} the tail "{2}}" counts
+    as text outside it; an empty completion scores 0.0, a short one with no box 1.0."""
+    text = completion.strip()
+    total = len(_SPACE.sub("", text))
+    if total >= min_total_chars:
+        return 1.0
+    outside = len(_SPACE.sub("", _BOX_SPAN.sub("", text)))
+    mainly_boxed = bool(_PURE_BOX.fullmatch(text)) or outside / (total + 1e-6) < non_boxed_ratio_threshold
+    return 0.0 if mainly_boxed else 1.0
+
+
 @dataclass
 class MathTask(DatasetTask, ScoredTask):
     """MATH / MATH-500 from local files or the Hub; see the module docstring."""
@@ -244,7 +268,7 @@ class MathTask(DatasetTask, ScoredTask):
             return Score(sum(terms.values()), correct=terms["correct"] > 0)
         if self.convention == "stabledrl":
             ok = self.verifier.equivalent(problem.answer, completion, raw=True)
-            return Score(1.0 if ok else -1.0, correct=ok)
+            return Score((1.0 if ok else -1.0) + anti_short_boxed_reward(completion), correct=ok)
         answer = extract_answer(completion)
         if not answer or len(answer) > self.max_answer_chars:
             return 0.0
