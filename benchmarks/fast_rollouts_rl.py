@@ -36,7 +36,7 @@ DUAL, THRESHOLD, BLOCKS4 = ["rollout.approx_cache=dual"], ["rollout.threshold=0.
 SETTINGS = {"A": [], "B": DUAL, "C": DUAL + THRESHOLD,
             "A4": BLOCKS4, "B4": BLOCKS4 + DUAL, "C4": BLOCKS4 + DUAL + THRESHOLD}
 # The step means reported (those present in the metrics): ratio diagnostics, then the rollouts'.
-STEP_KEYS = ["ratio_max", "ratio_mean", "log_ratio_std", "ess", "clip_fraction", "bypass_fraction", "drift_k3",
+STEP_KEYS = ["ratio_max", "ratio_mean", "log_ratio_std", "ess", "clip_fraction", "bypass_fraction", "drift_kl", "drift_k3",
              "entropy", "reward_mean", "completion_length", "zero_variance_fraction", "grad_norm", "time_rollout",
              "seconds"]
 

@@ -52,7 +52,7 @@ def test_stabledrl_recipes_hold_the_authors_settings(name):
     assert (cfg.objective.likelihood, cfg.objective.spg_beta, cfg.objective.spg_omega) == ("spg", 1.5, 0.5)
     assert (cfg.estimator.method, cfg.estimator.num_samples) == ("block_random", 2)
     assert cfg.estimator.options == {"block_length": 32, "p_prompt": 0.15}
-    assert (cfg.rollout.steps, cfg.rollout.block_length, cfg.rollout.micro_batch) == (128, 32, 8)
+    assert (cfg.rollout.steps, cfg.rollout.block_length, cfg.rollout.micro_batch) == (128, 32, 16)
 
 
 def test_d1_recipe_holds_d1s_settings():
