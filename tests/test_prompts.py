@@ -3,6 +3,8 @@ evaluation and `stabledrl sample` (`stabledrl.models.prompting`, `stabledrl.data
 
 from __future__ import annotations
 
+import dataclasses
+
 from pathlib import Path
 
 import pytest
@@ -137,6 +139,27 @@ def test_evaluation_and_rollouts_feed_the_model_the_prompt_text_of_the_policy_se
                          shards=_one_process())
     assert torch.equal(groups.prompt_ids, expected[:2].repeat_interleave(2, 0)[:, -groups.prompt_ids.size(1):])
     assert torch.equal(policy.inputs[0][:, :groups.prompt_ids.size(1)], groups.prompt_ids)
+
+
+def test_max_prompt_length_keeps_each_prompts_last_tokens_in_rollouts_and_evaluation():
+    # d1's (TRL's) max_prompt_length: the left-padded batch cut to its last N columns, so a longer
+    # prompt loses its beginning and a shorter one keeps all its tokens (and some padding)
+    task = get_task("countdown")
+    problems = task.generate(3, split="test", seed=0)
+    policy = _Recording(chat_policy(seed=2, chat_template=True))
+    whole, mask = encode_prompts(policy.tokenizer, [p.prompt for p in problems], chat_template=True)  # (3, P)
+    N = 12
+    assert whole.size(1) > N and (mask.sum(1) > N).any()  # a prompt longer than N
+    sampling = dataclasses.replace(TrainConfig().rollout, max_prompt_length=N)
+    groups = roll_groups(policy, task, problems, group_size=2, sampling=sampling, gen_length=11, tag="t",
+                         shards=_one_process())
+    assert torch.equal(groups.prompt_ids, whole[:, -N:].repeat_interleave(2, 0))
+    assert torch.equal(groups.prompt_mask, mask[:, -N:].repeat_interleave(2, 0))
+    policy.inputs.clear()
+    evaluate(policy, task, problems, SamplingConfig(gen_length=11, max_prompt_length=N), progress=False)
+    assert torch.equal(policy.inputs[0][:, :N], whole[:, -N:])
+    with pytest.raises(ValueError, match="max_prompt_length"):
+        SamplingConfig(max_prompt_length=0)
 
 
 # --- stop tokens ------------------------------------------------------------------------

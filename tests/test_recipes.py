@@ -65,6 +65,7 @@ def test_d1_recipe_holds_d1s_settings():
     assert (cfg.estimator.method, cfg.estimator.options) == ("mean_field", {"p_prompt": 0.15})
     assert (cfg.lora.r, cfg.lora.alpha, cfg.lora.dropout) == (128, 64, 0.05)
     assert cfg.task.options["convention"] == "d1"
+    assert (cfg.rollout.max_prompt_length, cfg.eval_sampling.max_prompt_length) == (200, None)  # training only
 
 
 @pytest.mark.parametrize("name", RECIPES)

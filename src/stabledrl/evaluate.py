@@ -87,6 +87,8 @@ def evaluate(
     policy.model.eval()
     t0 = time.perf_counter()
     ids, mask = encode_policy_prompts(policy, [p.prompt for p in problems])  # (n, P): one padding for all
+    if sampling.max_prompt_length is not None:  # each prompt's last tokens
+        ids, mask = ids[:, -sampling.max_prompt_length:], mask[:, -sampling.max_prompt_length:]
     out = generate_micro_batched(RolloutRequest(policy, ids.to(policy.device), mask.to(policy.device), gen_length,
                                                 generators, sampling, micro_batch=micro_batch, synced=share.synced,
                                                 num_calls=share.num_calls, progress=progress))

@@ -161,6 +161,9 @@ class SamplingConfig:
     call dropping the left padding its rows all have (prompts of very different lengths: GSM8K,
     MATH). Outputs in the given order; a row's tokens are the same but for rounding (a different
     number of hidden padding keys; `stabledrl.sampling.generate_micro_batched`)."""
+    max_prompt_length: int | None = None
+    """Keep each prompt's last N tokens, the left-padded batch cut from the left as TRL's and d1's
+    ``max_prompt_length`` cuts it (the trainer then scores the prompt as cut); None: whole prompts."""
     noise: Noise = "auto"
     """Where the sampling noise comes from. generator: each row's CPU generator, float64 Gumbel
     noise over every completion column and the whole vocabulary, copied to the device (the stream
@@ -195,7 +198,7 @@ class SamplingConfig:
     """Keyword arguments of an external engine's constructor."""
 
     def __post_init__(self) -> None:
-        for name in ("gen_length", "steps", "block_length", "micro_batch"):
+        for name in ("gen_length", "steps", "block_length", "micro_batch", "max_prompt_length"):
             v = getattr(self, name)
             check(v is None or v >= 1, f"sampling.{name} must be a positive integer or null, got {v}")
         check(self.temperature >= 0, f"sampling.temperature must be >= 0, got {self.temperature}")
