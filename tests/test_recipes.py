@@ -68,6 +68,11 @@ def test_d1_recipe_holds_d1s_settings():
     assert (cfg.rollout.max_prompt_length, cfg.eval_sampling.max_prompt_length) == (200, None)  # training only
 
 
+def test_the_math_recipe_filters_training_problems_as_the_authors():
+    options = load("llada-8b-instruct-math-stabledrl").task.options
+    assert (options["max_level"], options["max_problem_chars"], options["max_problem_words"]) == (4, 1500, 300)
+
+
 @pytest.mark.parametrize("name", RECIPES)
 def test_recipe_task_builds_from_a_local_file(tmp_path, name):
     cfg = load(name)

@@ -174,3 +174,30 @@ def test_is_correct_judges_afresh(task, monkeypatch):
     calls = []
     monkeypatch.setattr(task.verifier, "equivalent", lambda g, p: calls.append(p) or False)
     assert not task.is_correct("\\boxed{0.5}", HALF) and calls == ["0.5"]
+
+
+def test_the_authors_filter_keeps_short_low_level_training_problems_only(tmp_path):
+    # max_problem_chars: shorter than N characters; max_problem_words: at most N words (split on spaces)
+    rows = [{"problem": p, "solution": "\\boxed{1}", "level": level} for p, level in (
+        ("one two", "Level 4"),               # 7 characters, 2 words: kept
+        ("one two three four", "Level 1"),    # 18 characters, 4 words: too many words (> 3)
+        ("x" * 20, "Level 2"),                # 20 characters: not under 20
+        ("abc def ghi", "Level ?"),           # 11 characters, 3 words; an unreadable level counts as 5
+        ("uvw xyz", "Level 2"),               # kept
+    )]
+    write_jsonl(tmp_path / "train.jsonl", rows)
+    write_jsonl(tmp_path / "test.jsonl", rows)
+    t = get_task("math", path=str(tmp_path / "{split}.jsonl"), cache_dir=str(tmp_path / "hf"),
+                 max_problem_chars=20, max_problem_words=3)
+    train = {p.prompt.split("\n")[0] for p in t.generate(3, split="train")}
+    assert train == {"one two", "abc def ghi", "uvw xyz"}
+    with pytest.raises(ValueError, match="has 3 rows"):  # only the kept ones are drawn
+        t.generate(4, split="train")
+    assert len(t.generate(5, split="test")) == 5  # the test split is never filtered
+    t.close()
+    t = get_task("math", path=str(tmp_path / "{split}.jsonl"), cache_dir=str(tmp_path / "hf"),
+                 max_problem_chars=20, max_problem_words=3, max_level=4)  # "Level ?" reads as 5: out
+    assert {p.prompt.split("\n")[0] for p in t.generate(2, split="train")} == {"one two", "uvw xyz"}
+    t.close()
+    with pytest.raises(ValueError, match="max_problem_words must be a positive whole number"):
+        get_task("math", path=str(tmp_path / "{split}.jsonl"), max_problem_words=0)

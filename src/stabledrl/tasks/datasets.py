@@ -65,6 +65,9 @@ class DatasetSplits:
     """`datasets` cache directory; None = its default (~/.cache/huggingface/datasets)."""
     check_row: Callable[[dict[str, Any]], str | None] | None = None
     """Why a row cannot become a problem (None if it can); every row is checked as it loads."""
+    keep_row: Callable[[dict[str, Any]], bool] | None = None
+    """Which rows the train split keeps (validation is carved from those); the test split keeps all.
+    None: every row (a length filter, for example)."""
     validation_size: int = 0
     """Rows of the train split that form split="validation" instead (module docstring); 0: none."""
     id_of: Callable[[dict[str, Any]], str] | None = None
@@ -94,14 +97,30 @@ class DatasetSplits:
         if split == "validation" and self.validation_size == 0:
             raise ValueError(f"task {self.task or self.path!r} has no validation split: set its option "
                              f"validation_size (e.g. 500 rows carved from the {name!r} split), or eval_split: test")
-        if split == "test" or self.validation_size == 0:
+        if split == "test":
             return self._file_rows(name)
+        if self.validation_size == 0:
+            return self._kept(name)
         if self.is_local() and "{split}" not in self.path:
             raise ValueError(f"validation_size: {self.path!r} serves the test split too, so validation rows would be "
                              "test rows; use separate files (a path with {split})")
         if not self._parts:
-            self._parts = self._carve(self._file_rows(name))
+            self._parts = self._carve(self._kept(name))
         return self._parts[split]
+
+    def _kept(self, name: str) -> list[dict[str, Any]]:
+        """The rows of file split `name` that `keep_row` keeps (all without one)."""
+        if self.keep_row is None:
+            return self._file_rows(name)
+        if "kept" not in self._parts:
+            rows = self._file_rows(name)
+            self._parts["kept"] = [r for r in rows if self.keep_row(r)]
+            if not self._parts["kept"]:
+                raise ValueError(f"the {name!r} split of {self.path!r}: none of its {len(rows)} rows passes the task's "
+                                 "filter of training rows (math: max_level, max_problem_chars, max_problem_words)")
+            logger.info("%s: %d of %d training rows kept by the task's filter", self.path, len(self._parts["kept"]),
+                        len(rows))
+        return self._parts["kept"]
 
     def _file_rows(self, name: str) -> list[dict[str, Any]]:
         if name not in self._rows:
@@ -328,13 +347,16 @@ class DatasetTask:
         column = self.id_column
         id_of = None if column is None else (lambda row: str(row.get(column)))
         self.data = DatasetSplits(require_path(self.path, self.name), self.hub_config, self.train_split,
-                                  self.test_split, self.cache_dir, check_row=self.check_row,
+                                  self.test_split, self.cache_dir, check_row=self.check_row, keep_row=self.keep_row,
                                   validation_size=self.validation_size, id_of=id_of, task=self.name)
         if self.data.is_local():
             self.data.loaded_rows()  # read and check every row now, not when a step first draws it
 
     def prompt_of(self, row: dict[str, Any]) -> str:
         return format_prompt(self.prompt_template, row)
+
+    keep_row: ClassVar[Callable[[dict[str, Any]], bool] | None] = None
+    """Which training rows to keep (`DatasetSplits.keep_row`); a subclass may define one."""
 
     def check_row(self, row: dict[str, Any]) -> str | None:
         """Why `row` cannot become a problem, or None; a subclass adds its own checks."""

@@ -218,6 +218,14 @@ def anti_short_boxed_reward(completion: str, *, min_total_chars: int = 200, non_
     return 0.0 if mainly_boxed else 1.0
 
 
+def _level(level: object) -> int:
+    """MATH's "Level 3" -> 3; anything unreadable -> 5 (the authors' try_get_level)."""
+    try:
+        return int(str(level).split()[-1])
+    except (ValueError, IndexError):
+        return 5
+
+
 @dataclass
 class MathTask(DatasetTask, ScoredTask):
     """MATH / MATH-500 from local files or the Hub; see the module docstring."""
@@ -237,6 +245,13 @@ class MathTask(DatasetTask, ScoredTask):
     """math-verify's own (SIGALRM) timeout for each parse and comparison, whole seconds."""
     memory_mb: float = 4096
     """Address-space limit of the verifier's worker."""
+    max_problem_chars: int | None = None
+    """Train only on problems shorter than this many characters (the StableDRL authors: 1500); None: all."""
+    max_problem_words: int | None = None
+    """Train only on problems of at most this many words, split on spaces (the authors: 300); None: all."""
+    max_level: int | None = None
+    """Train only on problems of this level or lower ("Level 3" -> 3; unreadable: 5, as the authors
+    read it; they keep 1-4); None: all."""
     name: str = "math"
     """The registry name."""
 
@@ -244,11 +259,24 @@ class MathTask(DatasetTask, ScoredTask):
 
     def __post_init__(self) -> None:
         self.prompt_template = convention_template(TEMPLATES, self.convention, self.prompt_template)
+        for name in ("max_problem_chars", "max_problem_words", "max_level"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be a positive whole number or null, got {value!r}")
         super().__post_init__()
         if self.timeout_s <= 0 or self.verify_timeout_s < 1:
             raise ValueError("timeout_s must be positive and verify_timeout_s at least 1 (whole seconds)")
         self.verifier = MathVerifier(timeout_s=self.timeout_s, verify_timeout_s=self.verify_timeout_s,
                                      memory_mb=self.memory_mb)
+
+    def keep_row(self, row: dict) -> bool:
+        """The authors' filter of training problems (their dataloaders/math.py,
+        `_prepare_math_dataset`): level at most `max_level`, under `max_problem_chars`
+        characters, at most `max_problem_words` words; the test split is never filtered."""
+        problem = str(row.get("problem", ""))
+        return ((self.max_level is None or _level(row.get("level")) <= self.max_level)
+                and (self.max_problem_chars is None or len(problem) < self.max_problem_chars)
+                and (self.max_problem_words is None or len(problem.split()) <= self.max_problem_words))
 
     def generate(self, n: int, *, split: Split = "train", seed: int = 0) -> list[Problem]:
         """`n` distinct rows of `split` (without replacement), reproducible from `seed`."""
