@@ -302,8 +302,6 @@ class _NativeLM(PreTrainedModel):
     _supports_sdpa = True
     block_attention = False
     """True: the model is read block by block and needs an explicit boolean mask (SDAR)."""
-    shifted = False
-    """True: logits[:, i] predict token i + 1 (Dream)."""
 
     def __init__(self, config: PretrainedConfig) -> None:
         super().__init__(config)
@@ -460,7 +458,6 @@ class DreamModel(_QwenLM):
     config_class = DreamConfig
     _no_split_modules = ["DreamDecoderLayer"]
     _layer = DreamDecoderLayer
-    shifted = True
 
 
 class SDARForCausalLM(_QwenLM):
