@@ -362,18 +362,19 @@ def _names_its_code(path: str | Path) -> bool:
         return False
 
 
-def _load_tokenizer(path: str | Path, remote: bool, native: bool) -> PreTrainedTokenizerBase:
+def _load_tokenizer(path: str | Path, remote: bool, native: bool, config: Any) -> PreTrainedTokenizerBase:
     """The checkpoint's tokenizer; under the native code its own tokenizer file only where the
-    tokenizer needs one (Dream's names its class there), not the model's code."""
+    tokenizer needs one (Dream's names its class there), not the model's code. The model's
+    `config` spares transformers reading config.json again with a class that is not the family's."""
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(str(path), trust_remote_code=remote)
+        return AutoTokenizer.from_pretrained(str(path), trust_remote_code=remote, **({"config": config} if native else {}))
     except ValueError as e:
         if remote or not native or "trust_remote_code" not in str(e):
             raise
         log.info("%s: its tokenizer is defined in its own file; loading it with trust_remote_code", path)
-        return AutoTokenizer.from_pretrained(str(path), trust_remote_code=True)
+        return AutoTokenizer.from_pretrained(str(path), trust_remote_code=True, config=config)
 
 
 def _generation_config(path: str | Path) -> Any:
@@ -482,7 +483,7 @@ def load_hf_policy(cfg: ModelConfig, adapter: str, *, dtype: torch.dtype = torch
     if not _compat.sharded_at_prepare():
         model.to(device)  # under FSDP's sharded load the weights stay on the CPU: `prepare` moves each shard
     model.eval()
-    tokenizer = _load_tokenizer(path, remote, native)
+    tokenizer = _load_tokenizer(path, remote, native, model.config)
     mask_id = _resolve_mask_id(adapter, mask_token_id, model, tokenizer)
     if adapter in ("decoder", "sdar") and block_size is None:  # SDAR / TraDo name their block size
         block_size = getattr(model.config, "block_size", None)
