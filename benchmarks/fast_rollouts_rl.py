@@ -122,6 +122,8 @@ def summarise_run(task: str, setting: str, seed: int) -> dict | None:
     extra = json.loads((out / "fastrl.json").read_text()) if (out / "fastrl.json").is_file() else {}
     steps = [r for r in load_metrics(out) if "reward_mean" in r]
     means = {k: _mean(r.get(k) for r in steps) for k in STEP_KEYS if any(k in r for r in steps)}
+    if "drift_k3" in means:  # heavy-tailed (exp of a log-likelihood gap): its median says more than its mean
+        means["drift_k3_median"] = statistics.median(r["drift_k3"] for r in steps if r.get("drift_k3") is not None)
     start, final = summary["eval_initial"]["accuracy"], summary["eval_final"]["accuracy"]
     wall = extra.get("wall_seconds")
     return {"setting": setting, "seed": seed, "run_dir": str(out.relative_to(ROOT)), "start": start, "final": final,
