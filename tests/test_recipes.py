@@ -32,12 +32,15 @@ def test_recipe_parses_and_names_its_commands(name):
     assert cfg.task.options["path"] == f"data/{task}/{{split}}.jsonl"  # what the export writes
     assert cfg.model.path == MODELS[name.split("-")[0]]
     assert name in (ROOT / "docs" / "recipes.md").read_text()
-    # the shared published settings: 256 tokens at temperature 0.9, bf16 compute, clip 0.2, wd 0.1
-    assert (cfg.rollout.gen_length, cfg.rollout.temperature, cfg.mixed_precision) == (256, 0.9, "bf16")
-    assert (cfg.grad_clip, cfg.weight_decay, cfg.rollout.noise) == (0.2, 0.1, "counter")
+    assert (cfg.mixed_precision, cfg.rollout.noise) == ("bf16", "counter")
+    if name.startswith("sdar"):  # SDAR's own settings (below)
+        return
+    # the LLaDA authors' and d1's shared settings: 256 tokens at temperature 0.9, clip 0.2, wd 0.1
+    assert (cfg.rollout.gen_length, cfg.rollout.temperature) == (256, 0.9)
+    assert (cfg.grad_clip, cfg.weight_decay) == (0.2, 0.1)
 
 
-@pytest.mark.parametrize("name", [n for n in RECIPES if n.endswith("-stabledrl")])
+@pytest.mark.parametrize("name", [n for n in RECIPES if n.endswith("-stabledrl") and not n.startswith("sdar")])
 def test_stabledrl_recipes_hold_the_authors_settings(name):
     cfg = load(name)
     # the authors' step: 32 prompts in 4 accumulation rounds (1 prompt per GPU x 8 GPUs each); their
@@ -46,13 +49,25 @@ def test_stabledrl_recipes_hold_the_authors_settings(name):
     assert (cfg.lr, cfg.seed, cfg.steps * cfg.mu) == (2e-6, 113, 2000)
     assert (cfg.objective.name, cfg.objective.clip, cfg.objective.clip_max) == ("stabledrl", "upper", 5.0)
     assert cfg.task.options["convention"] == "stabledrl" and cfg.model.gradient_checkpointing
-    if name.startswith("sdar"):  # a block model: the staircase estimator, blocks from its config
-        assert cfg.estimator.method == "blockwise" and cfg.model.block_size is None
-        return
     assert (cfg.objective.likelihood, cfg.objective.spg_beta, cfg.objective.spg_omega) == ("spg", 1.5, 0.5)
     assert (cfg.estimator.method, cfg.estimator.num_samples) == ("block_random", 2)
     assert cfg.estimator.options == {"block_length": 32, "p_prompt": 0.15}
     assert (cfg.rollout.steps, cfg.rollout.block_length, cfg.rollout.micro_batch) == (128, 32, 16)
+
+
+def test_the_sdar_recipe_holds_sdars_own_rl_settings():
+    # Gen-Verse/dLLM-RL configs/rl_sdar.yaml (TraDo): 64 prompts x 16 at temperature 1.0, 2,000 tokens
+    # in blocks of 4 with 4 steps a block and the dynamic threshold 0.9, prompts cut to 784 tokens,
+    # AdamW lr 1e-6 constant, no weight decay, gradient norm 1.0, seed 10086, 80 steps, every 10
+    cfg = load("sdar-8b-chat-gsm8k-stabledrl")
+    r = cfg.rollout
+    assert (r.temperature, r.gen_length, r.steps, r.threshold, r.max_prompt_length) == (1.0, 2000, 2000, 0.9, 784)
+    assert (cfg.prompts_per_step, cfg.group_size, cfg.mu) == (64, 16, 1)
+    assert (cfg.lr, cfg.min_lr_ratio, cfg.weight_decay, cfg.grad_clip, cfg.seed) == (1e-6, 1.0, 0.0, 1.0, 10086)
+    assert (cfg.steps, cfg.eval_every, cfg.save_every) == (80, 10, 10)
+    # not theirs: StableDRL on the blockwise ELBO (a block model: the staircase, blocks from its config)
+    assert (cfg.objective.name, cfg.estimator.method, cfg.model.adapter) == ("stabledrl", "blockwise", "sdar")
+    assert cfg.model.block_size is None and cfg.task.options["completion_length"] == 2000
 
 
 def test_d1_recipe_holds_d1s_settings():
