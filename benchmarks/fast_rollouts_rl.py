@@ -166,7 +166,7 @@ def cmd_summarise(args) -> None:
                           "step_means": {k: _mean(r["step_means"].get(k) for r in rs) for k in rs[0]["step_means"]},
                           "skipped_steps": sum(r["skipped_steps"] or 0 for r in rs),
                           "collapsed_runs": sum(bool(r["collapse"]) for r in rs)}
-    result = {"command": " ".join(["python", *sys.argv]), "config": CONFIGS[args.task], "task": args.task,
+    result = {"command": " ".join(["python", *sys.argv]), "note": args.note, "config": CONFIGS[args.task], "task": args.task,
               "rollouts_per_run": rollouts, "settings": {s: SETTINGS[s] for s in args.settings},
               "per_setting": per_setting, "runs": runs}
     path = ROOT / "benchmarks" / "results" / f"fast_rollouts_rl-{args.task}.json"
@@ -191,6 +191,8 @@ def main() -> None:
         else:
             p.add_argument("--settings", nargs="+", choices=sorted(SETTINGS), default=["A", "B", "C"])
             p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+        if name != "run":
+            p.add_argument("--note", default="", help="kept in the JSON (e.g. how the runs were launched)")
         if name == "launch":
             p.add_argument("--jobs", type=int, default=2, help="runs at a time (this script's runs on the machine)")
             p.add_argument("--runs", nargs="+", default=[], help="[TASK:]SETTING:SEED in this order (default: each seed's settings)")

@@ -6,11 +6,9 @@ Prompt  the question in `prompt_template`; Answer  the reference solution text.
 `convention` picks the prompt and reward (docs/recipes.md compares them): simple (default,
 ours, neither published setup): the reward below. d1: d1's reasoning/answer format and its
 five summed rewards (`stabledrl.tasks.d1`), up to 4. stabledrl: the StableDRL authors'
-(dataloaders/math.py, reward_gsm8k): +1.0 when math-verify finds the whole completion
-equivalent to the text after the reference's last "####", else -1.0 (wrong, unparseable,
-timed out), plus their training loop's `anti_short_boxed_reward` (0 or 1: 0 for a short
-completion that is mostly a \\boxed{}), so rewards in {-1, 0, 1, 2}; the prompt asks for a
-\\boxed{} answer.
+(dataloaders/math.py, reward_gsm8k): ±1.0 as math-verify finds the whole completion equivalent
+to the text after the reference's last "####" or not (or fails), plus their loop's bonus
+(`stabledrl.tasks.math.anti_short_boxed_reward`); the prompt asks for a \\boxed{} answer.
 
 simple's reward: 1.0 when the completion's final number equals the reference number after
 "####", else 0.0. The completion's final number is taken from the last explicit answer
