@@ -130,6 +130,9 @@ def summarise_run(task: str, setting: str, seed: int) -> dict | None:
             "gain_points": 100 * (final - start), "wall_seconds": wall,
             "train_seconds": sum(r.get("seconds", 0.0) for r in steps),
             "rollout_seconds": sum(r.get("time_rollout", 0.0) for r in steps),
+            # rollout time over the rest of the steps' time (the same work in every setting): robust to a shared machine's load
+            "rollout_to_rest": sum(r.get("time_rollout", 0.0) for r in steps) / sum(
+                r.get("seconds", 0.0) - r.get("time_rollout", 0.0) for r in steps),
             "rollout_forward_passes": extra.get("forward_passes"),
             "rollout_row_forward_passes": extra.get("row_forward_passes"), "rollouts": None,
             "gain_points_per_1000_s": 100 * (final - start) / wall * 1000 if wall else None,
@@ -156,7 +159,7 @@ def cmd_summarise(args) -> None:
         rs = [r for r in runs if r["setting"] == s]
         if not rs:
             continue
-        keys = ["start", "final", "gain_points", "wall_seconds", "train_seconds", "rollout_seconds",
+        keys = ["start", "final", "gain_points", "wall_seconds", "train_seconds", "rollout_seconds", "rollout_to_rest",
                 "rollout_forward_passes", "rollout_row_forward_passes", "gain_points_per_1000_s", "gain_points_per_1000_rollouts"]
         per_setting[s] = {"overrides": SETTINGS[s], "seeds": [r["seed"] for r in rs],
                           **{k: _mean(r[k] for r in rs) for k in keys},
