@@ -245,7 +245,8 @@ def _model_config(args: argparse.Namespace):
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="a model directory (stabledrl, a run's final/, or a transformers "
                    "checkpoint) or a Hub name")
-    p.add_argument("--adapter", default="auto", choices=["auto", "tiny", "llada", "dream", "sdar", "masked_lm", "decoder"],
+    p.add_argument("--adapter", default="auto",
+                   choices=["auto", "tiny", "llada", "dream", "sdar", "masked_lm", "decoder"],
                    help="how to read the checkpoint (auto: from its config)")
     p.add_argument("--mask-token-id", type=int, help="the mask token (default: the checkpoint's or tokenizer's)")
     p.add_argument("--block-size", type=int, help="decoder adapter: block size S")

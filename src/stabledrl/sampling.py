@@ -332,8 +332,8 @@ def check_sampler(policy: Policy, sampling: SamplingConfig) -> None:
         raise ValueError("approx_cache is for full-attention models; a block model's kv_cache is already exact")
     if cache != "none" and not hasattr(policy, "new_cache"):
         raise ValueError(f"approx_cache {cache!r} needs a policy with a KV cache (new_cache(), cache= in "
-                         f"logits), which {type(policy).__name__} lacks (of the real checkpoints, only the native llada, dream "
-                         "and sdar models have one; a checkpoint's own code has none): set it to 'none'")
+                         f"logits), which {type(policy).__name__} lacks (of the real checkpoints, only the native "
+                         "llada, dream and sdar models have one; a checkpoint's own code has none): set it to 'none'")
 
 
 def resolve_noise(policy: Policy, sampling: SamplingConfig) -> SamplingConfig:

@@ -185,8 +185,8 @@ class SamplingConfig:
     sharded parameters (synced) still make every call of the schedule."""
     approx_cache: ApproxCache = "none"
     """Full-attention models with a KV cache (the tiny models and the native llada and dream; a
-    checkpoint's own code has none and is refused): Fast-dLLM's approximate caches, refreshed at each block's first step (with
-    block_length < L; one block caches the prompt alone). prefix: later steps feed the block and
+    checkpoint's own code has none and is refused): Fast-dLLM's approximate caches, refreshed at
+    each block's first step (with block_length < L; one block caches the prompt alone). prefix: later steps feed the block and
     what follows it, attending to the kept prefix; dual: they feed the block alone, attending to
     the kept prefix and suffix. An approximation of the exact sampler (other tokens, another
     distribution); none: exact."""
