@@ -160,6 +160,16 @@ def test_a_saved_native_checkpoint_keeps_the_published_layout_and_loads_back(dir
         assert (reference(input_ids=ids[:1], use_cache=False).logits - policy.model(ids[:1]).logits).abs().max() <= 1e-4
 
 
+def test_a_checkpoint_from_the_hub_points_its_auto_map_at_the_hub_repository(dirs, tmp_path):
+    # no local folder to copy the published files from: transformers' "repo--module.Class" names them
+    policy = load_policy(ModelConfig(path=str(dirs["llada"])))
+    policy.model.config._name_or_path = "GSAI-ML/LLaDA-8B-Instruct"
+    policy.save(tmp_path / "saved")
+    auto_map = json.loads((tmp_path / "saved" / "config.json").read_text())["auto_map"]
+    assert auto_map["AutoModel"] == "GSAI-ML/LLaDA-8B-Instruct--fake_dllm.LLaDAModelLM"
+    assert not (tmp_path / "saved" / "fake_dllm.py").exists()
+
+
 @remote_code
 def test_the_published_code_loads_a_native_checkpoint_through_its_auto_map(dirs, tmp_path):
     for family in ("llada", "dream", "sdar"):

@@ -51,7 +51,6 @@ ADAPTER_FILE = "stabledrl_adapter.json"
 
 # Mask ids of the public checkpoints, only to make the start-up error actionable.
 _KNOWN_MASK_IDS = {"llada": 126336, "dream": 151666, "sdar": 151669}
-_MODEL_TYPE = {"llada": "llada", "dream": "dream", "sdar": "sdar"}  # config.json's model_type (lowercased) per family
 
 
 @dataclass
@@ -191,7 +190,7 @@ class HFPolicy:
         kwargs: dict[str, Any]
         if self.adapter == "llada":
             out = self._llada_logits(input_ids, attention_mask)  # (B, T, V)
-            return torch.cat([out[:, :1], out[:, :-1]], dim=1) if self.shift_logits else out
+            return _unshift(out) if self.shift_logits else out
         if self.adapter == "masked_lm":
             kwargs = {"attention_mask": attention_mask, "position_ids": position_ids + self._position_offset}
         elif self.adapter == "dream":
@@ -213,18 +212,14 @@ class HFPolicy:
         elif self.adapter != "masked_lm":
             kwargs["use_cache"] = False  # decoders would otherwise build a KV cache per call
         out = self._forward(input_ids, **kwargs)  # (B, T, V)
-        if self.shift_logits:  # native[:, i] predicts token i+1: move it to column i+1
-            out = torch.cat([out[:, :1], out[:, :-1]], dim=1)
-        return out
+        return _unshift(out) if self.shift_logits else out
 
     def _native_logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor | None,
                        cache: KVCache | None, extend_cache: bool) -> torch.Tensor:
         """One forward of the native model, whatever the padding (module docstring)."""
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                          past_key_values=cache, extend_cache=extend_cache).logits  # (B, T, V)
-        if self.shift_logits:  # native[:, i] predicts token i+1: move it to column i+1
-            out = torch.cat([out[:, :1], out[:, :-1]], dim=1)
-        return out
+        return _unshift(out) if self.shift_logits else out
 
     def _forward(self, input_ids: torch.Tensor, **kwargs: Any) -> torch.Tensor:
         """The model's own logits, with transformers' checkpointing kept on in eval mode."""
@@ -310,6 +305,12 @@ def probe_attention(logits: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
         raise ValueError(f"{source}: a left-padded row's logits differ from the same row run alone, so the model "
                          "reads positions otherwise than this adapter passes them (docs/scale-out.md, 'Attention "
                          "probe')")
+
+
+def _unshift(out: torch.Tensor) -> torch.Tensor:
+    """(B, T, V) logits whose column i predicts token i + 1 -> column i predicting token i (column 0
+    repeats column 0: a prompt token, never scored)."""
+    return torch.cat([out[:, :1], out[:, :-1]], dim=1)
 
 
 def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -398,7 +399,7 @@ def _check_family(path: str | Path, adapter: str) -> None:
     """A local checkpoint of another family than `adapter` is refused in one line."""
     config = Path(path) / "config.json"
     model_type = _model_type(path)
-    if model_type is not None and model_type != _MODEL_TYPE[adapter]:
+    if model_type is not None and model_type != adapter:  # each family's model_type, lowercased, is its adapter
         raise ValueError(f"{config}: model_type {model_type!r} is not a {adapter} checkpoint; set model.adapter to "
                          "the checkpoint's family (auto reads it), or model.trust_remote_code: true to run its own code")
 

@@ -32,7 +32,7 @@ from torch.utils.checkpoint import checkpoint
 from transformers import PretrainedConfig, PreTrainedModel
 from transformers.modeling_outputs import MaskedLMOutput
 
-from stabledrl.models.tiny import KVCache, rope_frequencies
+from stabledrl.models.tiny import KVCache, rope_frequencies, sdpa_mask
 
 __all__ = ["Architecture", "LLaDAConfig", "DreamConfig", "SDARConfig", "LLaDAModelLM", "DreamModel",
            "SDARForCausalLM", "NATIVE_MODELS", "architecture"]
@@ -384,7 +384,6 @@ class _NativeLM(PreTrainedModel):
     def _mask(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None,
               Tc: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """SDPA's boolean mask (B, 1, T, Tc + T) (None: attend to all) and the position ids."""
-        B, T = input_ids.shape
         if attention_mask is None or attention_mask.dim() == 2:
             if self.block_attention:
                 raise ValueError(f"{type(self).__name__} is a block-diffusion model: give it a boolean (B, T, T) "
@@ -393,21 +392,10 @@ class _NativeLM(PreTrainedModel):
             raise ValueError("position_ids are required with a boolean (B, T, Tc + T) attention mask")
         if Tc and (position_ids is None or attention_mask is None):
             raise ValueError("a KV cache needs position_ids and an attention mask over the cached keys and the new")
-        if attention_mask is None:
-            return None, position_ids
-        if attention_mask.dim() == 2:
-            if attention_mask.size(1) != Tc + T:
-                raise ValueError(f"a (B, Tc + T) mask needs {Tc + T} columns, got {attention_mask.size(1)}")
-            if position_ids is None:
-                position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-            if bool(attention_mask.bool().all()):
-                return None, position_ids  # no padding: SDPA's unmasked path
-            allowed = attention_mask.bool()[:, None, :].expand(B, T, Tc + T)  # (B, T, Tc+T)
-        else:
-            allowed = attention_mask.bool().reshape(B, T, Tc + T)
-        # Every query keeps its own key, so that a padding row has one and stays finite (it is never read).
-        own = torch.arange(Tc + T, device=input_ids.device)[None, :] == torch.arange(T, device=input_ids.device)[:, None] + Tc
-        return (allowed | own)[:, None], position_ids  # (B, 1, T, Tc+T)
+        mask, position_ids = sdpa_mask(input_ids, attention_mask, position_ids, Tc)  # the tiny model's
+        if attention_mask is not None and attention_mask.dim() == 2 and bool(attention_mask.bool().all()):
+            return None, position_ids  # no padding: SDPA's unmasked path
+        return mask, position_ids
 
 
 class LLaDAModelLM(_NativeLM):

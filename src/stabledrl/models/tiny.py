@@ -32,7 +32,7 @@ from torch.utils.checkpoint import checkpoint
 from transformers import PretrainedConfig, PreTrainedModel
 from transformers.modeling_outputs import MaskedLMOutput
 
-__all__ = ["TinyDiffusionConfig", "TinyDiffusionLM", "KVCache", "rope_frequencies"]
+__all__ = ["TinyDiffusionConfig", "TinyDiffusionLM", "KVCache", "rope_frequencies", "sdpa_mask"]
 
 
 # The fields of `TinyDiffusionConfig` and their defaults; `intermediate_size=None` means 4 * hidden_size.
@@ -103,6 +103,33 @@ def rope_frequencies(theta: float, dim: int, device: torch.device) -> torch.Tens
     every device) and kept per device. Not a buffer: transformers 5 leaves a non-persistent buffer
     unset (zeros) where it loads a model for FSDP's RAM-efficient start, and accelerate keeps it so."""
     return (1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)).to(device)
+
+
+def sdpa_mask(input_ids: torch.Tensor, attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None,
+              Tc: int = 0) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """SDPA's boolean mask (B, 1, T, Tc+T) (None: attend to everything) and the position ids,
+    counted over the real tokens when a (B, Tc+T) key-padding mask is given without them. The
+    mask is (B, Tc+T) key padding, or a boolean (B, T, Tc+T) / (B, 1, T, Tc+T) mask, True where
+    query i may attend to key j, the Tc cached keys first. Every query keeps its own key."""
+    B, T = input_ids.shape
+    if attention_mask is None:
+        if Tc:
+            raise ValueError("an attention_mask is required with a KV cache")
+        return None, position_ids
+    if attention_mask.dim() == 2:
+        keep = attention_mask.bool()  # (B, Tc+T)
+        if keep.size(1) != Tc + T:
+            raise ValueError(f"a 2-D attention_mask needs Tc+T = {Tc + T} columns, got {keep.size(1)}")
+        mask = keep[:, None, :].expand(B, T, Tc + T)  # (B, T, Tc+T)
+        if position_ids is None:
+            position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+    else:
+        mask = attention_mask.bool().reshape(B, T, Tc + T)
+    # A query with no key to attend to (a padding row) would make SDPA return NaN; letting every
+    # token see itself keeps padding rows finite and unused.
+    eye = torch.eye(T, dtype=torch.bool, device=input_ids.device)
+    mask = mask | torch.cat([eye.new_zeros(T, Tc), eye], dim=1)
+    return mask[:, None], position_ids  # (B, 1, T, Tc+T)
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -222,7 +249,7 @@ class TinyDiffusionLM(PreTrainedModel):
         cached = past_key_values is not None and len(past_key_values) > 0
         self._check_inputs(attention_mask, position_ids, cached)
         past = past_key_values if cached else None
-        mask, position_ids = self._sdpa_mask(input_ids, attention_mask, position_ids, past)
+        mask, position_ids = sdpa_mask(input_ids, attention_mask, position_ids, len(past) if past is not None else 0)
         if position_ids is None:
             position_ids = torch.arange(T, device=input_ids.device).expand(B, T)
         inv_freq = rope_frequencies(float(self.config.rope_theta), self.config.hidden_size // self.config.num_attention_heads,
@@ -256,36 +283,6 @@ class TinyDiffusionLM(PreTrainedModel):
                 "stabledrl.models.attention.staircase_position_ids (for [q ; y ; ỹ]) or "
                 "stabledrl.data.position_ids (for [q ; y])"
             )
-
-    @staticmethod
-    def _sdpa_mask(
-        input_ids: torch.Tensor, attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None,
-        cache: KVCache | None,
-    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """SDPA's boolean mask (B, 1, T, Tc+T) (None: attend to everything) and the position
-        ids, counted over the real tokens when a (B, T) mask is given without them; `cache`
-        is the non-empty cache the new tokens attend to, if any."""
-        B, T = input_ids.shape
-        Tc = len(cache) if cache is not None else 0
-        mask = None
-        if attention_mask is not None:
-            if attention_mask.dim() == 2:
-                keep = attention_mask.bool()  # (B, Tc+T)
-                if keep.size(1) != Tc + T:
-                    raise ValueError(f"a 2-D attention_mask needs Tc+T = {Tc + T} columns, got {keep.size(1)}")
-                mask = keep[:, None, :].expand(B, T, Tc + T)  # (B, T, Tc+T)
-                if position_ids is None:
-                    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-            else:
-                mask = attention_mask.bool().reshape(B, T, Tc + T)
-            # A query with no key to attend to (a padding row) would make SDPA return
-            # NaN; letting every token see itself keeps padding rows finite and unused.
-            eye = torch.eye(T, dtype=torch.bool, device=input_ids.device)
-            mask = mask | torch.cat([eye.new_zeros(T, Tc), eye], dim=1)
-            mask = mask[:, None]  # (B, 1, T, Tc+T)
-        elif cache is not None:
-            raise ValueError("an attention_mask is required with a KV cache")
-        return mask, position_ids
 
     def _run_blocks(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None,
