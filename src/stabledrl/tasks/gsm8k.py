@@ -1,7 +1,7 @@
 """GSM8K: grade-school word problems whose answer is one number (Cobbe et al., 2021).
 
-Rows  ``{"question": str, "answer": "...reasoning...\\n#### 72"}`` (the Hub's
-``openai/gsm8k``, config ``main``, or local files in that schema).
+Rows  ``{"question": str, "answer": "...reasoning...\\n#### 72"}`` (the Hub's ``openai/gsm8k``,
+config ``main``, or local files in that schema; `path`, `validation_size`: `stabledrl.tasks.datasets`).
 Prompt  the question in `prompt_template`; Answer  the reference solution text.
 `convention` picks the prompt and reward (docs/recipes.md compares them): simple (default,
 ours, neither published setup): the reward below. d1: d1's reasoning/answer format and its
@@ -11,13 +11,13 @@ to the text after the reference's last "####" or not (or fails), plus their loop
 (`stabledrl.tasks.math.anti_short_boxed_reward`); the prompt asks for a \\boxed{} answer.
 
 simple's reward: 1.0 when the completion's final number equals the reference number after
-"####", else 0.0. The completion's final number is taken from the last explicit answer
-marker ("#### N", "\\boxed{N}", "answer is N" / "answer: N"; the one written last wins),
-or, without any marker, from the last number in the text. A marker with no number after it
-scores 0.0 (the model committed to an unreadable answer). Numbers are ASCII digits with an
-optional sign, thousands commas ("1,000") and decimals; "$", "%" and LaTeX spacing are
-ignored, and values compare exactly as decimals (72 == 72.0 == 72.00). Never raises.
-Data files and the validation split: `stabledrl.tasks.datasets` (`path`, `validation_size`).
+"####", else 0.0. The final number is the number of the last answer marker ("#### N" to the
+line's end, "\\boxed{N}", "answer is N" / "answer: N" to the sentence's end; the one written
+last wins, wherever it stands), or, without a marker, the last number in the text. It must be
+one plain number: none, several ("72 or 71", "1 000"), an operand ("144/2", "\\pm 72", a
+\\frac) or a number glued to a letter ("7.2e1", "72k") scores 0.0 (docs/methods.md, Hostile
+completions). Numbers are ASCII digits with an optional sign, thousands commas and decimals;
+"$", "%" and LaTeX spacing are ignored; values compare exactly (72 == 72.0 == 72.00). Never raises.
 """
 
 from __future__ import annotations
@@ -32,38 +32,76 @@ from stabledrl.tasks.base import Problem, Score, ScoredTask, Split, register_tas
 from stabledrl.tasks.datasets import DatasetTask, _last_boxed_span, convention_template, format_prompt
 from stabledrl.tasks.math import MathVerifier, anti_short_boxed_reward
 
-__all__ = ["GSM8K", "extract_number", "parse_number", "reference_number"]
+__all__ = ["GSM8K", "answer_number", "extract_number", "parse_number", "reference_number"]
 
 _NUMBER = re.compile(r"(?:(?<![\w)])-)?(?:[0-9]{1,3}(?:,[0-9]{3})+|[0-9]+)(?:\.[0-9]+)?")
 _MARKERS = re.compile(r"####(?P<hash>(?:(?!####)[^\n])*)|(?i:\banswer\s*(?:is|:))(?P<said>[^\n]*)")
+_SENTENCE_END = re.compile(r"[.!?;](?=\s|$)")
 _LATEX_NOISE = (("{,}", ","), ("\\,", ""), ("\\!", ""), ("\\$", "$"), ("\\%", "%"), ("\u2212", "-"))
+# An operator beside a number makes it an operand: 144/2, 2*36, 10^3, \pm 72, \frac{144}{2}; one
+# after it only when an operand follows ("72 -->" closes an HTML comment). Spaces, not newlines.
+_OPERATOR = r"[-+*/^\u00d7\u00f7\u00b7\u00b1\u2213]|\\(?:times|cdot|div|pm|mp)(?![a-zA-Z])|\}[ \t]*\{"
+_OPERATOR_BEFORE = re.compile(rf"(?:{_OPERATOR}|\\[dt]?frac[ \t]*\{{)[ \t]*$")
+_OPERATOR_AFTER = re.compile(rf"[ \t]*(?:{_OPERATOR})[ \t]*[\w(\[{{\\.]")
+
+
+def _plain(text: str) -> str:
+    """`text` without LaTeX spacing and escapes, and without "$"."""
+    for old, new in _LATEX_NOISE:
+        text = text.replace(old, new)
+    return text.replace("$", "")
+
+
+def _value(number: str) -> Decimal | None:
+    try:
+        return Decimal(number.replace(",", ""))
+    except InvalidOperation:
+        return None
 
 
 def parse_number(text: str) -> Decimal | None:
-    """The first number in `text` (see the module docstring), or None."""
-    for old, new in _LATEX_NOISE:
-        text = text.replace(old, new)
-    m = _NUMBER.search(text.replace("$", ""))
-    if m is None:
+    """The first number in `text` (see the module docstring), or None; for trusted text (the reference)."""
+    m = _NUMBER.search(_plain(text))
+    return None if m is None else _value(m.group(0))
+
+
+def _stands_alone(text: str, m: re.Match) -> bool:
+    """Whether the number `m` of `text` is neither glued to a letter (7.2e1, 72k, 0x48, x2)
+    nor an operand (an operator beside it, `_OPERATOR`)."""
+    lo, hi = m.start(), m.end()
+    if (lo > 0 and text[lo - 1].isalpha()) or (hi < len(text) and text[hi].isalpha()):
+        return False
+    before = text[max(0, lo - 40):lo]  # the operators are short; a window keeps long texts linear
+    return _OPERATOR_BEFORE.search(before) is None and _OPERATOR_AFTER.match(text, hi) is None
+
+
+def answer_number(span: str) -> Decimal | None:
+    """The one plain number an answer span holds; None when it holds none, several
+    ("72 or 71", "1 000", "2,00") or one that is an operand or glued to a letter."""
+    text = _plain(span)
+    found = _NUMBER.finditer(text)
+    first, second = next(found, None), next(found, None)
+    if first is None or second is not None or not _stands_alone(text, first):
         return None
-    try:
-        return Decimal(m.group(0).replace(",", ""))
-    except InvalidOperation:
-        return None
+    return _value(first.group(0))
 
 
 def extract_number(completion: str) -> Decimal | None:
     """The completion's final answer as a number, or None (see the module docstring)."""
     spans: list[tuple[int, str]] = []  # (position, text holding the answer)
     for m in _MARKERS.finditer(completion):
-        spans.append((m.start(), m.group("hash") if m.group("hash") is not None else m.group("said")))
+        said = m.group("said")
+        spans.append((m.start(), m.group("hash") if said is None else _SENTENCE_END.split(said, 1)[0]))
     box = _last_boxed_span(completion)
     if box is not None:
         spans.append(box)
     if spans:
-        return parse_number(max(spans, key=lambda s: s[0])[1])
-    numbers = list(_NUMBER.finditer(completion.replace("$", "")))
-    return parse_number(numbers[-1].group(0)) if numbers else None
+        return answer_number(max(spans, key=lambda s: s[0])[1])
+    text = _plain(completion)
+    last = None
+    for last in _NUMBER.finditer(text):
+        pass
+    return _value(last.group(0)) if last is not None and _stands_alone(text, last) else None
 
 
 def reference_number(answer: str) -> Decimal | None:

@@ -14,10 +14,10 @@ equivalent to the whole reference solution, else -1.0, plus their training loop'
 
 simple's reward: 1.0 when the completion's final answer is equivalent to the gold answer
 per math-verify (`parse` + `verify`), else 0.0. The final answer is the last top-level
-\\boxed{...}; without one, the last $...$; without that, the last non-empty line. Answers
-longer than `max_answer_chars` score 0.0 unread.
-
-Guarding math-verify: `MathVerifier`.
+\\boxed{...}; without one, the last $...$; without that, the last non-empty line; a closing
+full stop is dropped and "1\\,000" read as 1000. Digits parted by a space ("1 000", a number
+dump) and answers longer than `max_answer_chars` score 0.0 unread. Hostile completions and
+what each convention pays for them: docs/methods.md. Guarding math-verify: `MathVerifier`.
 """
 
 from __future__ import annotations
@@ -46,18 +46,32 @@ logger = logging.getLogger(__name__)
 _DOLLARS = re.compile(r"\$+([^$]+)\$+")
 
 
-def extract_answer(completion: str) -> str | None:
-    """The completion's final answer as LaTeX text, or None (see the module docstring)."""
+_THIN_SPACE = re.compile(r"(?<=\d)\\,(?=\d{3}(?!\d))")  # 1\,000: a thousands separator
+_SPACED_DIGITS = re.compile(r"\d\s+\d")  # "1 000" (math-verify reads 1·000 = 0), "1 2 3 ..."
+_FULL_STOP = re.compile(r"(?<!\.)\.\s*$")  # "72." but not "1, 2, ..."
+
+
+def _final_text(completion: str) -> str | None:
+    """The last top-level box's content; without one, the last $...$; without that, the last line."""
     boxed = last_boxed(completion)
     if boxed is not None:
-        return boxed.strip()
+        return boxed
     inline = None
     for inline in _DOLLARS.finditer(completion):
         pass
     if inline is not None:
-        return inline.group(1).strip()
-    lines = [line.strip() for line in completion.splitlines() if line.strip()]
+        return inline.group(1)
+    lines = [line for line in completion.splitlines() if line.strip()]
     return lines[-1] if lines else None
+
+
+def extract_answer(completion: str) -> str | None:
+    """The completion's final answer as LaTeX text, or None (see the module docstring)."""
+    text = _final_text(completion)
+    if text is None:
+        return None
+    answer = _FULL_STOP.sub("", _THIN_SPACE.sub("", text).strip()).strip()
+    return None if _SPACED_DIGITS.search(answer) else answer
 
 
 # The worker: reads {"gold", "pred", "raw"} JSON lines on stdin, answers "1" or "0" per line.
