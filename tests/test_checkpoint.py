@@ -94,7 +94,7 @@ def test_leftovers_of_an_interrupted_save_are_cleaned_at_start_and_resume(tmp_pa
     (tmp_path / ".tmp-summary.json.q1").write_text("{")  # killed inside write_atomic
     os.replace(tmp_path / "checkpoint-0000010", tmp_path / ".old-checkpoint-0000010")  # killed mid-swap
     assert open_run_dir(tmp_path, {}, resume=True).name == "checkpoint-0000010"  # restored, not lost
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-0000010", "config.yaml"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-0000010", "config.yaml", "version.json"]
 
 
 def test_resume_rewinds_the_metrics_to_the_checkpoint(tmp_path):
@@ -232,3 +232,48 @@ def test_a_finished_run_is_reused_only_with_its_own_config(tmp_path):
     other = load_config(TrainConfig, None, ["seed=3", "lr=1e-4", "objective.name=grpo"])
     with pytest.raises(ConfigError, match="differs in lr, objective"):
         finished_summary(tmp_path, other)
+
+
+def test_a_run_dir_records_the_version_that_wrote_it(tmp_path):
+    from importlib.metadata import version
+
+    open_run_dir(tmp_path, {"seed": 0}, resume=False)
+    assert json.loads((tmp_path / "version.json").read_text()) == {"stabledrl": version("stabledrl")}
+    (tmp_path / "version.json").write_text('{"stabledrl": "0.0.1"}')  # an older version's run: taken over
+    open_run_dir(tmp_path, {"seed": 0}, resume=True)
+    assert json.loads((tmp_path / "version.json").read_text()) == {"stabledrl": version("stabledrl")}
+
+
+def test_a_run_dir_of_a_newer_version_is_refused_in_one_line_before_anything_is_touched(tmp_path, capsys):
+    from importlib.metadata import version
+
+    from stabledrl.cli import main
+    from stabledrl.config import ConfigError, load_config
+    from stabledrl.train import TrainConfig
+
+    save_checkpoint(tmp_path, 10, FakePolicy(), {"step": 10, "a_newer_field": 1})
+    (tmp_path / ".tmp-final-xyz").mkdir()  # a newer version's own temporary folder: not ours to remove
+    (tmp_path / "summary.json").write_text("{}")
+    (tmp_path / "version.json").write_text('{"stabledrl": "99.0.0"}')
+    before = sorted(p.name for p in tmp_path.iterdir())
+    for resume in (True, False):
+        with pytest.raises(ConfigError) as e:
+            open_run_dir(tmp_path, {"seed": 0}, resume=resume)
+        assert str(e.value) == (f"{tmp_path} was written by stabledrl 99.0.0, and this is stabledrl "
+                                f"{version('stabledrl')}: upgrade stabledrl to 99.0.0 or later to use it, or start "
+                                "a fresh run in another output_dir")
+    with pytest.raises(ConfigError, match="written by stabledrl 99.0.0"):
+        finished_summary(tmp_path, load_config(TrainConfig, None, []))  # a benchmark reusing the run
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+    model = Path(__file__).resolve().parents[1] / "checkpoints" / "countdown-tiny"
+    (tmp_path / "cfg.yaml").write_text(f"model: {model}\noutput_dir: {tmp_path}\nsteps: 1\n")
+    assert main(["train", "--config", str(tmp_path / "cfg.yaml"), "--resume"]) == 2
+    assert capsys.readouterr().err == f"stabledrl train: error: {e.value}\n"
+
+
+def test_a_version_record_that_is_not_one_is_named(tmp_path):
+    from stabledrl.config import ConfigError
+
+    (tmp_path / "version.json").write_text('{"stabledrl": "not a version"}')
+    with pytest.raises(ConfigError, match="version.json is not a version record"):
+        open_run_dir(tmp_path, {}, resume=False)

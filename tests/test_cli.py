@@ -1,9 +1,11 @@
 import dataclasses
 import json
+import os
+from pathlib import Path
 
 import pytest
 
-from stabledrl.cli import _sampling, build_parser, main
+from stabledrl.cli import _eval_out, _sampling, build_parser, main
 from stabledrl.config import field_docs
 from stabledrl.settings import SamplingConfig
 from stabledrl.tasks import get_task
@@ -98,7 +100,46 @@ def test_sft_then_eval_end_to_end(tmp_path, capsys):
     assert main(["sft", "--config", str(cfg), "--set", "seed=1"]) == 0
     assert (run / "final" / "model.safetensors").is_file()
     assert main(["eval", "--model", str(run / "final"), "--task", "sudoku", "--n", "4"]) == 0
-    assert (run / "final" / "eval-sudoku-test.json").is_file()
+    assert (run / "evals" / "final-sudoku-test.json").is_file()  # beside the run, not inside its model
+    assert not [p.name for p in (run / "final").iterdir() if p.name.startswith("eval")]
+
+
+def test_eval_writes_beside_a_run_else_under_evals_never_into_the_model(tmp_path):
+    run = tmp_path / "run"
+    (run / "checkpoint-0000010").mkdir(parents=True)
+    (run / "final").mkdir()
+    (run / "config.yaml").write_text("seed: 0\n")  # what open_run_dir writes first
+    shipped = tmp_path / "shipped" / "countdown-tiny"
+    shipped.mkdir(parents=True)
+    assert _eval_out(str(run / "checkpoint-0000010"), "countdown", "test", None) == \
+        run / "evals" / "checkpoint-0000010-countdown-test.json"
+    assert _eval_out(str(run / "final"), "sudoku", "validation", None) == run / "evals" / "final-sudoku-validation.json"
+    # A directory named final/ outside a run (no config.yaml beside it) is any other model.
+    (tmp_path / "shipped" / "final").mkdir()
+    assert _eval_out(str(tmp_path / "shipped" / "final"), "countdown", "test", None) == \
+        Path("evals/final-countdown-test.json")
+    assert _eval_out(str(shipped) + "/", "countdown", "test", None) == Path("evals/countdown-tiny-countdown-test.json")
+    assert _eval_out("GSAI-ML/LLaDA-8B-Instruct", "gsm8k", "test", None) == \
+        Path("evals/GSAI-ML--LLaDA-8B-Instruct-gsm8k-test.json")  # a Hub name, not a local directory
+    assert _eval_out(str(run / "final"), "countdown", "test", "x/y.json") == Path("x/y.json")  # --out wins
+
+
+def test_eval_of_a_read_only_model_writes_under_evals_and_leaves_the_model_alone(saved_model, tmp_path, monkeypatch,
+                                                                                  capsys):
+    monkeypatch.chdir(tmp_path)
+    before = sorted(p.name for p in saved_model.iterdir())
+    saved_model.chmod(0o555)  # a shipped model on a read-only mount
+    try:
+        if os.geteuid() != 0:  # root writes anyway; then the listing below is what catches a write
+            with pytest.raises(PermissionError):
+                (saved_model / "probe").write_text("")
+        assert main(["eval", "--model", str(saved_model), "--n", "3"]) == 0
+    finally:
+        saved_model.chmod(0o755)
+    out = tmp_path / "evals" / "model-countdown-test.json"
+    assert json.loads(out.read_text())["n"] == 3
+    assert f"wrote {Path('evals/model-countdown-test.json')}" in capsys.readouterr().out
+    assert sorted(p.name for p in saved_model.iterdir()) == before
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -13,11 +13,11 @@ main process once every process has finished: a reader only ever sees complete o
 records the size of ``metrics.jsonl`` at that moment (``checkpoint.json``), so a resumed
 run rewinds the metrics to exactly the rows written before it.
 
-A run killed at any moment can be run again with the same command: `open_run_dir`
-removes the temporary folders of an interrupted save (and puts back a checkpoint caught
-mid-swap), and a run directory without a checkpoint starts afresh, its stale metrics
-removed, with or without ``--resume``. Files and folders get the usual permissions
-(0666 / 0777 less the umask).
+A run killed at any moment can be run again with the same command: `open_run_dir` removes
+the temporary folders of an interrupted save (and puts back a checkpoint caught mid-swap),
+and a run directory without a checkpoint starts afresh, its stale metrics removed, with or
+without ``--resume``. ``version.json`` records the stabledrl that last wrote the run: an
+older one refuses it rather than misread it. Permissions: 0666 / 0777 less the umask.
 """
 
 from __future__ import annotations
@@ -36,8 +36,8 @@ import torch
 from stabledrl.config import ConfigError, load_config, to_dict
 from stabledrl.metrics import metrics_line, read_metrics
 
-__all__ = ["ACCELERATE_STATE", "open_run_dir", "finished_summary", "save_checkpoint", "latest_checkpoint", "load_trainer_state",
-           "write_atomic", "save_final", "rewind_metrics"]
+__all__ = ["ACCELERATE_STATE", "open_run_dir", "finished_summary", "check_run_version", "run_dir_of", "save_checkpoint",
+           "latest_checkpoint", "load_trainer_state", "write_atomic", "save_final", "rewind_metrics"]
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +46,8 @@ _TMP = ".tmp-"  # every temporary file or folder of this module starts with it
 _OLD = ".old-"  # a checkpoint (or final model) being replaced
 ACCELERATE_STATE = "accelerate"
 """The folder of a checkpoint that `accelerate.Accelerator.save_state` writes."""
+VERSION_FILE = "version.json"
+"""The run directory's record of the stabledrl version that last wrote it: {"stabledrl": "0.1.0"}."""
 
 
 def _umask() -> int:
@@ -220,6 +222,7 @@ def open_run_dir(run_dir: str | Path, config: dict, *, resume: bool) -> Path | N
     import yaml
 
     run_dir = Path(run_dir)
+    check_run_version(run_dir)  # before anything in it is touched
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
         _clean_leftovers(run_dir)
@@ -237,6 +240,7 @@ def open_run_dir(run_dir: str | Path, config: dict, *, resume: bool) -> Path | N
             for p in stale:
                 _remove(p)
         write_atomic(run_dir / "config.yaml", yaml.safe_dump(config, sort_keys=False))
+        write_atomic(run_dir / VERSION_FILE, json.dumps({"stabledrl": _this_version()}) + "\n")
     except OSError as e:
         raise _unwritable(run_dir, e) from None
     return ckpt
@@ -251,6 +255,7 @@ def finished_summary(run_dir: str | Path, cfg: Any) -> dict | None:
     run_dir = Path(run_dir)
     if not (run_dir / "summary.json").is_file():
         return None
+    check_run_version(run_dir)
     saved = to_dict(load_config(type(cfg), run_dir / "config.yaml"))
     wanted = to_dict(cfg)
     if saved != wanted:
@@ -258,6 +263,46 @@ def finished_summary(run_dir: str | Path, cfg: Any) -> dict | None:
         raise ConfigError(f"{run_dir} holds a finished run made with another config (it differs in "
                           f"{', '.join(changed)}); remove it or choose another output directory")
     return json.loads((run_dir / "summary.json").read_text())
+
+
+def _this_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("stabledrl")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        from stabledrl import __version__
+
+        return __version__
+
+
+def check_run_version(run_dir: str | Path) -> None:
+    """Refuse, in one line, a run directory that a newer stabledrl wrote: its checkpoints and
+    config may hold what this version cannot read. A directory without the record (new, or
+    written before versions were recorded) passes."""
+    from packaging.version import Version
+
+    record = Path(run_dir) / VERSION_FILE
+    if not record.is_file():
+        return
+    try:
+        theirs = str(json.loads(record.read_text())["stabledrl"])
+        newer = Version(theirs) > Version(_this_version())
+    except (ValueError, KeyError, TypeError):  # InvalidVersion is a ValueError
+        raise ConfigError(f"{record} is not a version record like {{\"stabledrl\": \"0.1.0\"}}; fix or remove it") from None
+    if newer:
+        raise ConfigError(f"{run_dir} was written by stabledrl {theirs}, and this is stabledrl {_this_version()}: "
+                          f"upgrade stabledrl to {theirs} or later to use it, or start a fresh run in another output_dir")
+
+
+def run_dir_of(model: str | Path) -> Path | None:
+    """The run directory whose checkpoint or final model `model` is, or None (a shipped
+    model, a Hub name, any other directory)."""
+    model = Path(model)
+    is_run_model = model.name == "final" or _NAME.match(model.name)
+    if is_run_model and model.is_dir() and (model.parent / "config.yaml").is_file():
+        return model.parent
+    return None
 
 
 def _unwritable(run_dir: Path, e: OSError) -> ConfigError:

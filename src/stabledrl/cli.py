@@ -164,6 +164,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     from stabledrl.tasks import get_task
 
     task = get_task(args.task, **options)
+    out = _eval_out(args.model, args.task, args.split, args.out)
     policy = load_policy(_model_config(args))
     problems = task.generate(args.n, split=args.split, seed=args.seed)
     sampling = dataclasses.replace(sampling, micro_batch=args.batch_size)
@@ -171,15 +172,31 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     report = {"model": str(args.model), "task": args.task, "split": args.split, "seed": args.seed, **res.summary()}
     print(f"{args.task} {args.split} n={res.n}: accuracy {res.accuracy:.4f}, mean reward {res.mean_reward:.4f} "
           f"({res.tokens_per_second:.0f} tokens/s)")
-    out = Path(args.out) if args.out else Path(args.model) / f"eval-{args.task}-{args.split}.json"
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps({**report, "samples": res.samples}, indent=2))
         print(f"wrote {out}")
     except OSError as e:
-        print(f"could not write {out}: {e}", file=sys.stderr)
+        print(f"could not write {out}: {e}; name another path with --out", file=sys.stderr)
         return 1
     return 0
+
+
+def _eval_out(model: str, task: str, split: str, out: str | None) -> Path:
+    """Where `eval` writes its JSON: `out` if given; for a run's checkpoint or final model,
+    RUN/evals/NAME-TASK-SPLIT.json, beside the run's metrics; for any other model (a shipped
+    one, a Hub name), ./evals/NAME-TASK-SPLIT.json, as runs go to ./runs/. Never the model
+    directory: a shipped model, a Hub cache or a mount may be read-only or another's."""
+    from stabledrl.checkpoint import run_dir_of
+
+    if out:
+        return Path(out)
+    path = Path(model)
+    run = run_dir_of(path)
+    if run is not None:
+        return run / "evals" / f"{path.name}-{task}-{split}.json"
+    name = path.resolve().name if path.is_dir() else model.strip("/").replace("/", "--")  # org/name -> org--name
+    return Path("evals") / f"{name}-{task}-{split}.json"
 
 
 def _cmd_sample(args: argparse.Namespace) -> int:
@@ -281,7 +298,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("report", help="plot reward, gradient norm, ratio spread, bypass and drift of runs")
     p.add_argument("runs", nargs="+", help="run directories (several are overlaid)")
-    p.add_argument("--out", help="PNG path (default: FIRST_RUN/report.png)")
+    p.add_argument("--out", help="PNG path (default: FIRST_RUN/report.png, inside that run directory)")
     p.set_defaults(func=_cmd_report)
 
     p = sub.add_parser("eval", help="accuracy and mean reward on generated problems")
@@ -292,7 +309,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--n", type=int, default=500, help="number of problems")
     p.add_argument("--seed", type=int, default=0, help="selects the problems and the sampling noise")
     p.add_argument("--batch-size", type=int, default=256)
-    p.add_argument("--out", help="JSON report path (default: MODEL/eval-TASK-SPLIT.json)")
+    p.add_argument("--out", help="JSON report path (default: RUN/evals/NAME-TASK-SPLIT.json for a run's checkpoint or "
+                   "final model NAME; else evals/NAME-TASK-SPLIT.json in the current directory, as runs go to runs/, "
+                   "NAME the model directory's name or the Hub name with / as --; never inside the model directory, "
+                   "which may be read-only or shared)")
     _add_sampling_args(p)
     p.set_defaults(func=_cmd_eval)
 
