@@ -70,7 +70,23 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from stabledrl.likelihood import Completions, backward_views, planner_options
+from stabledrl.likelihood import Completions, backward_views
+from stabledrl.memory import (  # noqa: F401 (the memory model, read here by the tests and benchmarks)
+    Footprint,
+    Shape,
+    activation_bytes,
+    checkpoint_bytes,
+    footprint,
+    layer_params,
+    llada_lora_param_count,
+    lora_param_count,
+    param_count,
+    predict_memory,
+    scored_length,
+    views_per_row,
+    with_eval,
+)
+from stabledrl.preflight import final_bytes
 from stabledrl.models import TinyDiffusionConfig, TinyDiffusionLM, TinyPolicy, add_lora, base_policy
 from stabledrl.objectives import group_advantages
 from stabledrl.sampling import RolloutRequest, generate_micro_batched, row_generators
@@ -82,27 +98,6 @@ GB = 1e9
 
 
 # ----------------------------------------------------------------------------- shapes
-@dataclass(frozen=True)
-class Shape:
-    """A `TinyDiffusionConfig` shape (LLaDA's block; see the module docstring)."""
-
-    vocab_size: int  # V
-    hidden_size: int  # d
-    num_hidden_layers: int  # nl
-    num_attention_heads: int  # H
-    intermediate_size: int  # I, the SwiGLU width
-    rope_theta: float = 500000.0
-    max_position_embeddings: int = 4096
-    num_key_value_heads: int | None = None  # grouped-query attention (None: H); the memory model only
-    qkv_bias: bool = False  # biases on q, k, v (Qwen2)
-    qk_norm: bool = False  # RMSNorm on each head's q and k (Qwen3)
-
-    @property
-    def kv_width(self) -> int:
-        """The width of k and of v: (H_kv) · Dh."""
-        return (self.num_key_value_heads or self.num_attention_heads) * (self.hidden_size // self.num_attention_heads)
-
-
 SHAPES = {
     # GSAI-ML/LLaDA-8B-Base (and -Instruct) config.json: d_model 4096, n_layers 32, n_heads 32,
     # n_kv_heads 32, mlp_hidden_size 12288 (block_type llama: ff_proj and up_proj 4096 -> 12288,
@@ -123,40 +118,6 @@ SHAPES = {
     # for the tests
     "tiny": Shape(256, 32, 2, 2, 96, max_position_embeddings=256),
 }
-
-
-def layer_params(shape: Shape) -> int:
-    """Parameters of one layer: q, out (2d²), k, v (2·d·kv, kv = d without GQA), gate, up (2dI),
-    down (Id), two RMSNorm weights (2d); Qwen's q, k, v biases (d + 2kv) or q, k norms (2·Dh)."""
-    d, I, kv = shape.hidden_size, shape.intermediate_size, shape.kv_width
-    Dh = d // shape.num_attention_heads
-    extra = (d + 2 * kv if shape.qkv_bias else 0) + (2 * Dh if shape.qk_norm else 0)
-    return 2 * d * d + 2 * d * kv + 3 * d * I + 2 * d + extra
-
-
-def param_count(shape: Shape) -> int:
-    """Parameters of the shape: the layers, the embedding and the untied output head (Vd
-    each) and the final norm (d)."""
-    return shape.num_hidden_layers * layer_params(shape) + 2 * shape.vocab_size * shape.hidden_size + shape.hidden_size
-
-
-def lora_param_count(shape: Shape, r: int) -> int:
-    """LoRA adapters of rank r on every linear layer but the output head (peft's
-    "all-linear"): r·(in + out) for qkv (d -> 3d), proj (d -> d), gate_up (d -> 2I), down (I -> d).
-    (LLaDA's own modules, with q, k, v and ff_proj, up_proj apart, take r·(11d + 3I) per layer.)"""
-    d, I, kv = shape.hidden_size, shape.intermediate_size, shape.kv_width
-    return shape.num_hidden_layers * r * ((2 * d + 2 * kv) + 2 * d + d + 2 * I + I + d)
-
-
-def llada_lora_param_count(shape: Shape, r: int, targets: list[str]) -> int:
-    """LoRA adapters of rank r on LLaDA's own linear modules named in `targets`, r·(in + out) each
-    per layer: q_proj, attn_out (d -> d), k_proj, v_proj (d -> kv), ff_proj, up_proj (d -> I),
-    ff_out (I -> d); "all-linear" names all seven (r·(11d + 3I) per layer without GQA)."""
-    d, I, kv = shape.hidden_size, shape.intermediate_size, shape.kv_width
-    sizes = {"q_proj": 2 * d, "attn_out": 2 * d, "k_proj": d + kv, "v_proj": d + kv, "ff_proj": d + I,
-             "up_proj": d + I, "ff_out": I + d}
-    names = list(sizes) if "all-linear" in targets else targets
-    return shape.num_hidden_layers * r * sum(sizes[n] for n in names)
 
 
 def buildable(shape: Shape) -> bool:
@@ -224,213 +185,6 @@ def preset(name: str, overrides: list[str] = ()) -> Preset:
         return Preset(load_config(TrainConfig, data, overrides), 256,
                       "JianyuanZhong/StableDRL configs/gsm8k_math_spg_snis.yaml (sizes), mc estimator")
     raise ValueError(f"unknown preset {name!r}: countdown or gsm8k-llada")
-
-
-# ----------------------------------------------------------------------------- the memory model
-@dataclass(frozen=True)
-class Footprint:
-    """What the memory model reads besides the shape: one process's share of one step."""
-
-    prompt_length: int  # Pl
-    gen_length: int  # L
-    rows_per_call: int  # A: rollout rows in one sampler call (rollout.micro_batch, else the share)
-    views_per_forward: int  # views in one forward, with a graph (the update) or without (scoring)
-    lora_params: int = 0  # trainable adapter parameters; 0: full fine-tuning
-    weight_bytes: int = 4  # bytes per model weight: 4 (float32), 2 (a bfloat16 LoRA base)
-    autocast: bool = False  # mixed_precision bf16: the forwards compute in bfloat16
-    reference: bool = False  # a second copy of the weights (full FT with drift_kl or beta > 0)
-    shards: int = 1  # FSDP / ZeRO-3 processes sharing weights, gradients and AdamW states
-    optimizer_chunk: int | None = None  # elements stepped at a time (the trainer: 2**26); None: all
-    foreach: bool = False  # torch's multi-tensor AdamW (its default for CUDA tensors)
-    checkpointing: bool = False  # gradient checkpointing: a layer keeps only its input for the backward
-    noise: str = "generator"  # the sampler's noise: generator (float64, every column) or counter
-    block_length: int | None = None  # the sampler's block: counter noise draws over its columns only
-    block_size: int | None = None  # a block model's S: KV-cached rollouts, staircase scoring [q ; y ; q̃ ; ỹ]
-    approx_cache: bool = False  # rollout.approx_cache prefix / dual: a full-attention model's rollouts keep a KV cache
-
-
-def scored_length(f: Footprint) -> int:
-    """Tokens of one scored view: P + L, or a block model's staircase P + 2L + S (q̃ is at most a block)."""
-    return f.prompt_length + f.gen_length + (f.gen_length + f.block_size if f.block_size else 0)
-
-
-def activation_bytes(shape: Shape, f: Footprint) -> int:
-    """Bytes kept for the backward by one view of T = Pl + L tokens: TinyDiffusionLM's
-    forward, read from its code and checked op by op against `LiveBytes`.
-
-    Float32, per token and layer: the two RMSNorms' x·rsqrt and its product with the weight
-    (4d; with LoRA the weights are frozen and x·rsqrt is not kept: 2d), the qkv output (3d,
-    kept whole: SDPA keeps v, a view of it), the RoPE'd q and k (2d), SDPA's output and its
-    reshaped copy, proj's input (2d), the two residual sums (2d), the gate_up output (2I: SiLU
-    keeps the gate half, the product the up half), SiLU's output and the product (2I), SDPA's
-    float copy of the boolean mask (T), its logsumexp (H) and two rsqrt (2). Once per token:
-    the embedding output (d), RoPE's cos and sin (Dh), the final norm and the head's input
-    (2d; none with LoRA: the head is frozen). Per view: the log-softmax over the L completion
-    slots (L·V, float32).
-
-    Under autocast (measured with CPU autocast, whose policy for these ops, bfloat16
-    matmuls and SDPA, float32 norms, is CUDA's): bfloat16 are the casts of the two norm
-    outputs, the qkv output, the casts of the RoPE'd q and k, SDPA's output and its copy, the
-    MLP (4I) and the mask (9d + 4I + T); float32 the two residuals (or, over a bfloat16 LoRA
-    base, the norms' float32 copies of their inputs) and, with full fine-tuning, the norms'
-    x·rsqrt (2d + 2d). Once: the embedding output over float32 weights (d), cos and sin, and
-    with full fine-tuning the final norm (float32) and its cast (bfloat16).
-
-    With gradient checkpointing a layer keeps only its input, the residual stream in the
-    weights' dtype (d per token and layer); one layer's activations as above exist while it
-    is recomputed in the backward (`layer_bytes`, the predicted update's `recompute` term)."""
-    T, L = scored_length(f), f.gen_length
-    per_layer = f.weight_bytes * shape.hidden_size if f.checkpointing else layer_bytes(shape, f)
-    return T * (shape.num_hidden_layers * per_layer + _once_bytes(shape, f)) + 4 * L * shape.vocab_size
-
-
-def layer_bytes(shape: Shape, f: Footprint) -> int:
-    """Bytes one layer keeps for the backward per token, without checkpointing (`activation_bytes`)."""
-    d, I, H = shape.hidden_size, shape.intermediate_size, shape.num_attention_heads
-    T, full = scored_length(f), f.lora_params == 0
-    if f.autocast:
-        return 2 * (9 * d + 4 * I + T) + 4 * ((2 * d if full else 0) + 2 * d + H + 2)
-    return 4 * ((4 * d if full else 2 * d) + 9 * d + 4 * I + T + H + 2)
-
-
-def _once_bytes(shape: Shape, f: Footprint) -> int:
-    """Bytes kept once per token, outside the layers (`activation_bytes`)."""
-    d, Dh, full = shape.hidden_size, shape.hidden_size // shape.num_attention_heads, f.lora_params == 0
-    if f.autocast:
-        return 4 * (d * (f.weight_bytes == 4) + Dh) + (6 * d if full else 0)
-    return 4 * (d + Dh + (2 * d if full else 0))
-
-
-def predict_memory(shape: Shape, f: Footprint) -> dict[str, Any]:
-    """Peak memory of one process in a step at steady state (AdamW's states exist; the
-    previous step's gradients are held until the update's zero_grad), in bytes, by phase.
-
-    Resident: the weights (a LoRA run's adapters in float32 besides), the reference copy
-    (never sharded), the gradients and AdamW's m and v (4 + 8 bytes per trainable parameter,
-    float32), the last three divided among `shards`. A forward also holds copies of weights
-    (`forward_weight_copies`): autocast's bfloat16 casts of every trainable float32 weight,
-    kept to the forward's end (2 bytes per parameter), or under FSDP the gathered unit and
-    the prefetched next one (a layer, or the embedding or head). On top, per phase:
-    - rollout: the larger of a forward (below) and the sampler's step over the L completion
-      columns: the logits (A, T, V), their float32 slice under autocast, and, in float64, the
-      Gumbel draw u, the noise, the tempered logits and their sum (4 × 8 bytes), then the
-      float32 softmax, log-softmax, exp and product of the entropy while u, the noise and the
-      tempered logits are held: 40·A·L·V bytes besides the logits;
-    - scoring: a forward without a graph, which keeps nothing across layers: the larger of a
-      layer's temporaries and the head (the final residual, its norm and the logits (n, T, V));
-      under autocast, accelerate's float32 copy of the bfloat16 logits, made beside them (the
-      prepared model returns float32 outputs); then the float32 logits and the log-softmax
-      (n, L, V);
-    - update: the activations of the n views with a graph (`activation_bytes`; with
-      checkpointing a layer's input each, and one layer's activations while recomputed), the
-      weight copies, and the larger of the forward's head (as in scoring) and the backward's
-      first steps: the log-softmax's two gradients (2 × L·V per view), then the logits'
-      gradient (T·V) with the head's input and weight gradients;
-    - optimizer: all gradients and the step's temporaries: √v and its quotient for the
-      largest parameter (torch's per-tensor AdamW, on CPU), or √v of all that is stepped at
-      once (foreach; `optimizer_chunk` bounds it, and adds the trainer's copy of the chunk).
-    Rollouts of LLaDA (full attention) run the whole P + L columns each step; with Fast-dLLM's
-    caches (`approx_cache`) they also hold the keys and values of every column, 2·nl·(P + L)·kv
-    values per row (a block's first call runs the whole sequence and keeps them all). A block
-    model (`block_size` S) feeds one block of S columns against such a cache, and scores the
-    staircase (`scored_length`)."""
-    N = param_count(shape)
-    d, V, L = shape.hidden_size, shape.vocab_size, f.gen_length
-    T = scored_length(f)
-    Tr = f.block_size or f.prompt_length + f.gen_length  # the columns a sampler step feeds
-    full = f.lora_params == 0
-    train = N if full else f.lora_params
-    shard = f.shards if full else 1
-    act = 2 if f.autocast else 4
-    logit = 2 if f.autocast else 4  # the head's output dtype
-    terms = {
-        "weights": N * f.weight_bytes // shard + (0 if full else 4 * f.lora_params),
-        "reference": N * f.weight_bytes if f.reference and full else 0,
-        "gradients": 4 * train // shard,
-        "adamw_states": 8 * train // shard,
-    }
-    if full and f.shards > 1:  # FSDP gathers a unit (a layer, the embedding, the head) and prefetches the next
-        terms["forward_weight_copies"] = 2 * max(layer_params(shape), V * d) * act
-    else:  # autocast casts every trainable float32 weight once per forward and keeps the casts to its end
-        terms["forward_weight_copies"] = 2 * N if f.autocast and full else 0
-    resident = terms["weights"] + terms["reference"] + terms["adamw_states"]
-    A, n = f.rows_per_call, f.views_per_forward
-    I = shape.intermediate_size
-
-    def forward_peak(rows: int, tokens: int = T) -> int:  # no graph: a layer's temporaries, or the head
-        return terms["forward_weight_copies"] + rows * tokens * max((4 * I + 3 * d) * act, 3 * d * act + V * logit)
-
-    # The sampler's loop holds the previous step's float32 logits (A, Tr, V) while the next forward
-    # runs and its output is converted: `held` besides the forward in every step but the first.
-    held = A * Tr * V * 4
-    to_float32 = (logit + 4) if f.autocast else 0  # per logit: accelerate's float32 copy beside the bfloat16 one
-    if f.noise == "counter":  # 7 (N, V) float32 draws over the block's N <= A·W eligible slots
-        W = min(L, f.block_size or f.block_length or L)
-        pick = A * Tr * V * 4 + 28 * A * W * V
-    else:
-        pick = A * Tr * V * logit + (4 * A * L * V if f.autocast else 0) + 40 * A * L * V
-    kv_cached = f.block_size or f.approx_cache
-    cache = 2 * A * shape.num_hidden_layers * (f.prompt_length + L) * shape.kv_width * act if kv_cached else 0
-    terms["rollout_transient"] = cache + max(held + forward_peak(A, Tr), held + A * Tr * V * to_float32, pick)
-    # log-softmax over the L completion slots of the float32 logits: on CUDA the strided slice is first
-    # copied whole (measured on an H100: 8 bytes per logit of n·T·V with L = T/2, not 6)
-    head = n * V * (4 * T + 8 * L)
-    terms["scoring_transient"] = max(forward_peak(n), n * T * V * to_float32, head)
-    terms["activations"] = n * activation_bytes(shape, f)
-    # the update's forward peaks at that log-softmax: what is kept besides the log-softmax, and the head
-    terms["update_forward_head"] = max(n * T * V * to_float32, head) - 4 * n * L * V
-    head_grad = 4 * V * d if full else 0
-    terms["update_backward_transient"] = max(8 * n * L * V, n * T * V * logit + n * T * d * act + head_grad)
-    # checkpointing: one layer's activations while it is recomputed, with the residual's gradient
-    # coming in and going out (float32), after the head's backward has freed its temporaries
-    recompute = n * T * (layer_bytes(shape, f) + 8 * d) if f.checkpointing else 0
-    terms["recompute"] = recompute
-    stepped = train // shard
-    if f.foreach:
-        chunk = stepped if f.optimizer_chunk is None else min(stepped, f.optimizer_chunk)
-        temp = 4 * chunk * (2 if f.optimizer_chunk is not None else 1)  # √v (+ the trainer's copy)
-    else:  # the largest parameter: the embedding or the head (LoRA: an adapter of a few MB, left out)
-        temp = 2 * 4 * V * d if full else 0
-    terms["optimizer_transient"] = temp
-    phases = {
-        "start": resident + terms["gradients"],
-        "rollout": resident + terms["gradients"] + terms["rollout_transient"],
-        "scoring": resident + terms["gradients"] + terms["scoring_transient"],
-        "update": resident + terms["forward_weight_copies"] + terms["activations"]
-                  + max(terms["update_backward_transient"], recompute, terms["update_forward_head"]),
-        "optimizer": resident + terms["gradients"] + temp,
-    }
-    return {"terms": terms, "phases": phases, "peak": max(phases.values()), "params": N, "trainable": train}
-
-
-def views_per_row(cfg: TrainConfig) -> int:
-    """Noised views a rollout gets from the estimator (ℓ_old's plan; the update reuses its size):
-    K draws, each of sdmc's nodes (its default if unset); a blockwise draw is one staircase view."""
-    e = cfg.estimator
-    inner = e.options.get("inner", "mc") if e.method == "blockwise" else e.method
-    if inner == "sdmc":
-        return e.num_samples * {**planner_options("sdmc"), **e.options}["num_nodes"]
-    if inner in ("mc", "mean_field", "block_random"):
-        return e.num_samples
-    raise ValueError(f"estimator.method {e.method!r}: the benchmark reads mc, sdmc, mean_field, block_random and "
-                     "blockwise (inner mc or sdmc)")
-
-
-def footprint(cfg: TrainConfig, prompt_length: int, *, lora_params: int = 0, weight_bytes: int = 4,
-              shards: int = 1, optimizer_chunk: int | None = None, foreach: bool = False) -> Footprint:
-    """The footprint of one process of `shards` running `cfg`: its share of the P·G rows is
-    sampled (in micro-batches), its share of one accumulation round's P/R·G rows scored and
-    back-propagated (in view batches)."""
-
-    rows = -(-cfg.prompts_per_step * cfg.group_size // shards)
-    views = -(-cfg.prompts_per_step // cfg.accumulation_rounds * cfg.group_size // shards) * views_per_row(cfg)
-    budget = cfg.estimator.max_views_per_forward
-    return Footprint(prompt_length=prompt_length, gen_length=cfg.rollout.gen_length,
-                     rows_per_call=min(rows, cfg.rollout.micro_batch or rows),
-                     views_per_forward=min(views, budget or views),
-                     lora_params=lora_params, weight_bytes=weight_bytes, autocast=cfg.mixed_precision == "bf16",
-                     reference=cfg.lora is None and (cfg.drift_kl or cfg.objective.needs_reference), shards=shards,
-                     optimizer_chunk=optimizer_chunk, foreach=foreach)
 
 
 # ----------------------------------------------------------------------------- measuring
@@ -791,13 +545,17 @@ def recipe_config(name: str, overrides: list[str] = ()) -> TrainConfig:
 def recipe_footprint(r: Recipe, cfg: TrainConfig) -> Footprint:
     """One GPU's footprint of `cfg` on the recipe's processes: full fine-tuning sharded over them,
     or the config's LoRA adapters (the trainer's chunked foreach AdamW), the config's precision,
-    noise, rollout blocks and checkpointing."""
+    noise, rollout blocks and checkpointing, its evaluation (prompts as long as training's), and
+    the allowances for CUDA, NCCL and the allocator (`stabledrl.memory.NCCL_BYTES`)."""
     lora = llada_lora_param_count(SHAPES[r.shape], cfg.lora.r, cfg.lora.target_modules) if cfg.lora else 0
     f = footprint(cfg, r.prompt_length, lora_params=lora, weight_bytes=2 if cfg.model.dtype == "bfloat16" else 4,
                   shards=r.processes, optimizer_chunk=2**26, foreach=True)
-    return dataclasses.replace(f, checkpointing=cfg.model.gradient_checkpointing, noise=cfg.rollout.noise,
-                               block_length=cfg.rollout.block_length, block_size=r.block_size,
-                               approx_cache=cfg.rollout.approx_cache != "none")
+    f = dataclasses.replace(f, checkpointing=cfg.model.gradient_checkpointing, noise=cfg.rollout.noise,
+                            block_length=cfg.rollout.block_length, block_size=r.block_size,
+                            approx_cache=cfg.rollout.approx_cache != "none", reserve=True,
+                            head_on_block=cfg.rollout.noise == "counter" and not cfg.model.trust_remote_code)
+    eval_rows = min(cfg.eval_sampling.micro_batch or 256, -(-cfg.eval_n // r.processes))
+    return with_eval(f, eval_rows, r.prompt_length, cfg.eval_sampling.gen_length or cfg.rollout.gen_length)
 
 
 def predict_recipes(gpu_bytes: float) -> dict[str, Any]:
@@ -820,24 +578,34 @@ def predict_recipes(gpu_bytes: float) -> dict[str, Any]:
                      "fits": pred["peak"] <= gpu_bytes,
                      "peak_without_checkpointing":
                          predict_memory(shape, dataclasses.replace(f, checkpointing=False))["peak"],
-                     "one_round": {"rows": -(-P * G // r.processes), "phases": one["phases"], "peak": one["peak"]}}
+                     "one_round": {"rows": -(-P * G // r.processes), "phases": one["phases"], "peak": one["peak"]},
+                     "disk": _run_disk(shape, f, r.processes, cfg)}
     return out
+
+
+def _run_disk(shape: Shape, f: Footprint, processes: int, cfg: TrainConfig) -> dict[str, int]:
+    """The disk of a run's checkpoints (`stabledrl.memory.checkpoint_bytes`): the kept ones, one
+    being saved and final/ (bfloat16 under bf16)."""
+    disk = checkpoint_bytes(shape, f, processes=processes, model_bytes=2 if cfg.model.dtype == "bfloat16" else 4,
+                            final_bytes=final_bytes(cfg))
+    return {**disk, "run": (cfg.keep_checkpoints + 1) * disk["checkpoint"] + disk["final"]}
 
 
 def recipes_table(pred: dict[str, Any]) -> str:
     """The markdown table of `predict_recipes`."""
     lines = ["| recipe | parameters | prompts × G, rounds | rows per GPU and round | rollout.micro_batch | "
-             "views per forward | predicted peak per GPU | largest phase | without checkpointing | "
-             "in one round |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "views per forward | predicted peak per GPU | largest phase | evaluation | without checkpointing | "
+             "in one round | disk of the checkpoints |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, e in pred.items():
         if not isinstance(e, dict):
             continue
         phase, b = max(e["phases"], key=e["phases"].get), e["batch"]
         lines.append(f"| {name} | {e['params'] / 1e9:.2f} B | {b['prompts_per_step']} × {b['group_size']}, "
                      f"{b['accumulation_rounds']} | {e['rows_per_round']} | {e['rollout.micro_batch']} | "
-                     f"{e['views_per_forward']} | {_gb(e['peak'])} | {phase} | {_gb(e['peak_without_checkpointing'])} | "
-                     f"{_gb(e['one_round']['peak'])} ({e['one_round']['rows']} rows) |")
+                     f"{e['views_per_forward']} | {_gb(e['peak'])} | {phase} | {_gb(e['phases']['evaluation'])} | "
+                     f"{_gb(e['peak_without_checkpointing'])} | {_gb(e['one_round']['peak'])} ({e['one_round']['rows']} rows) | "
+                     f"{_gb(e['disk']['run'])} |")
     return "\n".join(lines)
 
 

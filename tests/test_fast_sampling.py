@@ -106,8 +106,12 @@ def test_categorical_equals_a_plain_float64_inverse_cdf():
     u = torch.rand(400, generator=g, dtype=torch.float64)
     got = categorical(probs, u, chunk=128)
     cdf = probs.double().cumsum(-1)  # the independent computation: one cumulative sum
-    want = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).squeeze(1)
-    assert torch.equal(got, want)
+    target = u * cdf[:, -1]
+    want = torch.searchsorted(cdf, target[:, None], right=True).squeeze(1)
+    # Chunk sums are float32: a target within 1e-5 of a chunk's edge may fall on either side.
+    edges = cdf[:, 127::128]  # (400, chunks) the cumulative mass at each chunk's end
+    clear = ((edges - target[:, None]).abs() > 1e-5).all(-1)
+    assert clear.sum() > 390 and torch.equal(got[clear], want[clear])
     assert not (got % 7 == 0).any()  # never a zero-probability token
     # The extremes of u stay in range and on tokens of positive mass.
     ends = categorical(probs[:2], torch.tensor([1e-12, 1 - 1e-12], dtype=torch.float64), chunk=128)
@@ -167,6 +171,8 @@ def test_counter_noise_leaves_greedy_decoding_unchanged(kind, kw):
     got = _run(policy, gen_length=10, steps=6, noise="counter", record_logprob=True, **kw)
     assert torch.equal(got.completion_ids, want.completion_ids) and torch.equal(got.unmask_step, want.unmask_step)
     assert torch.equal(got.token_logprob, want.token_logprob)
+    # The counter path takes the entropy at the chosen slots only: the same values.
+    assert torch.allclose(got.entropy, want.entropy, rtol=1e-4, atol=1e-6) and want.entropy.gt(0).all()
 
 
 def test_counter_noise_random_remasking_reproducible_per_row():

@@ -738,3 +738,26 @@ def test_a_run_logs_a_sample_table_at_every_evaluation_and_a_nonnegative_drift(i
 def test_report_to_a_backend_that_is_not_one_is_refused_at_load(init_model, tmp_path):
     with pytest.raises(ConfigError, match="report_to"):
         _cfg(init_model, tmp_path / "run", report_to=["mlflow"])
+
+
+def test_keep_checkpoints_and_a_final_model_in_bfloat16_in_hub_sized_files(init_model, tmp_path, monkeypatch):
+    from safetensors import safe_open
+
+    import stabledrl._compat as compat
+    from stabledrl.models import ModelConfig, load_policy
+
+    monkeypatch.setattr(compat, "MAX_SHARD_SIZE", "20KB")  # the tiny model's 5 GB: several files
+    cfg = _cfg(init_model, tmp_path / "run", steps=3, save_every=1, keep_checkpoints=1, final_dtype="bfloat16", mu=1)
+    run_train(cfg, progress=False)
+    run = tmp_path / "run"
+    assert sorted(p.name for p in run.glob("checkpoint-*")) == ["checkpoint-0000003"]  # only the newest kept
+    files = sorted((run / "final").glob("model-*.safetensors"))
+    assert len(files) > 1 and (run / "final" / "model.safetensors.index.json").is_file()
+    for f in files:
+        with safe_open(str(f), "pt") as t:
+            assert all(t.get_tensor(k).dtype == torch.bfloat16 for k in t.keys())
+    # the checkpoint's weights stay float32 (an exact resume), and final/ loads back
+    ckpt = load_file(next((run / "checkpoint-0000003").glob("model*.safetensors")))
+    assert all(v.dtype == torch.float32 for v in ckpt.values())
+    back = load_policy(ModelConfig(path=str(run / "final")))
+    assert all(p.dtype == torch.float32 for p in back.model.parameters())

@@ -197,18 +197,23 @@ def _validate_takes_strict(generation_config: Any) -> bool:
     return "strict" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
 
 
+MAX_SHARD_SIZE = "5GB"
+"""Safetensors files of at most this size, as the Hub's checkpoints are split (transformers 5 writes 50 GB)."""
+
+
 def save_pretrained(model: Any, path: str | Path, *, state_dict: dict[str, torch.Tensor] | None = None) -> None:
     """``model.save_pretrained(path, state_dict=state_dict)``, also for models whose generation
     config class predates ``validate(strict=...)`` (Dream): their generation config is written as is."""
     from transformers import GenerationConfig, PreTrainedModel
 
     gen = getattr(model, "generation_config", None) if isinstance(model, PreTrainedModel) else None
+    shards = {"max_shard_size": MAX_SHARD_SIZE} if isinstance(model, PreTrainedModel) else {}
     if gen is None or _validate_takes_strict(gen):  # (a PEFT model saves its adapters only)
-        model.save_pretrained(path, state_dict=state_dict)
+        model.save_pretrained(path, state_dict=state_dict, **shards)
         return
     model.generation_config = GenerationConfig()  # validates; overwritten below
     try:
-        model.save_pretrained(path, state_dict=state_dict)
+        model.save_pretrained(path, state_dict=state_dict, **shards)
     finally:
         model.generation_config = gen
     # Dream's config keeps its own fields (steps, alg, mask_token_id ...): all of them, no diff.

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import inspect
 import math
 from dataclasses import dataclass, fields
 from typing import Sequence
@@ -145,14 +146,16 @@ def row_keys(generator: Generators, B: int, device) -> torch.Tensor | None:
 def categorical(probs: torch.Tensor, u: torch.Tensor, chunk: int = 512) -> torch.Tensor:
     """Inverse-CDF draw: (N, V) probabilities (unnormalised, ≥ 0, a positive sum) and (N,)
     uniforms -> (N,) the first index whose cumulative mass exceeds u times the total. In two
-    levels, so only (N, V / chunk) and (N, chunk) sums are float64: the chunk holding the
-    target, then the token within it. A zero-probability token is never returned."""
+    levels: the chunk holding the target, then the token within it. Each chunk's mass is summed
+    in the input's dtype (a float64 sum over the vocabulary costs ten times more on a CPU) and
+    accumulated over chunks in float64, so the draw departs from an all-float64 one only for a
+    target within ~1e-7 of a chunk's edge. A zero-probability token is never returned."""
     N, V = probs.shape
     whole = V - V % chunk
-    sums = probs[:, :whole].reshape(N, -1, chunk).sum(-1, dtype=torch.float64)  # (N, V // chunk)
+    sums = probs[:, :whole].reshape(N, -1, chunk).sum(-1)  # (N, V // chunk)
     if whole < V:
-        sums = torch.cat([sums, probs[:, whole:].sum(-1, keepdim=True, dtype=torch.float64)], dim=1)
-    cum = sums.cumsum(-1)  # (N, C)
+        sums = torch.cat([sums, probs[:, whole:].sum(-1, keepdim=True)], dim=1)
+    cum = sums.double().cumsum(-1)  # (N, C)
     target = u.double() * cum[:, -1]  # (N,)
     j = torch.searchsorted(cum, target[:, None], right=True).clamp(max=cum.size(1) - 1)  # (N, 1) the chunk
     rest = target[:, None] - torch.where(j > 0, cum.gather(1, (j - 1).clamp(min=0)), 0.0)  # (N, 1)
@@ -179,30 +182,41 @@ class _At:
 
 
 def _draw_counter(dec: _Decoding, logits: torch.Tensor, eligible: torch.Tensor, at: _At) -> tuple[torch.Tensor, ...]:
-    """Counter noise: the draw, score and entropy (each (A, W), 0 off the eligible slots)
-    computed on the eligible slots only. The token is an inverse-CDF draw from the tempered
-    distribution with one counter uniform per slot."""
+    """Counter noise: the draw and its score (each (A, W), 0 off the eligible slots), computed on
+    the eligible slots only, in as few passes over the vocabulary as the draw needs (the
+    entropy waits for the chosen slots, `_entropy_at`). The token is an inverse-CDF draw from
+    the tempered distribution with one counter uniform per slot."""
     temperature = dec.sampling.temperature
     keys = None if dec.keys is None else dec.keys[at.rows]  # (A, 2)
     a, w = eligible.nonzero(as_tuple=True)  # (N,) each
     lg = logits[a, w]  # (N, V)
-    q, logq = lg.softmax(-1), lg.log_softmax(-1)  # (N, V) each
+    top = lg.amax(-1, keepdim=True)  # (N, 1)
     if temperature > 0:
-        probs = q if temperature == 1 else (lg / temperature).softmax(-1)  # (N, V)
-        x0 = categorical(probs, counter_uniform(keys, at.step, at.cols, 0)[a, w])
+        weights = (lg - top).div_(temperature).exp_()  # (N, V) unnormalised tempered probabilities
+        x0 = categorical(weights, counter_uniform(keys, at.step, at.cols, 0)[a, w])
     else:
         x0 = lg.argmax(-1)  # (N,)
-    if dec.sampling.remasking == "low_confidence":
-        score = q.gather(-1, x0[:, None]).squeeze(-1)  # p(x0), as the generator path computes it
+    if dec.sampling.remasking == "low_confidence":  # p(x0) at temperature 1, as the generator path computes it
+        if temperature != 1:
+            weights = (lg - top).exp_()  # (N, V)
+        score = weights.gather(-1, x0[:, None]).squeeze(-1) / weights.sum(-1)
     else:
         score = counter_uniform(keys, at.step, at.cols, 1)[a, w].float()
-    ent = -(q * logq.nan_to_num(neginf=0.0)).sum(-1)  # (N,)
     out = []
-    for v, fill in ((x0, 0), (score, 0.0), (ent, 0.0)):
+    for v, fill in ((x0, 0), (score, 0.0)):
         full = torch.full(eligible.shape, fill, dtype=v.dtype, device=v.device)
         full[a, w] = v
         out.append(full)
     return tuple(out)
+
+
+def _entropy_at(logits: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+    """(A, W, V) logits, (A, W) chosen slots -> (A, W) the entropy (nats) of the model's
+    distribution at each chosen slot, 0 elsewhere (a banned token's −inf contributes 0)."""
+    a, w = chosen.nonzero(as_tuple=True)
+    ent = torch.zeros(chosen.shape, device=logits.device)
+    ent[a, w] = torch.special.entr(logits[a, w].softmax(-1)).sum(-1)
+    return ent
 
 
 def _draw_generator(dec: _Decoding, logits: torch.Tensor, at: _At) -> tuple[torch.Tensor, ...]:
@@ -230,16 +244,14 @@ def _pick(dec: _Decoding, logits: torch.Tensor, eligible: torch.Tensor, steps_le
     tokens x0 (A, W) and the entropy (A, W). With a threshold, also every slot whose score
     exceeds it."""
     logits[..., dec.banned] = -math.inf
-    if dec.sampling.noise == "counter":
-        x0, score, ent = _draw_counter(dec, logits, eligible, at)
-    else:
-        x0, score, ent = _draw_generator(dec, logits, at)
+    counter = dec.sampling.noise == "counter"
+    x0, score, *ent = _draw_counter(dec, logits, eligible, at) if counter else _draw_generator(dec, logits, at)
     score = score.masked_fill(~eligible, -math.inf)
     k = (eligible.sum(-1) + steps_left - 1) // steps_left  # ceil(masked / steps left), (A,)
     if dec.sampling.threshold is not None:  # parallel decoding: every slot above it, at least the schedule's k
         k = torch.maximum(k, (score > dec.sampling.threshold).sum(-1))
     chosen = _rows_topk(score, k) & eligible  # (A, W)
-    return chosen, x0, ent
+    return chosen, x0, _entropy_at(logits, chosen) if counter else ent[0]
 
 
 def _step(dec: _Decoding, logits: torch.Tensor, eligible: torch.Tensor, steps_left: int | torch.Tensor,
@@ -428,6 +440,7 @@ class _ApproxCache:
         self.policy, self.kind, self.P, self.lo, self.hi = policy, kind, P, lo, hi
         self.attn, self.pos = attn, pos  # (B, P+L) all rows
         self.shift = int(bool(getattr(policy, "shift_logits", False)))
+        self.narrow = takes_columns(policy)
         T = attn.size(1)
         col = torch.arange(T, device=attn.device)
         fed = (col >= P + lo - self.shift) & ((col < P + hi) | (kind == "prefix"))  # (T,) what a later call feeds
@@ -439,15 +452,27 @@ class _ApproxCache:
         P, lo, hi = self.P, self.lo, self.hi
         if self.kv is None:  # the block's first call: the whole sequence, its keys kept
             cache = self.policy.new_cache()
-            out = self.policy.logits(x, self.attn[active], self.pos[active], cache=cache, extend_cache=True)
+            block = slice(P + lo, P + hi)
+            out = self.policy.logits(x, self.attn[active], self.pos[active], cache=cache, extend_cache=True,
+                                     **({"columns": block} if self.narrow else {}))
             self.kv, self.rows = cache.select(cols=self.kept), active
-            return out[:, P + lo : P + hi]
+            return out if self.narrow else out[:, block]
         cache = self.kv
         if not torch.equal(active, self.rows):  # rows that finished the block leave the cache
             cache = cache.select(rows=torch.searchsorted(self.rows, active))
         keys = self.attn[active][:, torch.cat([self.kept, self.fed])]  # (A, Tc+F) key padding, cached first
-        out = self.policy.logits(x[:, self.fed], keys, self.pos[active][:, self.fed], cache=cache)
-        return out[:, self.shift : self.shift + hi - lo]
+        block = slice(self.shift, self.shift + hi - lo)
+        out = self.policy.logits(x[:, self.fed], keys, self.pos[active][:, self.fed], cache=cache,
+                                 **({"columns": block} if self.narrow else {}))
+        return out if self.narrow else out[:, block]
+
+
+def takes_columns(policy: Policy) -> bool:
+    """Whether `policy.logits` takes ``columns=`` (a slice: the logits of those columns only)."""
+    try:
+        return "columns" in inspect.signature(policy.logits).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 def _decode_full(dec: _Decoding, prompt_ids, prompt_mask, block_length: int, per_block: list[int]) -> None:
@@ -459,8 +484,10 @@ def _decode_full(dec: _Decoding, prompt_ids, prompt_mask, block_length: int, per
     attn = torch.cat([prompt_mask, torch.ones((B, L), dtype=prompt_mask.dtype, device=prompt_mask.device)], dim=1)
     pos = position_ids(attn)  # (B, P+L)
     slot = torch.arange(L, device=prompt_ids.device)
-    # Generator noise without a cache draws over every column (the default stream); otherwise only the block's.
+    # Generator noise without a cache draws over every column (the default stream); otherwise only the block's,
+    # and a policy that can computes only the block's logits.
     narrow = dec.sampling.noise == "counter" or approx_cache != "none"
+    head_on_block = narrow and takes_columns(policy)
     step = 0
     for b, block_steps in enumerate(per_block):
         lo, hi = b * block_length, min(L, (b + 1) * block_length)
@@ -479,7 +506,9 @@ def _decode_full(dec: _Decoding, prompt_ids, prompt_mask, block_length: int, per
                 step += block_steps - s
                 break
             x = torch.cat([prompt_ids[active], dec.comp[active]], dim=1)  # (A, P+L)
-            if cache is None:
+            if head_on_block and cache is None:
+                logits = policy.logits(x, attn[active], pos[active], columns=slice(P + lo, P + hi)).float()  # (A, W, V)
+            elif cache is None:
                 logits = policy.logits(x, attn[active], pos[active])[:, P:][:, cols].float()  # (A, W, V)
             else:
                 logits = cache.logits(x, active).float()  # (A, W, V)

@@ -592,11 +592,22 @@ class TrainConfig:
     diagnostics. Costs a forward and, without LoRA, a second full copy of the model on every
     process, hence off by default (an 8B model's is 32 GB in float32); the shipped tiny presets
     turn it on. A KL term (beta > 0) loads the reference whatever this says."""
+    keep_checkpoints: int = 2
+    """Checkpoints kept (the newest); one more exists while the next is saved. Each holds the
+    model and the resume state (AdamW's m and v; under FSDP the model's shards): 16 bytes a
+    parameter at full fine-tuning (128 GB for an 8B model; the preflight prints the run's total)."""
+    final_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """The dtype of the model the run hands over (final/); auto: bfloat16 under mixed_precision
+    bf16 (the precision it computes in, as the published checkpoints), else model.dtype."""
+    preflight: bool = True
+    """Before the model loads, refuse a run that the memory model predicts cannot fit the memory
+    a process has or the disk its checkpoints need (`stabledrl.preflight`); false: only print it."""
 
     def __post_init__(self) -> None:
         check(0 <= self.max_resample_rounds <= 63,  # _resample_seed keeps 64 streams per step
               f"max_resample_rounds must be in [0, 63], got {self.max_resample_rounds}")
-        for name in ("steps", "prompts_per_step", "group_size", "mu", "eval_n", "save_every", "log_every"):
+        for name in ("steps", "prompts_per_step", "group_size", "mu", "eval_n", "save_every", "log_every",
+                     "keep_checkpoints"):
             check(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}")
         check(self.accumulation_rounds >= 1, f"accumulation_rounds must be >= 1, got {self.accumulation_rounds}")
         check(self.prompts_per_step % self.accumulation_rounds == 0,

@@ -369,4 +369,4 @@ def _save_checkpoint(run: Run, done: int) -> Path:
     state = {"scheduler": run.sched.state_dict(), "step": done, "counters": run.counters,
              "history": run.history, "collapse": run.monitor}
     return save_checkpoint(run.out, done, GatheredPolicy(run.policy, run.accelerator), state,
-                           accelerator=run.accelerator)
+                           keep=run.cfg.keep_checkpoints, accelerator=run.accelerator)

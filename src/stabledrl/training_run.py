@@ -27,6 +27,7 @@ from stabledrl.instruments import StepTimer
 from stabledrl.likelihood import check_method_fits
 from stabledrl.models.lora import add_lora, base_policy
 from stabledrl.models.policy import load_policy
+from stabledrl.preflight import check_run, longest_prompt_tokens, machine_of, predict_run
 from stabledrl.sampling import micro_batch_calls
 from stabledrl.settings import TrainConfig
 from stabledrl.shards import Shards
@@ -105,7 +106,7 @@ class Run:
         summary = {**self.history, **self.counters, "processes": self.shards.world,
                    "collapse": list(self.monitor.reasons)}
         self.policy.model.eval()
-        weights = GatheredPolicy(self.policy, self.accelerator)
+        weights = GatheredPolicy(self.policy, self.accelerator, dtype=final_dtype(self.cfg))
         if self.main:
             self.tracker.close()
             save_final(self.out, weights)
@@ -125,6 +126,7 @@ def set_up(cfg: TrainConfig, *, resume: bool = False, task: Any = None) -> Run:
     task = get_task(cfg.task.name, **cfg.task.options) if task is None else task
     # One process may name its device; with several, each process uses the one accelerate gives it.
     device = accelerator.device if cfg.model.device == "auto" or shards.world > 1 else cfg.model.device
+    _preflight(cfg, task, accelerator, shards.world, device)
     initial = load_policy(cfg.model, device=device)
     try:
         check_method_fits(cfg.estimator.method, initial)
@@ -159,6 +161,39 @@ def set_up(cfg: TrainConfig, *, resume: bool = False, task: Any = None) -> Run:
             rewind_metrics(run.out / "metrics.jsonl", ckpt)
     _open_logs(run)
     return run
+
+
+def _preflight(cfg: TrainConfig, task: Any, accelerator: Any, world: int, device: Any) -> None:
+    """Print the memory model's prediction for this run, and refuse one that cannot fit
+    (`stabledrl.preflight`), before the model's weights load."""
+    from stabledrl.models.adapters import _load_tokenizer
+    from stabledrl.models.prompting import resolve_chat_template
+
+    try:
+        tokenizer = _load_tokenizer(cfg.model.path, bool(cfg.model.trust_remote_code), True, None)
+        chat = resolve_chat_template(tokenizer, None if cfg.model.chat_template == "auto" else cfg.model.chat_template)
+        longest = longest_prompt_tokens(task, tokenizer, chat)
+        tokens = tuple(min(longest, s.max_prompt_length or longest) for s in (cfg.rollout, cfg.eval_sampling))
+        sharded = accelerator.distributed_type.value in ("FSDP", "DEEPSPEED")
+        eval_rows = min(cfg.eval_sampling.micro_batch or EVAL_MICRO_BATCH, -(-cfg.eval_n // world))
+        pred = predict_run(cfg, task, machine_of(device, world, sharded), prompt_tokens=tokens, eval_rows=eval_rows)
+    except (LookupError, OSError, ValueError) as e:  # a model or task the memory model cannot read
+        if accelerator.is_main_process:
+            print(f"preflight: no prediction ({type(e).__name__}: {e})")
+        return
+    try:
+        check_run(pred, cfg.output_dir)
+    except ConfigError:
+        if cfg.preflight:
+            raise
+    if accelerator.is_main_process:
+        print(pred.line())
+
+
+def final_dtype(cfg: TrainConfig) -> torch.dtype | None:
+    """The dtype final/ is written in (`TrainConfig.final_dtype`); None: the model's own."""
+    name = cfg.final_dtype if cfg.final_dtype != "auto" else ("bfloat16" if cfg.mixed_precision == "bf16" else None)
+    return None if name is None else getattr(torch, name)
 
 
 def check_processes(cfg: TrainConfig, world: int) -> None:
@@ -271,8 +306,10 @@ class GatheredPolicy:
     weights, gathered (onto the main process) under FSDP or ZeRO-3: a collective, so every
     process makes this object, and the main process saves it."""
 
-    def __init__(self, policy, accelerator) -> None:
+    def __init__(self, policy, accelerator, dtype: torch.dtype | None = None) -> None:
         self.state_dict = accelerator.get_state_dict(policy.model)
+        if dtype is not None and self.state_dict is not None:  # the main process's full weights, cast
+            self.state_dict = {k: v.to(dtype) if v.is_floating_point() else v for k, v in self.state_dict.items()}
         self.policy = copy.copy(policy)
         self.policy.model = accelerator.unwrap_model(policy.model)
 

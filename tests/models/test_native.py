@@ -21,6 +21,7 @@ from stabledrl.models import ModelConfig, load_policy
 from stabledrl.models.attention import block_causal_attention_mask
 from stabledrl.models.native import NATIVE_MODELS, LLaDAConfig, architecture
 from stabledrl.sampling import SamplingConfig, _ApproxCache, generate, row_generators
+from tests.conftest import make_tiny_policy
 from tests.models.test_adapters import dirs, fake_dllm, remote_code, run_fresh  # noqa: F401 (the fixture)
 
 PROMPTS = ["3,5,7=22", "12,4,6=9", "1=1", "8,8=16"]  # three padding counts: 0, 1 and 5 columns
@@ -96,6 +97,28 @@ def test_dreams_shifted_logits_are_moved_back_by_one(dirs):
         out = policy.logits(ids, mask, position_ids(mask))
         raw = policy.model(ids, attention_mask=mask).logits  # [:, i] predicts token i + 1
     assert torch.equal(out[:, 1:], raw[:, :-1]) and torch.equal(out[:, 0], raw[:, 0])
+
+
+@pytest.mark.parametrize("family", ["llada", "dream", "tiny"])
+def test_the_head_runs_on_the_asked_columns_only_with_the_same_logits(dirs, family):
+    # `columns`: the sampler asks for its block's logits only; the head (Dream: on the columns
+    # before, its logits predicting the next token) sees those W columns, and they are the
+    # whole forward's logits there.
+    policy = make_tiny_policy(seed=1) if family == "tiny" else load_policy(ModelConfig(path=str(dirs[family])))
+    ids, mask = encode_prompts(policy.tokenizer, PROMPTS)
+    pos = position_ids(mask)
+    head = policy.model.get_output_embeddings()
+    seen = []
+    hook = head.register_forward_hook(lambda m, i, o: seen.append(i[0].shape[1]))
+    with torch.no_grad():
+        full = policy.logits(ids, mask, pos)
+        for cols in (slice(3, 7), slice(1, None), slice(0, 2)):
+            part = policy.logits(ids, mask, pos, columns=cols)
+            assert part.shape == full[:, cols].shape
+            assert (part - full[:, cols]).abs().max() <= 1e-5 * full.abs().max()
+    hook.remove()
+    want = ids.size(1) if family == "dream" else 2  # Dream's slice(0, 2) needs column -1: the whole row, then cut
+    assert seen == [ids.size(1), 4, ids.size(1) - 1, want]
 
 
 @pytest.mark.parametrize("family", ["llada", "dream"])

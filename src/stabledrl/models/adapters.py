@@ -167,13 +167,14 @@ class HFPolicy:
         *,
         cache: Any = None,
         extend_cache: bool = False,
+        columns: slice | None = None,
     ) -> torch.Tensor:
         """(B, T) ids -> (B, T, V) logits; logits[:, i] predicts token i. With `cache` (from
         `new_cache`; a (B, T, Tc + T) mask, cached keys first) the tokens also attend to the
-        cached ones, and `extend_cache` appends theirs to it."""
+        cached ones, and `extend_cache` appends theirs to it. `columns`: (B, W, V), those
+        columns' logits only (the native models run their head on them alone)."""
         if cache is not None and not (self._store_kv or self.native):
             raise ValueError(f"the {self.adapter} adapter of {type(self.model).__name__} keeps no KV cache")
-        B, T = input_ids.shape
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
         if self.attention_kind == "block" and attention_mask.dim() == 2:
@@ -186,7 +187,13 @@ class HFPolicy:
                 raise ValueError("position_ids are required with a boolean (B, T, T) mask")
             position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
         if self.native:
-            return self._native_logits(input_ids, attention_mask, position_ids, cache, extend_cache)
+            return self._native_logits(input_ids, attention_mask, position_ids, cache, extend_cache, columns)
+        return self._published_logits(input_ids, attention_mask, position_ids, cache, extend_cache)[:, columns or slice(None)]
+
+    def _published_logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
+                          cache: Any, extend_cache: bool) -> torch.Tensor:
+        """`logits` through a published modelling file or transformers' own model class."""
+        B, T = input_ids.shape
         kwargs: dict[str, Any]
         if self.adapter == "llada":
             out = self._llada_logits(input_ids, attention_mask)  # (B, T, V)
@@ -215,11 +222,19 @@ class HFPolicy:
         return _unshift(out) if self.shift_logits else out
 
     def _native_logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor | None,
-                       cache: KVCache | None, extend_cache: bool) -> torch.Tensor:
-        """One forward of the native model, whatever the padding (module docstring)."""
-        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                         past_key_values=cache, extend_cache=extend_cache).logits  # (B, T, V)
-        return _unshift(out) if self.shift_logits else out
+                       cache: KVCache | None, extend_cache: bool, columns: slice | None = None) -> torch.Tensor:
+        """One forward of the native model, whatever the padding (module docstring); `columns`:
+        the head runs on those columns only (under Dream's shift, on the ones before them)."""
+        def run(keep: slice | None) -> torch.Tensor:
+            return self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                              past_key_values=cache, extend_cache=extend_cache, logits_columns=keep).logits
+
+        if not self.shift_logits:
+            return run(columns)
+        if columns is not None and (columns.start or 0) >= 1:  # column i - 1 predicts token i
+            return run(slice(columns.start - 1, -1 if columns.stop is None else columns.stop - 1))
+        out = _unshift(run(None))  # (B, T, V)
+        return out if columns is None else out[:, columns]
 
     def _forward(self, input_ids: torch.Tensor, **kwargs: Any) -> torch.Tensor:
         """The model's own logits, with transformers' checkpointing kept on in eval mode."""

@@ -340,6 +340,7 @@ class _NativeLM(PreTrainedModel):
         position_ids: torch.Tensor | None = None,
         past_key_values: KVCache | None = None,
         extend_cache: bool = False,
+        logits_columns: slice | None = None,
         **unused: Any,
     ) -> MaskedLMOutput:
         """`attention_mask`: (B, Tc + T) key padding (1: a real token), or a boolean (B, T, Tc + T)
@@ -348,7 +349,8 @@ class _NativeLM(PreTrainedModel):
         `position_ids` (B, T): with a 2-D mask they default to counts over the real tokens (left
         padding shifts nothing); required with a boolean mask or a cache.
         `past_key_values`: a `KVCache` the new tokens also attend to; `extend_cache` appends
-        their keys and values to it. The logits are the model's own (Dream's shifted by one)."""
+        their keys and values to it. The logits are the model's own (Dream's shifted by one);
+        `logits_columns`: only those columns' (the final norm and the head run on them alone)."""
         B, T = input_ids.shape
         cache = past_key_values
         cached = cache is not None and len(cache) > 0
@@ -377,7 +379,7 @@ class _NativeLM(PreTrainedModel):
             del kv
         if extend_cache:
             cache.layers = new
-        h = norm(x)
+        h = norm(x if logits_columns is None else x[:, logits_columns])
         logits = head(h) if head is not None else F.linear(h, embed.weight)  # (B, T, V)
         return MaskedLMOutput(logits=logits)
 

@@ -30,6 +30,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
+from stabledrl import _compat
 from stabledrl.data import completion_stop_ids
 from stabledrl.models.adapters import ADAPTER_FILE, ADAPTERS, load_hf_policy
 from stabledrl.models.attention import check_prompt_attention
@@ -117,13 +118,17 @@ class TinyPolicy:
         *,
         cache: KVCache | None = None,
         extend_cache: bool = False,
+        columns: slice | None = None,
     ) -> torch.Tensor:
         """Logits of `input_ids`; with `cache`, the new tokens also attend to the cached
-        ones (the mask's first columns), and `extend_cache` appends them to it."""
-        return self.model(
+        ones (the mask's first columns), and `extend_cache` appends them to it. `columns`:
+        (B, W, V), the logits of those columns only, the head run on them alone."""
+        own = isinstance(self.model, TinyDiffusionLM)  # another model computes every column's, then cut
+        out = self.model(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-            past_key_values=cache, extend_cache=extend_cache,
+            past_key_values=cache, extend_cache=extend_cache, **({"logits_columns": columns} if own else {}),
         ).logits
+        return out[:, columns] if columns is not None and not own else out
 
     def new_cache(self) -> KVCache:
         return KVCache()
@@ -131,7 +136,7 @@ class TinyPolicy:
     def save(self, path: str | Path, *, state_dict: dict[str, torch.Tensor] | None = None) -> None:
         """`state_dict`: the weights to write instead of the model's own (the full weights
         gathered from sharded processes)."""
-        self.model.save_pretrained(path, state_dict=state_dict)
+        self.model.save_pretrained(path, state_dict=state_dict, max_shard_size=_compat.MAX_SHARD_SIZE)
         self.tokenizer.save_pretrained(path)
 
 

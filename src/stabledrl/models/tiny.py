@@ -233,6 +233,7 @@ class TinyDiffusionLM(PreTrainedModel):
         labels: torch.Tensor | None = None,
         past_key_values: KVCache | None = None,
         extend_cache: bool = False,
+        logits_columns: slice | None = None,
         **kwargs,
     ) -> MaskedLMOutput:
         """`attention_mask`: (B, T) with 1 for real tokens (key padding; full attention
@@ -243,6 +244,7 @@ class TinyDiffusionLM(PreTrainedModel):
         (whose layout, e.g. the staircase copy ỹ, the model cannot infer) and with a cache.
         `past_key_values`: a `KVCache` whose keys the new tokens may attend to; with
         `extend_cache` the new tokens' keys and values are appended to it.
+        `logits_columns`: the logits of those columns only (the final norm and head run on them alone).
         `labels` (B, T) with -100 for ignored positions gives the mean cross-entropy as
         `loss` (no diffusion weighting: see `stabledrl.sft`)."""
         B, T = input_ids.shape
@@ -259,7 +261,7 @@ class TinyDiffusionLM(PreTrainedModel):
         if extend_cache and past_key_values is None:
             raise ValueError("extend_cache needs a KVCache in past_key_values")
         x = self._run_blocks(self.embed(input_ids), cos, sin, mask, past, past_key_values if extend_cache else None)
-        logits = self.lm_head(self.norm(x))  # (B, T, V)
+        logits = self.lm_head(self.norm(x if logits_columns is None else x[:, logits_columns]))  # (B, T, V)
         loss = None
         if labels is not None:
             loss = F.cross_entropy(logits.view(-1, logits.size(-1)).float(), labels.view(-1))
