@@ -4,7 +4,8 @@
 
 For Countdown (`countdown-tiny-rl-base`) and Sudoku (`sudoku-tiny`): 32 training prompts × 8
 rollouts at the presets' temperature 1.5 under each setting of `SETTINGS` (exact; dual cache;
-dual cache and threshold 0.9; the same three in blocks of 4), every setting with the same
+dual cache and threshold 0.9; the same three in blocks of 4; the dual cache refreshed every 2
+or 4 calls, `approx_refresh`), every setting with the same
 per-row noise (`row_generators`). Per setting: the share of completions identical to the exact
 sampler's of the same blocks, the mean reward, the share solved, the sampler's entropy, the
 completion length, the batch's model calls, each row's calls, and the seconds. Writes
@@ -27,7 +28,8 @@ from stabledrl.tasks import get_task
 
 SETTINGS = {"A": {}, "B": {"approx_cache": "dual"}, "C": {"approx_cache": "dual", "threshold": 0.9},
             "A4": {"block_length": 4}, "B4": {"block_length": 4, "approx_cache": "dual"},
-            "C4": {"block_length": 4, "approx_cache": "dual", "threshold": 0.9}}
+            "C4": {"block_length": 4, "approx_cache": "dual", "threshold": 0.9},
+            "R2": {"approx_cache": "dual", "approx_refresh": 2}, "R4": {"approx_cache": "dual", "approx_refresh": 4}}
 TASKS = {"countdown": ({"num_numbers": 3}, "checkpoints/countdown-tiny-rl-base"),
          "sudoku": ({"min_empty": 8, "max_empty": 12}, "checkpoints/sudoku-tiny")}
 

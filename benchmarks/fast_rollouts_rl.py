@@ -34,7 +34,8 @@ ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = {"countdown": "configs/countdown-stabledrl.yaml", "sudoku": "configs/sudoku-stabledrl.yaml"}
 DUAL, THRESHOLD, BLOCKS4 = ["rollout.approx_cache=dual"], ["rollout.threshold=0.9"], ["rollout.block_length=4"]
 SETTINGS = {"A": [], "B": DUAL, "C": DUAL + THRESHOLD,
-            "A4": BLOCKS4, "B4": BLOCKS4 + DUAL, "C4": BLOCKS4 + DUAL + THRESHOLD}
+            "A4": BLOCKS4, "B4": BLOCKS4 + DUAL, "C4": BLOCKS4 + DUAL + THRESHOLD,
+            "R2": DUAL + ["rollout.approx_refresh=2"], "R4": DUAL + ["rollout.approx_refresh=4"]}
 # The step means reported (those present in the metrics): ratio diagnostics, then the rollouts'.
 STEP_KEYS = ["ratio_max", "ratio_mean", "log_ratio_std", "ess", "clip_fraction", "bypass_fraction", "drift_kl", "drift_k3",
              "entropy", "reward_mean", "completion_length", "zero_variance_fraction", "grad_norm", "time_rollout",

@@ -350,6 +350,19 @@ def test_with_one_step_per_block_the_cached_sampler_is_the_exact_one(approx_cach
 
 
 @pytest.mark.parametrize("approx_cache", ["prefix", "dual"])
+def test_refreshing_the_cache_every_call_is_the_exact_sampler_and_every_second_call_half_the_time(approx_cache):
+    policy = make_tiny_policy(seed=17)
+    common = dict(gen_length=12, steps=12, block_length=4, temperature=1.0, noise="counter")
+    want = _run(policy, generator=row_generators("f", 0, 5), **common)
+    got = _run(policy, generator=row_generators("f", 0, 5), approx_cache=approx_cache, approx_refresh=1, **common)
+    assert torch.equal(got.completion_ids, want.completion_ids) and torch.equal(got.unmask_step, want.unmask_step)
+    # every second call: 4 calls a block (12 steps over 3 blocks), whole-sequence at its 1st and 3rd
+    rec = _Recording(make_tiny_policy(seed=17))
+    out = _run(rec, generator=row_generators("f", 0, 5), approx_cache=approx_cache, approx_refresh=2, **common)
+    assert out.forward_passes == 12 and [c[3] for c in rec.calls] == [True, False] * 6
+
+
+@pytest.mark.parametrize("approx_cache", ["prefix", "dual"])
 def test_cached_sampler_a_row_samples_the_same_alone_and_in_a_batch(approx_cache):
     policy = EosLeaning(make_tiny_policy(seed=16), bias=1.5)  # rows end early and leave the cache
     common = dict(gen_length=12, steps=12, block_length=4, temperature=1.0, noise="counter",

@@ -434,10 +434,13 @@ class _ApproxCache:
     which change as the block is decoded (and with them the suffix's, under ``dual``).
 
     A policy whose model reads column i for token i + 1 (``shift_logits``, Dream) is fed the
-    column before the block as well: its logits predict the block's first slot."""
+    column before the block as well: its logits predict the block's first slot. `refresh`: the
+    whole-sequence call (and new kept keys) every `refresh` calls, not only the first."""
 
-    def __init__(self, policy, kind: str, P: int, lo: int, hi: int, attn: torch.Tensor, pos: torch.Tensor) -> None:
+    def __init__(self, policy, kind: str, P: int, lo: int, hi: int, attn: torch.Tensor, pos: torch.Tensor,
+                 refresh: int | None = None) -> None:
         self.policy, self.kind, self.P, self.lo, self.hi = policy, kind, P, lo, hi
+        self.refresh, self.calls = refresh, 0
         self.attn, self.pos = attn, pos  # (B, P+L) all rows
         self.shift = int(bool(getattr(policy, "shift_logits", False)))
         self.narrow = takes_columns(policy)
@@ -450,7 +453,8 @@ class _ApproxCache:
     def logits(self, x: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
         """(A, P+L) inputs of batch rows `active` -> (A, hi - lo, V) logits of the block."""
         P, lo, hi = self.P, self.lo, self.hi
-        if self.kv is None:  # the block's first call: the whole sequence, its keys kept
+        self.calls += 1
+        if self.kv is None or (self.refresh and (self.calls - 1) % self.refresh == 0):  # the whole sequence, keys kept
             cache = self.policy.new_cache()
             block = slice(P + lo, P + hi)
             out = self.policy.logits(x, self.attn[active], self.pos[active], cache=cache, extend_cache=True,
@@ -493,7 +497,8 @@ def _decode_full(dec: _Decoding, prompt_ids, prompt_mask, block_length: int, per
         lo, hi = b * block_length, min(L, (b + 1) * block_length)
         cols = slice(lo, hi) if narrow else slice(None)
         in_block = (slot >= lo) & (slot < hi)  # (L,)
-        cache = None if approx_cache == "none" else _ApproxCache(policy, approx_cache, P, lo, hi, attn, pos)
+        cache = None if approx_cache == "none" else _ApproxCache(policy, approx_cache, P, lo, hi, attn, pos,
+                                                                 dec.sampling.approx_refresh)
         for s in range(block_steps):
             eligible = (dec.comp == dec.mask_id) & in_block  # (B, L)
             active = eligible.any(dim=1).nonzero().squeeze(1)  # rows with work left in this block

@@ -190,6 +190,11 @@ class SamplingConfig:
     what follows it, attending to the kept prefix; dual: they feed the block alone, attending to
     the kept prefix and suffix. An approximation of the exact sampler (other tokens, another
     distribution); none: exact."""
+    approx_refresh: int | None = None
+    """With approx_cache: also refresh the kept keys and values (a whole-sequence call) every this
+    many calls within a block; None: at each block's first call only (Fast-dLLM's). 1 is the exact
+    sampler at its cost. The knob between the cache's speed and how far its samples stray
+    (docs/experiments.md, "RL on approximate rollouts")."""
     engine: str = "builtin"
     """What produces the trainer's rollouts (`stabledrl.engines`): builtin (this library's sampler,
     with every option above) or an external engine, "package.module:ClassName", imported by name
@@ -198,7 +203,7 @@ class SamplingConfig:
     """Keyword arguments of an external engine's constructor."""
 
     def __post_init__(self) -> None:
-        for name in ("gen_length", "steps", "block_length", "micro_batch", "max_prompt_length"):
+        for name in ("gen_length", "steps", "block_length", "micro_batch", "max_prompt_length", "approx_refresh"):
             v = getattr(self, name)
             check(v is None or v >= 1, f"sampling.{name} must be a positive integer or null, got {v}")
         check(self.temperature >= 0, f"sampling.temperature must be >= 0, got {self.temperature}")
