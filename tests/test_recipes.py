@@ -116,3 +116,137 @@ def test_the_memory_table_predicts_the_recipes_as_shipped():
         assert (b["prompts_per_step"], b["group_size"], b["accumulation_rounds"], b["gen_length"]) == \
             (cfg.prompts_per_step, cfg.group_size, cfg.accumulation_rounds, cfg.rollout.gen_length), name
         assert pred[name]["footprint"]["checkpointing"] == cfg.model.gradient_checkpointing
+
+
+# ------------------------------------------------------------------------------ every setting pinned
+# Each recipe's YAML, flattened, against a table of (value, source): AUTHORS (their config), a phrase
+# of docs/recipes.md that lists the deviation, or OURS with the reason ("Settings that are ours").
+# A setting added or changed in a YAML without its row here fails, so none drifts in unlisted.
+AUTHORS = "authors"
+
+
+def ours(reason: str) -> tuple[str, str]:
+    return ("ours", reason)
+
+
+def listed(phrase: str) -> tuple[str, str]:
+    return ("listed", phrase)
+
+
+LLADA = {
+    "model.path": ("GSAI-ML/LLaDA-8B-Instruct", AUTHORS), "model.adapter": ("llada", ours("native code")),
+    "model.mask_token_id": (126336, AUTHORS), "model.dtype": ("float32", listed("Weights in float32, compute in bf16")),
+    "model.gradient_checkpointing": (True, AUTHORS), "model.chat_template": (True, AUTHORS),
+    "model.stop_tokens": (["<|eot_id|>"], AUTHORS), "output_dir": ("runs/llada-8b-instruct-gsm8k-stabledrl", ours("path")),
+    "task.name": ("gsm8k", AUTHORS), "task.options.path": ("data/gsm8k/{split}.jsonl", ours("path")),
+    "task.options.convention": ("stabledrl", AUTHORS), "task.options.completion_length": (256, AUTHORS),
+    "objective.name": ("stabledrl", AUTHORS), "objective.clip": ("upper", AUTHORS), "objective.clip_max": (5.0, AUTHORS),
+    "objective.likelihood": ("spg", AUTHORS), "objective.spg_beta": (1.5, AUTHORS), "objective.spg_omega": (0.5, AUTHORS),
+    "estimator.method": ("block_random", AUTHORS), "estimator.num_samples": (2, AUTHORS),
+    "estimator.options.block_length": (32, AUTHORS), "estimator.options.p_prompt": (0.15, AUTHORS),
+    "estimator.reduction": ("sum", AUTHORS),
+    "rollout.gen_length": (256, AUTHORS), "rollout.steps": (128, AUTHORS), "rollout.block_length": (32, AUTHORS),
+    "rollout.temperature": (0.9, AUTHORS), "rollout.micro_batch": (16, listed("16 rows a call: a prompt's")),
+    "rollout.sort_by_length": (True, ours("less padding")), "rollout.noise": ("counter", ours("device-side noise")),
+    "eval_sampling.gen_length": (256, AUTHORS), "eval_sampling.steps": (128, AUTHORS),
+    "eval_sampling.block_length": (32, AUTHORS), "eval_sampling.temperature": (0.0, AUTHORS),
+    "eval_sampling.noise": ("counter", ours("device-side noise")), "eval_sampling.micro_batch": (64, ours("memory")),
+    "masks": ("independent", AUTHORS), "zero_variance_groups": ("skip", listed("Groups whose rewards all tie")),
+    "seed": (113, AUTHORS), "steps": (1000, listed("1,000 of ours, each μ = 2 optimizer steps")),
+    "prompts_per_step": (32, AUTHORS), "accumulation_rounds": (4, AUTHORS), "group_size": (16, AUTHORS), "mu": (2, AUTHORS),
+    "optimizer": ("adamw", AUTHORS), "lr": (2e-6, AUTHORS), "min_lr_ratio": (0.0, listed("cosine to 0 over the run")),
+    "weight_decay": (0.1, AUTHORS), "grad_clip": (0.2, AUTHORS), "mixed_precision": ("bf16", AUTHORS),
+    "drift_kl": (False, ours("no reference copy")), "eval_every": (50, listed("Evaluation every 50 steps")),
+    "eval_n": (1319, AUTHORS), "eval_split": ("test", AUTHORS), "save_every": (25, listed("checkpoints every 25")),
+}
+MATH = {**LLADA, "output_dir": ("runs/llada-8b-instruct-math-stabledrl", ours("path")), "task.name": ("math", AUTHORS),
+        "task.options.path": ("data/math/{split}.jsonl", ours("path")), "task.options.verify_timeout_s": (5, AUTHORS),
+        "task.options.timeout_s": (20, AUTHORS), "task.options.max_level": (4, AUTHORS),
+        "task.options.max_problem_chars": (1500, AUTHORS), "task.options.max_problem_words": (300, AUTHORS),
+        "eval_n": (500, listed("MATH-500"))}
+DREAM = {**LLADA, "model.path": ("Dream-org/Dream-v0-Instruct-7B", listed("Dream** is not in their paper")),
+         "model.adapter": ("dream", ours("native code")), "model.mask_token_id": (151666, AUTHORS),
+         "model.stop_tokens": (["<|im_end|>"], AUTHORS), "output_dir": ("runs/dream-7b-instruct-gsm8k-stabledrl", ours("path")),
+         "eval_sampling.steps": (256, listed("greedily in one block of 256, one slot a step"))}
+del DREAM["eval_sampling.block_length"]
+SDAR = {
+    "model.path": ("JetLM/SDAR-8B-Chat", AUTHORS), "model.adapter": ("sdar", ours("native code")),
+    "model.mask_token_id": (151669, AUTHORS), "model.dtype": ("float32", listed("Weights in float32, compute in bf16")),
+    "model.gradient_checkpointing": (True, AUTHORS), "model.chat_template": (True, AUTHORS),
+    "model.stop_tokens": (["<|im_end|>"], AUTHORS), "output_dir": ("runs/sdar-8b-chat-gsm8k-stabledrl", ours("path")),
+    "task.name": ("gsm8k", listed("their runs train on MATH's train split")),
+    "task.options.path": ("data/gsm8k/{split}.jsonl", ours("path")),
+    "task.options.convention": ("stabledrl", listed("the recipe is the library's method on SDAR")),
+    "task.options.completion_length": (2000, AUTHORS),
+    "objective.name": ("stabledrl", listed("the recipe is the library's method on SDAR")), "objective.clip": ("upper", AUTHORS),
+    "objective.clip_max": (5.0, AUTHORS), "objective.ratio_level": ("sequence", AUTHORS),
+    "estimator.method": ("blockwise", listed("on the blockwise ELBO")), "estimator.num_samples": (2, AUTHORS),
+    "estimator.options.inner": ("mc", AUTHORS),
+    "rollout.gen_length": (2000, AUTHORS), "rollout.steps": (2000, AUTHORS), "rollout.threshold": (0.9, AUTHORS),
+    "rollout.temperature": (1.0, AUTHORS), "rollout.max_prompt_length": (784, AUTHORS),
+    "rollout.micro_batch": (16, ours("memory")), "rollout.sort_by_length": (True, ours("less padding")),
+    "rollout.noise": ("counter", ours("device-side noise")),
+    "eval_sampling.gen_length": (2000, AUTHORS), "eval_sampling.steps": (2000, AUTHORS),
+    "eval_sampling.threshold": (0.9, AUTHORS), "eval_sampling.temperature": (0.0, listed("evaluation greedy")),
+    "eval_sampling.noise": ("counter", ours("device-side noise")), "eval_sampling.micro_batch": (64, ours("memory")),
+    "masks": ("independent", AUTHORS), "zero_variance_groups": ("skip", listed("Groups whose rewards all tie")),
+    "seed": (10086, AUTHORS), "steps": (80, AUTHORS), "prompts_per_step": (64, AUTHORS),
+    "accumulation_rounds": (64, listed("accumulates the step's 64 groups in 64 rounds")), "group_size": (16, AUTHORS),
+    "mu": (1, listed("into one optimizer step, μ = 1")), "optimizer": ("adamw", AUTHORS), "lr": (1e-6, AUTHORS),
+    "min_lr_ratio": (1.0, AUTHORS), "weight_decay": (0.0, AUTHORS), "grad_clip": (1.0, AUTHORS),
+    "mixed_precision": ("bf16", AUTHORS), "drift_kl": (False, ours("no reference copy")), "eval_every": (10, AUTHORS),
+    "eval_n": (1319, listed("on the whole test split")), "eval_split": ("test", AUTHORS), "save_every": (10, AUTHORS),
+}
+D1 = {
+    "model.path": ("GSAI-ML/LLaDA-8B-Instruct", AUTHORS), "model.adapter": ("llada", ours("native code")),
+    "model.mask_token_id": (126336, AUTHORS), "model.dtype": ("bfloat16", listed("4-bit (nf4) base")),
+    "model.chat_template": (True, AUTHORS), "model.stop_tokens": (["<|eot_id|>"], AUTHORS),
+    "lora.r": (128, AUTHORS), "lora.alpha": (64, AUTHORS), "lora.dropout": (0.05, AUTHORS),
+    "lora.target_modules": (["q_proj", "k_proj", "v_proj", "up_proj"], listed("LoRA targets")),
+    "output_dir": ("runs/llada-8b-instruct-gsm8k-d1-diffu-grpo", ours("path")), "task.name": ("gsm8k", AUTHORS),
+    "task.options.path": ("data/gsm8k/{split}.jsonl", ours("path")), "task.options.convention": ("d1", AUTHORS),
+    "task.options.completion_length": (256, AUTHORS),
+    "objective.name": ("grpo", AUTHORS), "objective.clip_eps": (0.5, AUTHORS), "objective.ratio_level": ("token", AUTHORS),
+    "objective.token_aggregation": ("batch_token_mean", listed("`batch_token_mean` divides by the scored tokens")),
+    "objective.beta": (0.04, AUTHORS),
+    "estimator.method": ("mean_field", AUTHORS), "estimator.num_samples": (1, AUTHORS),
+    "estimator.options.p_prompt": (0.15, AUTHORS),
+    "rollout.gen_length": (256, AUTHORS), "rollout.steps": (128, AUTHORS), "rollout.block_length": (32, AUTHORS),
+    "rollout.temperature": (0.9, AUTHORS), "rollout.micro_batch": (6, AUTHORS), "rollout.max_prompt_length": (200, AUTHORS),
+    "rollout.sort_by_length": (True, ours("less padding")), "rollout.noise": ("counter", ours("device-side noise")),
+    "eval_sampling.gen_length": (256, AUTHORS), "eval_sampling.steps": (128, AUTHORS),
+    "eval_sampling.block_length": (32, AUTHORS), "eval_sampling.temperature": (0.0, AUTHORS),
+    "eval_sampling.noise": ("counter", ours("device-side noise")), "eval_sampling.micro_batch": (64, ours("memory")),
+    "masks": ("shared", AUTHORS), "zero_variance_groups": ("keep", AUTHORS), "seed": (42, AUTHORS),
+    "steps": (2000, listed("the recipe sets a 2,000-step budget")), "prompts_per_step": (16, AUTHORS),
+    "accumulation_rounds": (2, AUTHORS), "group_size": (6, AUTHORS), "mu": (12, AUTHORS), "optimizer": ("adamw", AUTHORS),
+    "lr": (3e-6, AUTHORS), "weight_decay": (0.1, AUTHORS), "grad_clip": (0.2, AUTHORS), "mixed_precision": ("bf16", AUTHORS),
+    "eval_every": (100, listed("Evaluation every 100 steps is ours")), "eval_n": (1319, AUTHORS), "eval_split": ("test", AUTHORS),
+    "save_every": (8, listed("d1's `save_steps: 100` counts optimizer steps")),
+}
+PINS = {"llada-8b-instruct-gsm8k-stabledrl": LLADA, "llada-8b-instruct-math-stabledrl": MATH,
+        "dream-7b-instruct-gsm8k-stabledrl": DREAM, "sdar-8b-chat-gsm8k-stabledrl": SDAR,
+        "llada-8b-instruct-gsm8k-d1-diffu-grpo": D1}
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_every_setting_of_every_recipe_is_the_authors_or_listed_with_its_reason(name):
+    import yaml
+
+    written = _flat(yaml.safe_load((ROOT / "configs" / f"{name}.yaml").read_text()))
+    pins = PINS[name]
+    assert sorted(written) == sorted(pins)  # a setting without its row, or a row without its setting
+    assert {k: written[k] for k in pins} == {k: v for k, (v, _) in pins.items()}
+    doc = (ROOT / "docs" / "recipes.md").read_text()
+    for key, (_, source) in pins.items():
+        if source != AUTHORS:
+            kind, why = source
+            where = why if kind == "listed" else "Settings that are ours"
+            assert where in doc, f"{name}: {key}'s reason is not in docs/recipes.md: {why!r}"
