@@ -60,12 +60,16 @@ class _Tokens:
     def __init__(self, model: torch.nn.Module) -> None:
         self.count = 0
         self.sq = 0  # Σ rows·T², for attention's FLOPs
+        self.headless = 0  # tokens whose logits were not computed (the sampler's head on its block: logits_columns)
         model.register_forward_pre_hook(self._hook, with_kwargs=True)
 
     def _hook(self, module, args, kwargs) -> None:
         ids = kwargs.get("input_ids", args[0] if args else None)
         self.count += ids.numel()
         self.sq += ids.size(0) * ids.size(1) ** 2
+        cols = kwargs.get("logits_columns")
+        if cols is not None:
+            self.headless += ids.size(0) * (ids.size(1) - len(range(ids.size(1))[cols]))
 
 
 def _inner(model: torch.nn.Module) -> torch.nn.Module:
@@ -185,15 +189,15 @@ class _CountingClock(scale._Clock):
     def __init__(self, cuda: bool, tokens: _Tokens, live: scale.LiveBytes | None = None) -> None:
         super().__init__(cuda, live)
         self.tokens = tokens
-        self.fed: dict[str, tuple[int, int]] = {}  # phase -> (tokens, Σ rows·T²)
+        self.fed: dict[str, tuple[int, int, int]] = {}  # phase -> (tokens, Σ rows·T², tokens without logits)
 
     @contextmanager
     def __call__(self, phase: str) -> Iterator[None]:
-        c0, s0 = self.tokens.count, self.tokens.sq
+        c0, s0, h0 = self.tokens.count, self.tokens.sq, self.tokens.headless
         with super().__call__(phase):
             yield
-        c, sq = self.fed.get(phase, (0, 0))
-        self.fed[phase] = (c + self.tokens.count - c0, sq + self.tokens.sq - s0)
+        c, sq, h = self.fed.get(phase, (0, 0, 0))
+        self.fed[phase] = (c + self.tokens.count - c0, sq + self.tokens.sq - s0, h + self.tokens.headless - h0)
 
 
 def rl_step(run: scale._Run, tokens: _Tokens, step: int, live: scale.LiveBytes | None = None) -> dict[str, Any]:
@@ -202,7 +206,8 @@ def rl_step(run: scale._Run, tokens: _Tokens, step: int, live: scale.LiveBytes |
     counts = scale.rl_step(run, step, clock)
     out: dict[str, Any] = {
         name: {"seconds": clock.seconds[name], "tokens": clock.fed[name][0], "tokens_sq": clock.fed[name][1],
-               "peak_bytes": clock.peaks.get(name)} for name in ("rollout", "scoring", "update", "optimizer")}
+               "tokens_without_logits": clock.fed[name][2], "peak_bytes": clock.peaks.get(name)}
+        for name in ("rollout", "scoring", "update", "optimizer")}
     out["counts"] = {"rows": counts["rows"], "completion_slots": counts["completion_slots"],
                      "scored_slots": counts["scored_tokens"], "views": counts["views_scored"],
                      "forward_passes": counts["forward_passes"]}
@@ -222,7 +227,7 @@ def footprint(args, lora_params: int, rows: int) -> scale.Footprint:
                            views_per_forward=min(views, args.max_views_per_forward or views),
                            lora_params=lora_params, weight_bytes=2 if args.train == "lora" else 4, autocast=True,
                            foreach=True, checkpointing=args.checkpointing, noise=args.noise,
-                           block_length=args.block_length)
+                           block_length=args.block_length, head_on_block=args.noise == "counter")
 
 
 def _args(argv: list[str] | None) -> argparse.Namespace:
@@ -333,7 +338,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     width = shape.hidden_size if shape is not None else cfg.hidden_size
     dense, attn = flops_per_token(n_matmul, layers, width)
     backward = 2 if args.train == "full" else 1
-    flops = {k: dense * last[k]["tokens"] + attn * last[k]["tokens_sq"] for k in ("rollout", "scoring")}
+    vocab = shape.vocab_size if shape is not None else cfg.vocab_size
+    # the head's 2·V·d a token, not spent on the tokens whose logits the sampler did not ask for
+    flops = {k: dense * last[k]["tokens"] + attn * last[k]["tokens_sq"] - 2 * vocab * width * last[k]["tokens_without_logits"]
+             for k in ("rollout", "scoring")}
     flops["update"] = (1 + backward) * flops["scoring"]  # the same views; a view budget's no-grad pass not counted
     mm = _matmul_tflops() if cuda else None
     report: dict[str, Any] = {

@@ -386,6 +386,8 @@ def run_mode(shape_name: str, pre: Preset, mode: str, device: str, *, repeats: i
     dtype = lora_base_dtype if mode == "lora" else torch.float32
     lora_n = lora_param_count(shape, lora.r) if mode == "lora" else 0
     f = footprint(cfg, pre.prompt_length, lora_params=lora_n, weight_bytes=dtype.itemsize, foreach=cuda)
+    noise = cfg.rollout.noise if cfg.rollout.noise != "auto" else "counter" if shape.vocab_size >= 32768 else "generator"
+    f = dataclasses.replace(f, noise=noise, block_length=cfg.rollout.block_length, head_on_block=noise == "counter")
     predicted = predict_memory(shape, f)
     if cuda:  # rejected at start-up, not discovered as an out-of-memory error
         total = torch.cuda.mem_get_info()[1]
