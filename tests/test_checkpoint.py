@@ -65,7 +65,7 @@ def test_save_keeps_the_newest_and_a_crash_mid_save_leaves_the_last_good_one(tmp
 
 
 def test_an_incomplete_directory_is_not_a_checkpoint(tmp_path):
-    (tmp_path / "checkpoint-0000050").mkdir()  # no trainer_state.pt: e.g. copied half-way
+    (tmp_path / "checkpoint-0000050").mkdir()  # no checkpoint.json: e.g. copied half-way
     save_checkpoint(tmp_path, 40, FakePolicy(), {"step": 40, "t": torch.ones(2)})
     assert latest_checkpoint(tmp_path).name == "checkpoint-0000040"
     assert latest_checkpoint(tmp_path / "missing") is None

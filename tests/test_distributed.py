@@ -25,6 +25,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from stabledrl.checkpoint import latest_checkpoint
 from stabledrl.config import ConfigError, load_config
 from stabledrl.models.policy import load_policy
 from stabledrl.train import TrainConfig, run_train
@@ -57,12 +58,14 @@ def _free_port() -> int:
 
 def _launch(overrides: list[str], processes: int, tmp_path, timeout: float = 300, *, fsdp: bool = False,
             resume: bool = False, stop_after_save: bool = False, launcher: tuple[str, ...] = (),
-            report: Path | None = None) -> None:
+            report: Path | None = None, kill: str = "") -> None:
     """`accelerate launch ... -m stabledrl train` on `processes` CPU processes. `fsdp`: with
     configs/accelerate/fsdp.yaml, through `_cpu_fsdp_main`; `stop_after_save`: every process
     stops right after the first checkpoint (the launch must then fail); `launcher`: more
     options of `accelerate launch`; `report`: a JSON file where the main process says how its
-    model was prepared (`_report_run`)."""
+    model was prepared (`_report_run`); `kill`: "STAGE:RANK:N", that process dies at the N-th
+    time it reaches that stage of a save (`_kill_at`), and the launch, the others waiting for it,
+    is stopped after `timeout` if it has not ended by then."""
     empty = tmp_path / "empty.yaml"  # every field comes from --set
     empty.write_text("{}\n")
     # --multi_gpu selects accelerate's torchrun launcher; the trainer's Accelerator(cpu=True)
@@ -70,12 +73,14 @@ def _launch(overrides: list[str], processes: int, tmp_path, timeout: float = 300
     layout = ["--config_file", str(FSDP_CONFIG)] if fsdp else ["--multi_gpu"]
     cmd = [sys.executable, "-m", "accelerate.commands.launch", *layout, *launcher, "--num_processes", str(processes),
            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-           "--main_process_port", str(_free_port()), "-m", "tests.test_distributed" if fsdp or stop_after_save or report
-           else "stabledrl", "train", "--config", str(empty), *(["--resume"] if resume else [])]
+           "--main_process_port", str(_free_port()), "-m",
+           "tests.test_distributed" if fsdp or stop_after_save or report or kill else "stabledrl", "train",
+           "--config", str(empty), *(["--resume"] if resume else [])]
     for o in overrides:
         cmd += ["--set", o]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "STABLEDRL_TEST_FSDP": str(int(fsdp)),
-           "STABLEDRL_TEST_STOP_AFTER_SAVE": str(int(stop_after_save)), "STABLEDRL_TEST_REPORT": str(report or "")}
+           "STABLEDRL_TEST_STOP_AFTER_SAVE": str(int(stop_after_save)), "STABLEDRL_TEST_REPORT": str(report or ""),
+           "STABLEDRL_TEST_KILL": kill}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                             cwd=Path(__file__).parents[1])
     try:
@@ -88,8 +93,12 @@ def _launch(overrides: list[str], processes: int, tmp_path, timeout: float = 300
             proc.communicate(timeout=60)
         except subprocess.TimeoutExpired:
             proc.kill()
+        if kill:  # the survivors waited for the lost process: the whole launch is stopped, as a user would
+            return
         raise
-    if stop_after_save:
+    if kill:
+        assert proc.returncode != 0, stderr[-4000:]
+    elif stop_after_save:
         assert proc.returncode != 0 and "_StopAfterSave" in stderr, stderr[-4000:]
     else:
         assert proc.returncode == 0, stderr[-4000:]
@@ -242,11 +251,11 @@ def test_two_processes_resume_exactly(init_model, tmp_path, layout):
     a, b = (load_file(d / "final" / "model.safetensors") for d in (full, crash))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert any(not torch.equal(a[k], v) for k, v in load_file(init_model / "model.safetensors").items())
-    # The last checkpoint holds the whole model (gathered from the shards), as final/ does,
-    # and both load; accelerate's part of it is laid out as the layout says.
+    # The last checkpoint holds the whole model (gathered from the shards), as final/ does (in
+    # bfloat16 under bf16: `final_dtype`), and both load; accelerate's part is laid out as the layout says.
     last = crash / "checkpoint-0000004"
     c = load_file(last / "model.safetensors")
-    assert c.keys() == a.keys() and all(torch.equal(a[k], c[k]) for k in a)
+    assert c.keys() == a.keys() and all(torch.equal(a[k], c[k].to(a[k].dtype)) for k in a)
     assert {p.name for p in (last / "accelerate").iterdir()} == files
     for d in (last, crash / "final"):
         load_policy(d)
@@ -257,6 +266,56 @@ def test_two_processes_resume_exactly(init_model, tmp_path, layout):
     # the blocks' matmuls ran in bfloat16 under bf16 autocast, in float32 otherwise; recomputed if asked
     assert report["linear_dtypes"] == (["torch.bfloat16"] if extra else ["torch.float32"]), report
     assert report["checkpointing"] == bool(extra)
+
+
+def _kill_overrides(init_model, out) -> list[str]:
+    # AdamW, 2 steps, a checkpoint after each: the kills hit the second one (or final/)
+    return _overrides(init_model, out, "stabledrl", steps=2, save_every=1, optimizer="adamw", lr=1e-3,
+                      grad_clip=1.0, prompts_per_step=2, mu=2)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(init_model, tmp_path_factory):
+    """The run that the killed ones, resumed, must end as: the same two FSDP processes, not stopped."""
+    tmp = tmp_path_factory.mktemp("uninterrupted")
+    _launch(_kill_overrides(init_model, tmp / "run"), 2, tmp, fsdp=True)
+    return tmp / "run"
+
+
+@pytest.mark.slow  # a launch killed mid-save and one resuming, each case (about 25 s): .ci/run's second step
+@pytest.mark.parametrize("kill, resumes_from, left", [
+    # rank 1 dies before its part of accelerate's state: rank 0 is left inside save_state's collective
+    pytest.param("begin:1:2", 1, ".tmp-checkpoint-0000002", id="rank1-before-save_state"),
+    # rank 0 dies with its shard of the optimizer written, before the weights: rank 1 waits in the barrier
+    pytest.param("state:0:2", 1, ".tmp-checkpoint-0000002", id="rank0-after-save_state"),
+    # every part written, no commit record yet
+    pytest.param("written:0:1", 0, ".tmp-checkpoint-0000001", id="before-checkpoint.json"),
+    # the commit record written, not renamed into place: still not a checkpoint
+    pytest.param("recorded:0:2", 1, ".tmp-checkpoint-0000002", id="before-rename"),
+    # the main process dies writing final/ (the gathered weights): the last checkpoint is the end of the run
+    pytest.param("final:0:1", 2, ".tmp-final-", id="during-final"),
+])
+def test_a_process_killed_mid_save_resumes_exactly_from_the_last_complete_checkpoint(
+        init_model, uninterrupted, tmp_path, kill, resumes_from, left):
+    # Two FSDP processes (configs/accelerate/fsdp.yaml: each writes its shards), one killed at a
+    # stage of a save; the launch ends (or is stopped), and the same command with --resume starts
+    # from the last complete checkpoint (none: from step 0), removes the incomplete one and ends
+    # with the uninterrupted run's metrics and final weights, bit for bit.
+    crash = tmp_path / "crash"
+    _launch(_kill_overrides(init_model, crash), 2, tmp_path, fsdp=True, kill=kill, timeout=120)
+    last = latest_checkpoint(crash)
+    assert (last.name if last else None) == (f"checkpoint-{resumes_from:07d}" if resumes_from else None)
+    leftovers = [p.name[:len(left)] for p in crash.iterdir() if p.name.startswith(".")]
+    # the main process removes its incomplete folder if it lives to see the collective fail
+    assert leftovers == [left] or (kill.split(":")[1] != "0" and leftovers == [])
+    if kill.startswith("recorded"):  # the commit record is there, but under the temporary name
+        assert (crash / left / "checkpoint.json").is_file()
+    _launch(_kill_overrides(init_model, crash), 2, tmp_path, fsdp=True, resume=True)
+    assert metric_rows(crash) == metric_rows(uninterrupted)
+    a, b = (load_file(d / "final" / "model.safetensors") for d in (uninterrupted, crash))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert sorted(p.name for p in crash.iterdir() if p.name.startswith((".", "checkpoint-"))) == [
+        "checkpoint-0000001", "checkpoint-0000002"]  # the incomplete one removed, no leftovers
 
 
 class _StopAfterSave(Exception):
@@ -302,7 +361,25 @@ def _cpu_fsdp_main() -> int:
             raise _StopAfterSave
 
         train_mod.save_checkpoint = save_then_stop
+    if os.environ.get("STABLEDRL_TEST_KILL"):
+        _kill_at(*os.environ["STABLEDRL_TEST_KILL"].split(":"))
     return main()
+
+
+def _kill_at(stage: str, rank: str, nth: str) -> None:
+    """Process `rank` dies (os._exit, as if killed: no cleanup, no exception) the `nth` time it
+    reaches `stage` of a save (`stabledrl.checkpoint._stage`)."""
+    import stabledrl.checkpoint as checkpoint
+
+    reached = []
+
+    def stage_or_die(name: str) -> None:
+        if name == stage and os.environ["RANK"] == rank:
+            reached.append(name)
+            if len(reached) == int(nth):
+                os._exit(9)
+
+    checkpoint._stage = stage_or_die
 
 
 def _report_run(train_mod, path: str) -> None:

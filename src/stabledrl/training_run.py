@@ -313,5 +313,10 @@ class GatheredPolicy:
         self.policy = copy.copy(policy)
         self.policy.model = accelerator.unwrap_model(policy.model)
 
+    @property
+    def model(self) -> torch.nn.Module:
+        """The bare model, whose trainable parameters size a save before one exists (`stabledrl.checkpoint`)."""
+        return self.policy.model
+
     def save(self, path: str | Path) -> None:
         self.policy.save(path, state_dict=self.state_dict)
