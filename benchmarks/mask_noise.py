@@ -37,6 +37,7 @@ import torch
 from stabledrl.config import load_config
 from stabledrl.diagnostics import flat_grad_cosine
 from stabledrl.objectives import ScoredBatch, grpo_loss, group_advantages, stabledrl_loss
+from stabledrl.settings import GRPOConfig
 from stabledrl.train import TrainConfig, _groups_to_train_on, _own_scores, _plan, _roll, set_up
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -72,7 +73,7 @@ def measure_batch(run, step: int, *, draws: int, reference_draws: int) -> dict:
 
     def stabledrl(k_new: int, old: torch.Tensor | None = None):  # ℓ_old = ℓ_θ's own value: ρ = 1, uniform weights
         ell = logp(k_new, True)
-        return stabledrl_loss(ScoredBatch(ell, ell.detach() if old is None else old, adv, G), clip=cfg.objective.clip, clip_max=cfg.objective.clip_max, clip_eps=cfg.objective.clip_eps)
+        return stabledrl_loss(cfg.objective, ScoredBatch(ell, ell.detach() if old is None else old, adv, G))
 
     ref = None
     for k in range(reference_draws):
@@ -85,7 +86,8 @@ def measure_batch(run, step: int, *, draws: int, reference_draws: int) -> dict:
         old = logp(2 * k, False)  # ℓ_old on draw 2k; ℓ_θ on draw 2k+1 (independent)
         indep = stabledrl(2 * k + 1, old)
         grads = {"shared": _grad(run, stabledrl(2 * k).loss), "stabledrl-independent": _grad(run, indep.loss),
-                 "grpo-independent": _grad(run, grpo_loss(ScoredBatch(logp(2 * k + 1, True), old, adv, G), clip_eps=cfg.objective.clip_eps).loss)}
+                 "grpo-independent": _grad(run, grpo_loss(GRPOConfig(clip_eps=cfg.objective.clip_eps),
+                                                           ScoredBatch(logp(2 * k + 1, True), old, adv, G)).loss)}
         for name, g in grads.items():
             rows[name].append({"cos_reference": flat_grad_cosine(g, ref), "norm": _norm(g)})
             sums[name] = g if sums[name] is None else [a + b for a, b in zip(sums[name], g)]

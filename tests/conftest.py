@@ -76,3 +76,16 @@ def prompt_widths(monkeypatch):
 
     monkeypatch.setattr(sampling, "generate", recorded)
     return widths
+
+
+@pytest.fixture
+def objective_registry():
+    """The objective registries as they were, once the test is over: an objective it registers is gone."""
+    from stabledrl.objectives import OBJECTIVES
+    from stabledrl.settings import OBJECTIVE_SECTIONS
+
+    saved = dict(OBJECTIVE_SECTIONS), dict(OBJECTIVES)
+    yield
+    for registry, before in zip((OBJECTIVE_SECTIONS, OBJECTIVES), saved):
+        registry.clear()
+        registry.update(before)

@@ -79,7 +79,7 @@ def test_gradient_agreement_equals_the_cosine_of_separately_computed_half_gradie
     # Independent: each half's loss from its own forward, gradients by autograd.grad, cosine in numpy.
     halves = []
     for lo, hi in [(0, B // 2), (B // 2, B)]:
-        loss = stabledrl_loss(ScoredBatch(ell(slice(lo, hi)), old[lo:hi], adv[lo:hi], G)).loss * 0.5  # 2 of 4 groups
+        loss = stabledrl_loss(cfg.objective, ScoredBatch(ell(slice(lo, hi)), old[lo:hi], adv[lo:hi], G)).loss * 0.5  # 2 of 4 groups
         grads = torch.autograd.grad(loss, params, allow_unused=True)
         halves.append(np.concatenate([np.zeros(p.numel()) if g is None else g.double().flatten().numpy()
                                       for g, p in zip(grads, params)]))
@@ -87,9 +87,9 @@ def test_gradient_agreement_equals_the_cosine_of_separately_computed_half_gradie
     expected = float(a @ b / np.sqrt((a @ a) * (b @ b)))
     # The trainer's way: one forward of all rows, the first half's part, two backward passes.
     full = ell(slice(0, B))
-    res = stabledrl_loss(ScoredBatch(full, old, adv, G))
+    res = stabledrl_loss(cfg.objective, ScoredBatch(full, old, adv, G))
     part = first_half_loss(objective_for(cfg.objective), ScoredBatch(full, old, adv, G, batch.completion_mask),
-                           token_weighted=False)
+                           normaliser="sequences")
     policy.model.zero_grad(set_to_none=True)
     got = backward_measuring_agreement(res.loss, part, params, lambda x, **kw: x.backward(**kw))
     assert -0.99 < expected < 0.99  # a real angle, not a degenerate case

@@ -231,6 +231,48 @@ def test_accumulation_rounds_give_the_one_round_update(init_model, tmp_path, obj
     assert flat[0] == pytest.approx(flat[1], rel=1e-4, abs=1e-6)
 
 
+def test_a_loss_over_a_constant_gets_the_one_round_gradient_in_4_rounds(init_model, tmp_path, objective_registry):
+    # −Σ_b A_b ℓ_b / 10, a sum over the rows divided by a constant: each round's loss counts whole
+    # (weighting it by its groups, as a mean over groups is, would give a quarter of the gradient)
+    from dataclasses import dataclass
+    from typing import ClassVar, Literal
+
+    from stabledrl.objectives import LossOutput, objective
+    from stabledrl.settings import ObjectiveSection
+
+    @dataclass
+    class SumOverConstant(ObjectiveSection):
+        name: Literal["sum_over_constant"] = "sum_over_constant"
+        declared: str = "constant"
+        """The normaliser it declares (sequences: the wrong one, to show that the declaration decides)."""
+
+        @property
+        def normaliser(self):
+            return self.declared
+
+    rows = []  # the rows of each call
+
+    @objective("sum_over_constant")
+    def sum_over_constant(opts: SumOverConstant, batch) -> LossOutput:
+        rows.append(batch.advantages.size(0))
+        return LossOutput(-(batch.advantages.detach() * batch.logp).sum() / 10.0)
+
+    grads, losses = {}, {}
+    for R, declared in ((1, "constant"), (4, "constant"), (4, "sequences")):
+        out = tmp_path / f"{R}-{declared}"
+        cfg = _cfg(init_model, out, steps=1, prompts_per_step=4, mu=1, optimizer="sgd", lr=1e-2, grad_clip=1e9,
+                   zero_variance_groups="keep", accumulation_rounds=R,  # no clip: the gradients as computed
+                   objective={"name": "sum_over_constant", "declared": declared})
+        (grads[R, declared],) = _optimizer_gradients(cfg)
+        (losses[R, declared],) = [r["loss"] for r in metric_rows(out) if "loss" in r]
+    assert rows == [16] + [4] * 8  # one round of 4 groups, then 4 rounds of 1, twice
+    one = grads[1, "constant"]
+    assert one.norm() > 0
+    assert (grads[4, "constant"] - one).norm() <= 1e-5 * one.norm()  # float32 rounding: ~1e-7 measured
+    assert losses[4, "constant"] == pytest.approx(losses[1, "constant"], rel=1e-5)
+    assert (grads[4, "sequences"] - one / 4).norm() <= 1e-5 * one.norm()  # declared wrong: a quarter
+
+
 def test_accumulation_rounds_cut_the_kept_groups_and_weigh_each_by_its_share():
     # 3 kept groups of G = 2 in R = 2 rounds: groups [0] and [1, 2]; completion lengths 1, 1 | 2, 2 | 3, 0
     from types import SimpleNamespace
@@ -245,18 +287,21 @@ def test_accumulation_rounds_cut_the_kept_groups_and_weigh_each_by_its_share():
     groups = RolloutBatch(ids, torch.ones(6, 3), ids, mask, ids, problems=[0, 1, 2], rewards=torch.zeros(3, 2))
     shards = Shards(SimpleNamespace(process_index=0, num_processes=1, distributed_type=DistributedType.NO))
 
-    def rounds(token_weighted: bool, R: int = 2):
-        cfg = SimpleNamespace(group_size=2, accumulation_rounds=R, objective=SimpleNamespace(
-            token_weighted=token_weighted))
+    def rounds(normaliser: str, R: int = 2):
+        cfg = SimpleNamespace(group_size=2, accumulation_rounds=R, objective=SimpleNamespace(normaliser=normaliser))
         return train_mod._rounds(SimpleNamespace(cfg=cfg, shards=shards, device="cpu"), groups)
 
-    assert [(s.lo, s.hi, s.start, s.end, s.rows.completion_mask.size(0)) for s in rounds(False)] == [
+    assert [(s.lo, s.hi, s.start, s.end, s.rows.completion_mask.size(0)) for s in rounds("sequences")] == [
         (0, 2, 0, 2, 2), (2, 6, 2, 6, 4)]
-    assert [s.weight for s in rounds(False)] == [1 / 3, 2 / 3]  # a mean over groups: 1 of 3, 2 of 3
-    assert [s.weight for s in rounds(True)] == pytest.approx([2 / 9, 7 / 9])  # a mean over the 9 scored tokens
+    # a mean over groups: 1 of 3, 2 of 3 (the loss and the metrics alike)
+    assert [(s.weight, s.part) for s in rounds("sequences")] == [(1 / 3, 1 / 3), (2 / 3, 2 / 3)]
+    # a mean over the 9 scored tokens: 2 of them, 7 of them
+    assert [x for s in rounds("tokens") for x in (s.weight, s.part)] == pytest.approx([2 / 9, 2 / 9, 7 / 9, 7 / 9])
+    # a sum over a constant: each round's loss counts whole, its metrics by its groups
+    assert [(s.weight, s.part) for s in rounds("constant")] == [(1.0, 1 / 3), (1.0, 2 / 3)]
     # more rounds than kept groups: one group a round; one round: the whole batch, weight exactly 1
-    assert [(s.lo, s.hi) for s in rounds(False, R=5)] == [(0, 2), (2, 4), (4, 6)]
-    assert [(s.lo, s.hi, s.weight) for s in rounds(True, R=1)] == [(0, 6, 1.0)]
+    assert [(s.lo, s.hi) for s in rounds("sequences", R=5)] == [(0, 2), (2, 4), (4, 6)]
+    assert [(s.lo, s.hi, s.weight) for s in rounds("tokens", R=1)] == [(0, 6, 1.0)]
 
 
 def test_config_cross_checks():
@@ -311,7 +356,7 @@ def test_batch_token_mean_reaches_the_objective_and_splits_by_tokens_for_grad_ag
     assert res.loss.item() == pytest.approx(-1 / 6, abs=1e-6)
     # the first group's share: its tokens over all the batch's, −(3 − 1)/6 = −1/3
     # (a mean over groups would give −(2/4)·(1/2) = −0.25)
-    part = instruments.first_half_loss(objective_for(cfg.objective), batch, token_weighted=cfg.objective.token_weighted)
+    part = instruments.first_half_loss(objective_for(cfg.objective), batch, normaliser=cfg.objective.normaliser)
     assert part.item() == pytest.approx(-1 / 3, abs=1e-6)
 
 
@@ -691,25 +736,26 @@ def test_on_a_gpu_the_forward_clock_counts_the_kernels_time():
     assert 0.5 * wall <= clock.seconds <= 1.05 * wall  # host gaps between forwards are not counted
 
 
-def test_every_objective_name_the_config_accepts_has_a_function_in_the_registry():
-    import typing
+def test_every_objective_section_loads_by_name_and_has_a_loss():
+    # the registry is the list: each section a config can name has its loss, and no loss lacks options
+    # (what each loss computes: tests/test_objectives.py, for every registered objective)
+    from stabledrl.settings import OBJECTIVE_SECTIONS
 
-    from stabledrl.settings import ObjectiveConfig
+    assert list(OBJECTIVES) == list(OBJECTIVE_SECTIONS) and "stabledrl" in OBJECTIVES
+    for name, section in OBJECTIVE_SECTIONS.items():
+        assert type(load_config(TrainConfig, {"objective": {"name": name}}).objective) is section
 
-    names = [c.name for c in typing.get_args(ObjectiveConfig)]
-    assert set(OBJECTIVES) == set(names)
-    for name in names:
-        cfg = load_config(TrainConfig, {"group_size": 2, "objective": {"name": name}})
-        # ℓ = ℓ_old = 1, so ρ = 1: GRPO's −mean(ρ·A) = −(1 − 1 + 3 − 1)/4 = −0.5, and StableDRL's
-        # surrogate −mean_g Σ_i w_i·A_i·ℓ_i with w_i = 1/G = 1/2 is −((1 − 1)/2 + (3 − 1)/2)/2 = −0.5;
-        # wd1's coefficients softmax(−A) − softmax(A) sum to 0 in a group, so a constant ℓ gives 0
-        # SPG: ELBO = EUBO = 1, so its sandwich is 1 and, lengths equal, its −mean_g Σ_i A_i ℓ̃_i / G is GRPO's
-        ones = torch.ones(4)
-        eubo = ones if cfg.objective.eubo_beta is not None else None
-        batch = ScoredBatch(ones, ones, torch.tensor([1.0, -1.0, 3.0, -1.0]), 2, torch.ones(4, 3), eubo=eubo)
-        res = objective_for(cfg.objective)(batch)
-        assert res.loss.item() == pytest.approx({"wd1": 0.0}.get(name, -0.5), abs=1e-7), name
 
+def test_the_progress_bar_shows_only_what_the_step_computed():
+    from types import SimpleNamespace
+
+    run = SimpleNamespace(counters={"skipped_steps": 0}, monitor=SimpleNamespace(collapsed=False))
+    assert train_mod._progress(run, {"reward_mean": 0.5, "grad_norm": 0.25, "ratio_max": 3.0}) == {
+        "reward": "0.500", "gnorm": "0.25", "ratio_max": "3", "skipped": 0}
+    # an objective that returns no ratio diagnostics, and a step with no group to train on: no invented 1 or 0
+    assert train_mod._progress(run, {"reward_mean": 0.5, "grad_norm": 0.25}) == {
+        "reward": "0.500", "gnorm": "0.25", "skipped": 0}
+    assert train_mod._progress(run, {"reward_mean": 0.0}) == {"reward": "0.000", "skipped": 0}
 
 
 def test_a_run_whose_completions_end_at_pad_trains(init_model, tmp_path):

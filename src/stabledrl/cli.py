@@ -24,7 +24,7 @@ from typing import Sequence
 import yaml
 
 from stabledrl.config import ConfigError, check, field_docs, load_config
-from stabledrl.settings import SamplingConfig  # no torch
+from stabledrl.settings import OBJECTIVE_SECTIONS, SamplingConfig  # no torch
 
 __all__ = ["main"]
 
@@ -289,8 +289,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in output_dir")
     p.set_defaults(func=_cmd_sft)
 
-    p = sub.add_parser("train", help="RL post-training (grpo, stabledrl, wd1, diffu-grpo, gdpo, coupled-grpo presets)")
-    p.add_argument("--config", required=True, help="YAML file (fields: stabledrl.train.TrainConfig)")
+    objectives = ", ".join(OBJECTIVE_SECTIONS)
+    p = sub.add_parser("train", help=f"RL post-training (objectives: {objectives}; presets in configs/)")
+    p.add_argument("--config", required=True, help=f"YAML file (fields: stabledrl.train.TrainConfig; objective.name: "
+                                                   f"{objectives})")
     p.add_argument("--model", help="initial policy directory (overrides the config's model)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in output_dir")

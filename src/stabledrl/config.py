@@ -89,9 +89,9 @@ def load_config(cls: type[C], source: str | Path | Mapping[str, Any] | None = No
     _reject_unknown(cls, data, "")
     _start_from_field_defaults(cls, data)
     config = dacite.Config(strict=True, type_hooks={float: _to_float})
-    for union in _tagged_unions(cls):  # built as the member its `name` picks: its own errors, not "no match"
-        config.type_hooks[union] = lambda d, u=union: d if not isinstance(d, Mapping) else dacite.from_dict(
-            _section(u, d), d, config=config)
+    for family in _families(cls):  # built as the member its `name` picks: its own errors, not "no match"
+        config.type_hooks[family] = lambda d, f=family: d if not isinstance(d, Mapping) else dacite.from_dict(
+            _section(f, d), d, config=config)
     try:
         return dacite.from_dict(cls, data, config=config)
     except dacite.WrongTypeError as e:
@@ -191,34 +191,34 @@ def _reject_unknown(cls: Any, data: Any, path: str) -> None:
 
 
 def _section(t: Any, value: Any = None, path: str = "") -> Any:
-    """The dataclass of an optional section (``LoraSettings | None`` -> LoraSettings), or of a union of
-    sections the member whose `name` default is the value's ``name`` (none given: the first), else t."""
+    """The dataclass of an optional section (``LoraSettings | None`` -> LoraSettings), or of a family of
+    sections (a base whose ``__sections__`` maps each `name` to its class) the member that the value's
+    ``name`` picks (none given: the first), else t."""
     if typing.get_origin(t) in (typing.Union, types.UnionType):
         classes = [a for a in typing.get_args(t) if dataclasses.is_dataclass(a)]
-        if len(classes) == 1:
-            return classes[0]
-        if classes and isinstance(value, Mapping):
-            names = [getattr(c, "name", None) for c in classes]
-            wanted = value.get("name", names[0])
-            if wanted not in names:
-                raise ConfigError(f"config field {path + '.' if path else ''}name: {wanted!r} is none of "
-                                  f"{', '.join(map(str, names))}")
-            return classes[names.index(wanted)]
+        if len(classes) != 1:
+            return t
+        t = classes[0]
+    members = getattr(t, "__sections__", None)
+    if members and isinstance(value, Mapping):
+        wanted = value.get("name", next(iter(members)))
+        if wanted not in members:
+            raise ConfigError(f"config field {path + '.' if path else ''}name: {wanted!r} is none of "
+                              f"{', '.join(map(str, members))}")
+        return members[wanted]
     return t
 
 
-def _tagged_unions(cls: Any) -> set:
-    """The unions of several config sections (chosen by `name`) among the fields of cls and its sections."""
+def _families(cls: Any) -> set:
+    """The families of sections (chosen by `name`) among the fields of cls and its sections."""
     found: set = set()
     if dataclasses.is_dataclass(cls):
         for t in typing.get_type_hints(cls).values():
-            if typing.get_origin(t) in (typing.Union, types.UnionType):
-                classes = [a for a in typing.get_args(t) if dataclasses.is_dataclass(a)]
-                found |= {t} if len(classes) > 1 else set()
-                for c in classes:
-                    found |= _tagged_unions(c)
+            t = _section(t)
+            if getattr(t, "__sections__", None):
+                found |= {t}.union(*(_families(c) for c in t.__sections__.values()))
             elif dataclasses.is_dataclass(t):
-                found |= _tagged_unions(t)
+                found |= _families(t)
     return found
 
 

@@ -14,7 +14,8 @@ from typing import Any, Callable
 import torch
 
 from stabledrl.diagnostics import flat_grad_cosine
-from stabledrl.objectives import LossOutput, ScoredBatch
+from stabledrl.objectives import LossOutput, ScoredBatch, share_of_loss
+from stabledrl.settings import Normaliser
 
 __all__ = ["ForwardClock", "StepTimer", "step_measuring_update", "backward_measuring_agreement", "UPDATE_CHUNK"]
 
@@ -139,17 +140,12 @@ def step_measuring_update(opt: torch.optim.Optimizer, params: list[torch.nn.Para
 
 
 def first_half_loss(objective: Callable[[ScoredBatch], LossOutput], batch: ScoredBatch, *,
-                    token_weighted: bool) -> torch.Tensor:
-    """The part of the step's loss that comes from its first ⌊n/2⌋ groups: a loss that is a
-    mean over groups is Σ_g c_g / n, and this is Σ_{g < n/2} c_g / n; a mean over scored
-    tokens (`token_weighted`) counts the half by its share of the tokens."""
-    num_groups = batch.advantages.size(0) // batch.group_size
-    half = num_groups // 2
-    rows = half * batch.group_size
-    part = objective(batch.first_rows(rows)).loss
-    if token_weighted:
-        return part * (batch.completion_mask[:rows].sum() / batch.completion_mask.sum()).item()
-    return part * (half / num_groups)
+                    normaliser: Normaliser) -> torch.Tensor:
+    """The part of the step's loss that comes from its first ⌊n/2⌋ groups: the loss of those
+    groups alone, weighted as the objective's `normaliser` says (`share_of_loss`): a loss that is
+    a mean over groups is Σ_g c_g / n, and this is Σ_{g < n/2} c_g / n."""
+    rows = batch.advantages.size(0) // batch.group_size // 2 * batch.group_size
+    return objective(batch.first_rows(rows)).loss * share_of_loss(normaliser, batch.completion_mask, 0, rows)
 
 
 def backward_measuring_agreement(loss: torch.Tensor, part: torch.Tensor, params: list,

@@ -1,11 +1,11 @@
-"""RL objectives for diffusion LMs: GRPO, StableDRL, wd1 and SPG, as pure tensor functions
-(docs/methods.md, "Objectives": the equations, and where they part from the papers).
+"""RL objectives for diffusion LMs: GRPO (with DAPO's and Dr. GRPO's aggregations), StableDRL, wd1
+and SPG, as pure tensor functions (docs/methods.md, "Objectives": the equations, and where they
+part from the papers).
 
-Every loss takes likelihood estimates (`stabledrl.likelihood`), not a model, and returns a
-`LossOutput(loss, metrics)`. Rows are laid out group by group: rows [g·G, (g+1)·G) are the
-G completions of prompt g. The loop hands an objective one `ScoredBatch`; `OBJECTIVES` maps
-each `objective.name` to a function (its config section, the batch) -> LossOutput
-(docs/extending.md: adding your own).
+An objective is a loss `(options, batch: ScoredBatch) -> LossOutput(loss, metrics)` registered
+with `@objective("name")`; its options are the `ObjectiveSection` of that name (`stabledrl.settings`),
+which also says what the loss is divided by (`normaliser`). It reads likelihood estimates, not a
+model. Rows are laid out group by group: rows [g·G, (g+1)·G) are the G completions of prompt g.
 
 Ratios: ``sequence`` ρ = exp(ℓ_θ − ℓ_old); ``sequence_normalized`` exp((ℓ_θ − ℓ_old)/|y|)
 (GSPO / GDPO); ``token`` per-token ratios. `log_ratios` returns log ρ unclamped; GRPO, where
@@ -18,17 +18,22 @@ Shapes: B = num_groups · G rows, L completion slots.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, replace
-from typing import Any, Callable, Literal
+from typing import Any, Callable, Literal, TypeVar
 
 import torch
+
+from stabledrl.settings import (OBJECTIVE_SECTIONS, GRPOConfig, Normaliser, SPGConfig, StableDRLConfig,
+                                TokenAggregation, WD1Config)
 
 __all__ = [
     "LossOutput",
     "ScoredBatch",
     "OBJECTIVES",
+    "objective",
     "objective_for",
     "group_advantages",
     "log_ratios",
+    "ratio_diagnostics",
     "grpo_loss",
     "stabledrl_loss",
     "wd1_loss",
@@ -36,10 +41,10 @@ __all__ = [
     "spg_loss",
     "kl_k3",
     "aggregate_tokens",
+    "share_of_loss",
 ]
 
 RatioLevel = Literal["sequence", "sequence_normalized", "token"]
-TokenAggregation = Literal["sequence_mean", "batch_token_mean"]
 MAX_LOG_RATIO = 80.0
 """|log ρ| at most this before GRPO's exp(): e^80 is finite in float32 (its largest is about e^88.7)."""
 
@@ -75,6 +80,9 @@ class ScoredBatch:
     """... and ℓ_old on that draw."""
     eubo: torch.Tensor | None = None
     """(B,) SPG's EUBO of θ on the views of `logp` (when the config's `eubo_beta` is set)."""
+    step_rows: int | None = None
+    """P·G, the rows a step is set to train on (what a loss with a constant normaliser divides by,
+    whatever the groups kept and the rounds); None: this batch's rows."""
 
     def first_rows(self, n: int) -> "ScoredBatch":
         """The batch of its first n rows (whole groups)."""
@@ -146,119 +154,192 @@ def _token_mean(x: torch.Tensor, completion_mask: torch.Tensor) -> torch.Tensor:
     return (x * m).sum(-1) / m.sum(-1).clamp(min=1)  # (B,)
 
 
-def aggregate_tokens(x: torch.Tensor, completion_mask: torch.Tensor, how: TokenAggregation) -> torch.Tensor:
-    """(B, L) per-token terms -> scalar, counting only the scored slots of `completion_mask`.
+def aggregate_tokens(x: torch.Tensor, completion_mask: torch.Tensor, how: TokenAggregation, *, group_size: int = 1,
+                     step_rows: int | None = None) -> torch.Tensor:
+    """(B, L) per-token terms x -> scalar, counting only the n_b scored slots of each row b.
 
-    ``sequence_mean``: (1/B) Σ_b (1/n_b) Σ_i x_bi — every completion counts the same
-    (this project's default). ``batch_token_mean``:
-    Σ_b Σ_i x_bi / Σ_b n_b — every token counts the same, so long completions weigh
-    more (d1's diffu-GRPO). They are equal when every n_b is equal."""
+    ``sequence_mean``: (1/B) Σ_b (1/n_b) Σ_i x_bi, every completion counts the same (GRPO,
+    Shao et al. 2024, Eq. 3). ``group_token_mean``: the mean over groups of
+    Σ_{b∈g} Σ_i x_bi / Σ_{b∈g} n_b, every token of a group counts the same (DAPO, Yu et al.
+    2025). ``batch_token_mean``: Σ_b Σ_i x_bi / Σ_b n_b, every token of the batch
+    counts the same (d1's trainer). ``constant``: Σ_b Σ_i x_bi / (step_rows · L), each token
+    counts 1/(P·G·L) whatever the lengths and the groups kept (Dr. GRPO, Liu et al. 2025,
+    with their code's constant; step_rows None: this batch's B). The first three are equal when
+    every n_b is equal, and the last is too when every n_b is L and no group is dropped."""
+    m = completion_mask.to(x.dtype)  # (B, L)
     if how == "sequence_mean":
         return _token_mean(x, completion_mask).mean()
+    if how == "group_token_mean":
+        per_group = _groups((x * m).sum(-1), group_size).sum(1)  # (num_groups,)
+        return (per_group / _groups(m.sum(-1), group_size).sum(1).clamp(min=1)).mean()
     if how == "batch_token_mean":
-        m = completion_mask.to(x.dtype)
         return (x * m).sum() / m.sum().clamp(min=1)
-    raise ValueError(f"token aggregation must be 'sequence_mean' or 'batch_token_mean', got {how!r}")
+    if how == "constant":
+        return (x * m).sum() / ((x.size(0) if step_rows is None else step_rows) * x.size(1))
+    raise ValueError(f"token aggregation must be one of sequence_mean, group_token_mean, batch_token_mean, "
+                     f"constant; got {how!r}")
+
+
+def share_of_loss(normaliser: Normaliser, completion_mask: torch.Tensor, lo: int, hi: int) -> float:
+    """How much a loss over rows [lo, hi) of a batch counts in the loss over the whole batch (the
+    accumulation rounds, grad_agreement's halves), for a loss divided by `normaliser`: their rows /
+    the batch's (sequences), their scored tokens / the batch's (tokens), or 1 (constant: the parts'
+    losses add up to the whole's)."""
+    if normaliser == "sequences":
+        return (hi - lo) / completion_mask.size(0)
+    if normaliser == "tokens":
+        return (completion_mask[lo:hi].sum() / completion_mask.sum().clamp(min=1)).item()
+    if normaliser == "constant":
+        return 1.0
+    raise ValueError(f"normaliser must be sequences, tokens or constant, got {normaliser!r}")
 
 
 @torch.no_grad()
-def _ratio_metrics(log_rho: torch.Tensor, adv: torch.Tensor, eps: float, completion_mask: torch.Tensor | None):
-    rho = log_rho.exp()
+def ratio_diagnostics(batch: ScoredBatch, *, level: RatioLevel = "sequence", clip_eps: float = 0.2,
+                      log_rho: torch.Tensor | None = None, weights: torch.Tensor | None = None) -> dict[str, float]:
+    """The ratio diagnostics of a batch, for any objective's metrics (the progress bar's ratio_max,
+    the report's panels). Of ρ = exp(ℓ_θ − ℓ_old) at `level`, log ρ clamped to ±80 (`log_rho`:
+    another log-ratio of the batch's rows, e.g. of a separate mask draw): ratio_mean, ratio_std,
+    ratio_max, log_ratio_std; clip_fraction, ρ outside [1 − ε, 1 + ε]; bypass_fraction, A < 0 and
+    ρ > 1 + ε (what GRPO's conditional clip lets through); ess, the mean over groups of 1/Σ_i w_i²
+    (in [1, G]) of the objective's (num_groups, G) `weights`, else of each group's self-normalised
+    ratios ρ_i / Σ_j ρ_j (sequence levels; token ratios have none). Token ratios: over scored tokens."""
+    if log_rho is None:
+        log_rho = log_ratios(batch.logp.detach(), batch.old_logp, level, batch.completion_mask)  # (B,) or (B, L)
+    if weights is None and log_rho.dim() == 1:
+        weights = torch.softmax(_groups(log_rho.float(), batch.group_size), dim=1)  # (num_groups, G)
+    rho, a = _clamped(log_rho.detach()).exp(), batch.advantages
     if rho.dim() == 2:  # token level: statistics over scored tokens, advantage broadcast
-        m = completion_mask.bool()
-        a = adv[:, None].expand_as(rho)[m]
+        m = batch.completion_mask.bool()
+        a = a[:, None].expand_as(rho)[m]
         rho = rho[m]
-    else:
-        a = adv
-    outside = (rho < 1 - eps) | (rho > 1 + eps)
-    return {
+    outside = (rho < 1 - clip_eps) | (rho > 1 + clip_eps)
+    out = {
         "ratio_mean": float(rho.mean()),
         "ratio_std": float(rho.std()) if rho.numel() > 1 else 0.0,
         "ratio_max": float(rho.max()),
         "log_ratio_std": float(rho.log().std()) if rho.numel() > 1 else 0.0,
         "clip_fraction": float(outside.float().mean()),
-        "bypass_fraction": float(((a < 0) & (rho > 1 + eps)).float().mean()),
+        "bypass_fraction": float(((a < 0) & (rho > 1 + clip_eps)).float().mean()),
     }
+    if weights is not None:
+        out["ess"] = float((1.0 / (weights**2).sum(1)).mean())  # effective sample size, in [1, G]
+    return out
 
 
-def grpo_loss(batch: ScoredBatch, *, clip_eps: float = 0.2, ratio_level: RatioLevel = "sequence", beta: float = 0.0,
-              token_aggregation: TokenAggregation = "sequence_mean") -> LossOutput:
-    """GRPO with conditional clipping and fixed 1/G normalisation (docs/methods.md, "GRPO"),
-    plus β·KL_k3 to `batch.ref_logp` when β > 0. `token_aggregation` (token ratios only; the
-    KL term too): how per-token terms become the loss, see `aggregate_tokens`."""
-    logp, old_logp, advantages, group_size = batch.logp, batch.old_logp, batch.advantages, batch.group_size
-    completion_mask, ref_logp = batch.completion_mask, batch.ref_logp
-    _groups(advantages, group_size)  # shape check
-    log_rho = _clamped(log_ratios(logp, old_logp, ratio_level, completion_mask))  # (B,) or (B, L)
-    if token_aggregation != "sequence_mean" and log_rho.dim() != 2:
-        raise ValueError(f"token_aggregation {token_aggregation!r} needs token ratios (ratio_level='token')")
-    rho = log_rho.exp()
-    adv = advantages.detach() if log_rho.dim() == 1 else advantages.detach()[:, None]
-    pg_loss1 = rho * adv
-    pg_loss2 = rho.clamp(1 - clip_eps, 1 + clip_eps) * adv
-    per = torch.minimum(pg_loss1, pg_loss2)  # (B,) or (B, L)
-    # −(1/G) Σ_i within a group, then the mean over groups: a plain mean over rows
-    # (token ratios: over rows of per-sequence token means, or over all scored tokens).
-    loss = -(aggregate_tokens(per, completion_mask, token_aggregation) if per.dim() == 2 else per.mean())
-    metrics = _ratio_metrics(log_rho.detach(), advantages, clip_eps, completion_mask)
-    if beta:
-        if ref_logp is None:
-            raise ValueError("beta > 0 needs ref_logp")
-        kl = kl_k3(logp, ref_logp)  # (B,) or (B, L)
-        kl = aggregate_tokens(kl, completion_mask, token_aggregation) if kl.dim() == 2 else kl.mean()
-        loss = loss + beta * kl
-        metrics["kl_ref"] = float(kl.detach())
-    return LossOutput(loss, metrics)
+# --- The registry, and the objectives -----------------------------------------------------------
+
+Loss = TypeVar("Loss", bound=Callable[[Any, ScoredBatch], LossOutput])
+
+OBJECTIVES: dict[str, Callable[[Any, ScoredBatch], LossOutput]] = {}
+"""objective.name -> its loss: (its options, a ScoredBatch) -> LossOutput; filled by `objective`."""
 
 
-def stabledrl_loss(batch: ScoredBatch, *, clip: Literal["upper", "two_sided"] = "upper", clip_max: float = 5.0,
-                   clip_eps: float = 0.2,
-                   ratio_level: Literal["sequence", "sequence_normalized"] = "sequence") -> LossOutput:
+def objective(name: str) -> Callable[[Loss], Loss]:
+    """Register the decorated loss `(options, batch: ScoredBatch) -> LossOutput` as objective `name`.
+    Its options are the `ObjectiveSection` subclass with that `name`, defined before it (which made
+    it the config section `objective: {name: ...}`); it declares what the loss is divided by."""
+
+    def register(loss: Loss) -> Loss:
+        if name not in OBJECTIVE_SECTIONS:
+            raise ValueError(f"objective {name!r} has no options: define a dataclass deriving from "
+                             f"stabledrl.settings.ObjectiveSection with name: Literal[{name!r}] = {name!r} before its loss")
+        OBJECTIVES[name] = loss
+        return loss
+
+    return register
+
+
+def objective_for(cfg: Any) -> Callable[[ScoredBatch], LossOutput]:
+    """The objective of a config section (`cfg.name` picks it from `OBJECTIVES`), as a function of the batch."""
+    if cfg.name not in OBJECTIVES:
+        raise ValueError(f"objective {cfg.name!r} has options but no loss: decorate it with @objective({cfg.name!r})")
+    fn = OBJECTIVES[cfg.name]
+    return lambda batch: fn(cfg, batch)
+
+
+@objective("stabledrl")
+def stabledrl_loss(opts: StableDRLConfig, batch: ScoredBatch) -> LossOutput:
     """StableDRL: unconditional clipping + group self-normalisation (docs/methods.md, "StableDRL").
 
     `batch.weight_logp` / `weight_old_logp`: optional estimates from a *separate* mask draw, used
     only for the weights, so that w_i and ∇ℓ_i do not share the same mask noise
-    (docs/methods.md, "Open questions"); by default the weights use `logp` itself.
+    (docs/methods.md, "Open questions"); by default the weights use `logp` itself. With
+    `likelihood: spg` (the authors' StableDRL) the weights read the ELBO `logp` and the gradient
+    SPG's sandwich of it and `batch.eubo`.
 
     The log-ratios are not clamped: the softmax subtracts each group's largest clipped
     log-ratio, so the weights are right however negative the log-ratios are."""
+    if opts.likelihood == "spg":
+        sandwich = spg_likelihood(batch.logp, batch.eubo, batch.advantages, omega=opts.spg_omega)
+        batch = replace(batch, logp=sandwich, weight_logp=batch.logp, weight_old_logp=batch.old_logp)
     logp, old_logp, advantages, group_size = batch.logp, batch.old_logp, batch.advantages, batch.group_size
-    weight_logp, weight_old_logp, completion_mask = batch.weight_logp, batch.weight_old_logp, batch.completion_mask
-    if clip not in ("upper", "two_sided"):
-        raise ValueError(f"clip must be 'upper' or 'two_sided', got {clip!r}")
+    weight_logp, weight_old_logp = batch.weight_logp, batch.weight_old_logp
+    if opts.clip not in ("upper", "two_sided"):
+        raise ValueError(f"clip must be 'upper' or 'two_sided', got {opts.clip!r}")
     if (weight_logp is None) != (weight_old_logp is None):
         raise ValueError("pass both weight_logp and weight_old_logp, or neither")
     _groups(advantages, group_size)
     wl = logp if weight_logp is None else weight_logp
     wo = old_logp if weight_old_logp is None else weight_old_logp
-    log_rho = log_ratios(wl.detach(), wo.detach(), ratio_level, completion_mask)  # (B,), unclamped
-    if clip == "upper":
-        clipped = log_rho.clamp(max=torch.log(torch.tensor(clip_max)).item())
+    log_rho = log_ratios(wl.detach(), wo.detach(), opts.ratio_level, batch.completion_mask)  # (B,), unclamped
+    if opts.clip == "upper":
+        clipped = log_rho.clamp(max=torch.log(torch.tensor(opts.clip_max)).item())
     else:
-        clipped = log_rho.clamp(torch.log1p(torch.tensor(-clip_eps)).item(), torch.log1p(torch.tensor(clip_eps)).item())
+        eps = opts.clip_eps
+        clipped = log_rho.clamp(torch.log1p(torch.tensor(-eps)).item(), torch.log1p(torch.tensor(eps)).item())
     w = torch.softmax(_groups(clipped, group_size), dim=1)  # (num_groups, G), rows sum to 1
     per_group = (w * _groups(advantages.detach(), group_size) * _groups(logp, group_size)).sum(1)  # (num_groups,)
     loss = -per_group.mean()
-    metrics = _ratio_metrics(_clamped(log_rho), advantages, clip_eps, completion_mask)
-    metrics["ess"] = float((1.0 / (w**2).sum(1)).mean())  # effective sample size, in [1, G]
+    return LossOutput(loss, ratio_diagnostics(batch, log_rho=log_rho, weights=w, clip_eps=opts.clip_eps))
+
+
+@objective("grpo")
+def grpo_loss(opts: GRPOConfig, batch: ScoredBatch) -> LossOutput:
+    """GRPO with conditional clipping (docs/methods.md, "GRPO"), plus β·KL_k3 to `batch.ref_logp`
+    when β > 0. Token ratios: per-token terms become the loss (the KL term too) by
+    `opts.token_aggregation` (`aggregate_tokens`: GRPO's, DAPO's or Dr. GRPO's); sequence ratios:
+    the mean over rows, i.e. −(1/G) Σ_i within a group, then the mean over groups."""
+    logp, advantages, completion_mask = batch.logp, batch.advantages, batch.completion_mask
+    _groups(advantages, batch.group_size)  # shape check
+    log_rho = _clamped(log_ratios(logp, batch.old_logp, opts.ratio_level, completion_mask))  # (B,) or (B, L)
+    if opts.token_aggregation != "sequence_mean" and log_rho.dim() != 2:
+        raise ValueError(f"token_aggregation {opts.token_aggregation!r} needs token ratios (ratio_level='token')")
+    rho = log_rho.exp()
+    adv = advantages.detach() if log_rho.dim() == 1 else advantages.detach()[:, None]
+    pg_loss1 = rho * adv
+    pg_loss2 = rho.clamp(1 - opts.clip_eps, 1 + opts.clip_eps) * adv
+    per = torch.minimum(pg_loss1, pg_loss2)  # (B,) or (B, L)
+
+    def aggregate(x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 1:
+            return x.mean()
+        return aggregate_tokens(x, completion_mask, opts.token_aggregation, group_size=batch.group_size,
+                                step_rows=batch.step_rows)
+
+    loss = -aggregate(per)
+    metrics = ratio_diagnostics(batch, log_rho=log_rho, clip_eps=opts.clip_eps)
+    if opts.beta:
+        if batch.ref_logp is None:
+            raise ValueError("beta > 0 needs ref_logp")
+        kl = aggregate(kl_k3(logp, batch.ref_logp))  # of (B,) or (B, L) terms
+        loss = loss + opts.beta * kl
+        metrics["kl_ref"] = float(kl.detach())
     return LossOutput(loss, metrics)
 
 
-def wd1_loss(batch: ScoredBatch, *, psi: float = 1.0, clip_eps: float = 0.2,
-             ratio_level: Literal["sequence", "sequence_normalized"] = "sequence") -> LossOutput:
+@objective("wd1")
+def wd1_loss(opts: WD1Config, batch: ScoredBatch) -> LossOutput:
     """wd1: loss = mean over groups of Σ_i (softmax(−ψA)_i − softmax(ψA)_i) ℓ_i (docs/methods.md,
     "wd1"). `batch.old_logp` enters only the ratio diagnostics, which are logged as for the
     other objectives (they show how far θ has moved, not a term of the loss; `clip_eps`
     is the band of their clip_fraction)."""
-    logp, old_logp, advantages, group_size = batch.logp, batch.old_logp, batch.advantages, batch.group_size
-    completion_mask = batch.completion_mask
-    if psi <= 0:
-        raise ValueError(f"psi must be positive, got {psi}")
-    adv = _groups(advantages.detach(), group_size)  # (num_groups, G)
-    coef = torch.softmax(-psi * adv, dim=1) - torch.softmax(psi * adv, dim=1)  # (num_groups, G)
-    loss = (coef * _groups(logp, group_size)).sum(1).mean()
-    log_rho = log_ratios(logp.detach(), old_logp.detach(), ratio_level, completion_mask)  # (B,)
-    return LossOutput(loss, _ratio_metrics(_clamped(log_rho), advantages, clip_eps, completion_mask))
+    if opts.psi <= 0:
+        raise ValueError(f"psi must be positive, got {opts.psi}")
+    adv = _groups(batch.advantages.detach(), batch.group_size)  # (num_groups, G)
+    coef = torch.softmax(-opts.psi * adv, dim=1) - torch.softmax(opts.psi * adv, dim=1)  # (num_groups, G)
+    loss = (coef * _groups(batch.logp, batch.group_size)).sum(1).mean()
+    return LossOutput(loss, ratio_diagnostics(batch, level=opts.ratio_level, clip_eps=opts.clip_eps))
 
 
 def spg_likelihood(elbo: torch.Tensor, eubo: torch.Tensor, advantages: torch.Tensor, *,
@@ -272,52 +353,16 @@ def spg_likelihood(elbo: torch.Tensor, eubo: torch.Tensor, advantages: torch.Ten
     return torch.where(advantages.detach() > 0, elbo, omega * eubo + (1 - omega) * elbo)
 
 
-def spg_loss(batch: ScoredBatch, *, omega: float = 0.5, clip_eps: float = 0.2) -> LossOutput:
+@objective("spg")
+def spg_loss(opts: SPGConfig, batch: ScoredBatch) -> LossOutput:
     """SPG: mean over groups of −Σ_i (n_i / Σ_j n_j) A_i ℓ̃_i, ℓ̃ = `spg_likelihood` of the ELBO
     `batch.logp` and `batch.eubo` (docs/methods.md, "SPG"). No ratio: `batch.old_logp`, the
     old ELBO, enters only the ratio diagnostics (ELBO_θ − ELBO_old)."""
-    elbo, eubo, old_elbo, advantages = batch.logp, batch.eubo, batch.old_logp, batch.advantages
-    group_size, completion_mask = batch.group_size, batch.completion_mask
-    sandwich = spg_likelihood(elbo, eubo, advantages, omega=omega)
-    n = _groups(completion_mask.sum(-1).to(sandwich.dtype), group_size)  # (num_groups, G)
+    elbo, eubo, advantages, group_size = batch.logp, batch.eubo, batch.advantages, batch.group_size
+    sandwich = spg_likelihood(elbo, eubo, advantages, omega=opts.spg_omega)
+    n = _groups(batch.completion_mask.sum(-1).to(sandwich.dtype), group_size)  # (num_groups, G)
     share = n / n.sum(1, keepdim=True)
     loss = -(share * _groups(advantages.detach(), group_size) * _groups(sandwich, group_size)).sum(1).mean()
-    log_rho = log_ratios(elbo.detach(), old_elbo.detach(), "sequence")
-    metrics = _ratio_metrics(_clamped(log_rho), advantages, clip_eps, completion_mask)
+    metrics = ratio_diagnostics(batch, clip_eps=opts.clip_eps)
     metrics["eubo_gap"] = float((eubo - elbo).detach().mean())  # how far apart the two bounds are
     return LossOutput(loss, metrics)
-
-
-def _grpo(cfg: Any, b: ScoredBatch) -> LossOutput:
-    return grpo_loss(b, clip_eps=cfg.clip_eps, ratio_level=cfg.ratio_level, beta=cfg.beta,
-                     token_aggregation=cfg.token_aggregation)
-
-
-def _stabledrl(cfg: Any, b: ScoredBatch) -> LossOutput:
-    if cfg.likelihood == "spg":  # the authors' StableDRL: weights from the ELBO, the sandwich in the gradient
-        sandwich = spg_likelihood(b.logp, b.eubo, b.advantages, omega=cfg.spg_omega)
-        b = replace(b, logp=sandwich, weight_logp=b.logp, weight_old_logp=b.old_logp)
-    return stabledrl_loss(b, clip=cfg.clip, clip_max=cfg.clip_max, clip_eps=cfg.clip_eps, ratio_level=cfg.ratio_level)
-
-
-def _wd1(cfg: Any, b: ScoredBatch) -> LossOutput:
-    return wd1_loss(b, psi=cfg.psi, clip_eps=cfg.clip_eps, ratio_level=cfg.ratio_level)
-
-
-def _spg(cfg: Any, b: ScoredBatch) -> LossOutput:
-    return spg_loss(b, omega=cfg.spg_omega, clip_eps=cfg.clip_eps)
-
-
-OBJECTIVES: dict[str, Callable[[Any, ScoredBatch], LossOutput]] = {
-    "stabledrl": _stabledrl,
-    "grpo": _grpo,
-    "wd1": _wd1,
-    "spg": _spg,
-}
-"""objective.name -> the objective: (its config section, a ScoredBatch) -> LossOutput."""
-
-
-def objective_for(cfg: Any) -> Callable[[ScoredBatch], LossOutput]:
-    """The objective of a config section (`cfg.name` picks it from `OBJECTIVES`), as a function of the batch."""
-    fn = OBJECTIVES[cfg.name]
-    return lambda batch: fn(cfg, batch)

@@ -18,8 +18,8 @@ from typing import Any, ClassVar, Literal, get_args
 from stabledrl.config import check
 
 __all__ = ["METHODS", "Method", "Noise", "COUNTER_NOISE_VOCAB", "ApproxCache", "MAX_MU", "ModelConfig", "LoraSettings", "SamplingConfig", "TaskConfig", "TinyModelConfig",
-           "SFTConfig", "EstimatorConfig", "ObjectiveSection", "StableDRLConfig", "GRPOConfig", "WD1Config", "SPGConfig",
-           "ObjectiveConfig", "TrainConfig"]
+           "SFTConfig", "EstimatorConfig", "Normaliser", "TokenAggregation", "OBJECTIVE_SECTIONS", "ObjectiveSection",
+           "StableDRLConfig", "GRPOConfig", "WD1Config", "SPGConfig", "ObjectiveConfig", "TrainConfig"]
 
 Method = Literal["mc", "sdmc", "mean_field", "exact", "blockwise", "path", "coupled", "block_random"]
 """The likelihood estimators (`stabledrl.likelihood`, whose `PLANNERS` has one planner for each)."""
@@ -348,20 +348,48 @@ class EstimatorConfig:
               f"estimator.options.weight must be count or time (sdmc), got {self.options.get('weight')!r}")
 
 
+TokenAggregation = Literal["sequence_mean", "group_token_mean", "batch_token_mean", "constant"]
+"""How GRPO's per-token terms become its loss (`GRPOConfig.token_aggregation`)."""
+
+Normaliser = Literal["sequences", "tokens", "constant"]
+"""What an objective's loss is divided by (`ObjectiveSection.normaliser`): the batch's sequences (a
+mean over rows or groups), its scored tokens, or a constant that does not depend on the batch."""
+
+OBJECTIVE_SECTIONS: dict[str, type[ObjectiveSection]] = {}
+"""objective name -> its config section: each subclass of `ObjectiveSection` that sets its own
+`name`, in the order they are defined (the first, stabledrl, is the default). The `objective:`
+section of a config is the one its `name` picks; `stabledrl.objectives.objective` registers the loss."""
+
+
 @dataclass
 class ObjectiveSection:
     """What every objective's config section holds, and what it asks of the loop. An objective's
-    own section subclasses it with a `name` and its options (docs/extending.md)."""
+    options subclass it with a `name` (`name: Literal["mine"] = "mine"`), which registers them in
+    `OBJECTIVE_SECTIONS` (docs/extending.md)."""
+
+    __sections__: ClassVar[dict[str, type[ObjectiveSection]]] = OBJECTIVE_SECTIONS
 
     advantage_scale: Literal["none", "std", "leave_one_out"] = "none"
-    """none: r − mean (StableDRL, d1); std: divided by the group std (original GRPO);
+    """none: r − mean (StableDRL, d1, Dr. GRPO); std: divided by the group std (original GRPO);
     leave_one_out: r − the mean of the other G − 1 (DiffuCoder's coupled-GRPO)."""
     clip_eps: float = 0.2
     """ε of the [1−ε, 1+ε] clip (grpo, stabledrl two_sided), and the band of the ratio diagnostics'
     clip_fraction (every objective)."""
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if isinstance(cls.__dict__.get("name"), str):  # its own name, not one inherited
+            OBJECTIVE_SECTIONS[cls.__dict__["name"]] = cls
+
     def __post_init__(self) -> None:
         check(0 < self.clip_eps < 1, f"objective.clip_eps must be in (0, 1), got {self.clip_eps}")
+
+    @property
+    def normaliser(self) -> Normaliser:
+        """What the loss is divided by, so that the accumulation rounds and grad_agreement's halves
+        weigh their part of it: "sequences" by their rows, "tokens" by their scored tokens,
+        "constant" each by 1 (their losses add up to the step's)."""
+        return "sequences"
 
     @property
     def token_terms(self) -> bool:
@@ -381,12 +409,6 @@ class ObjectiveSection:
     @property
     def needs_reference(self) -> bool:
         """Whether the objective reads ℓ under the initial policy (`ScoredBatch.ref_logp`)."""
-        return False
-
-    @property
-    def token_weighted(self) -> bool:
-        """Whether the loss is a mean over scored tokens rather than over groups (how grad_agreement's
-        halves and the accumulation rounds weigh their part of it)."""
         return False
 
 
@@ -439,9 +461,11 @@ class GRPOConfig(ObjectiveSection):
     """sequence: exp(ℓ−ℓ_old); sequence_normalized: divided by |y| (GDPO); token: per token (d1, mean_field)."""
     beta: float = 0.0
     """Weight of the k3 KL to the initial policy."""
-    token_aggregation: Literal["sequence_mean", "batch_token_mean"] = "sequence_mean"
-    """Token ratios: sequence_mean (mean over each completion's tokens, then over completions) or
-    batch_token_mean (one mean over every scored token of the batch, d1's diffu-GRPO)."""
+    token_aggregation: TokenAggregation = "sequence_mean"
+    """How token ratios' per-token terms (and the KL's) become the loss: sequence_mean (each completion's
+    mean, then the mean over completions: GRPO), group_token_mean (each group's token mean, then the
+    mean over groups: DAPO), batch_token_mean (the batch's token mean: d1's trainer), constant (the
+    sum over tokens / (P·G·L), P·G the step's rows, L the slots: Dr. GRPO). docs/methods.md, "GRPO"."""
 
     @property
     def token_terms(self) -> bool:
@@ -452,14 +476,14 @@ class GRPOConfig(ObjectiveSection):
         return self.beta > 0
 
     @property
-    def token_weighted(self) -> bool:
-        return self.token_aggregation == "batch_token_mean"
+    def normaliser(self) -> Normaliser:
+        return {"batch_token_mean": "tokens", "constant": "constant"}.get(self.token_aggregation, "sequences")
 
     def __post_init__(self) -> None:
         super().__post_init__()
         check(self.beta >= 0, f"objective.beta must be >= 0, got {self.beta}")
         check(self.token_aggregation == "sequence_mean" or self.ratio_level == "token",
-              "objective.token_aggregation batch_token_mean needs per-token terms: set ratio_level: token")
+              f"objective.token_aggregation {self.token_aggregation} needs per-token terms: set ratio_level: token")
 
 
 @dataclass
@@ -501,8 +525,8 @@ def _check_sandwich(beta: float, omega: float) -> None:
     check(0 <= omega <= 1, f"objective.spg_omega must be in [0, 1], got {omega}")
 
 
-ObjectiveConfig = StableDRLConfig | GRPOConfig | WD1Config | SPGConfig
-"""The `objective:` section, chosen by its `name`; each objective's options live in its own class."""
+ObjectiveConfig = ObjectiveSection
+"""The `objective:` section: the subclass of `OBJECTIVE_SECTIONS` that its `name` picks."""
 
 
 @dataclass
@@ -517,7 +541,8 @@ class TrainConfig:
     """Run directory: config, metrics.jsonl, TensorBoard, checkpoints, final model."""
     task: TaskConfig = field(default_factory=TaskConfig)
     objective: ObjectiveConfig = field(default_factory=StableDRLConfig)
-    """The objective, by `name`: stabledrl (default), grpo, wd1 or spg, each with its own options."""
+    """The objective, by `name` (`OBJECTIVE_SECTIONS`): stabledrl (default), grpo, wd1, spg, or one
+    registered from your code, each with its own options."""
     estimator: EstimatorConfig = field(default_factory=EstimatorConfig)
     rollout: SamplingConfig = field(default_factory=lambda: SamplingConfig(temperature=1.0))
     """Sampling of the rollouts (temperature > 0 for diverse groups)."""
@@ -549,7 +574,7 @@ class TrainConfig:
     prompts_per_step / R each), holding one round's graph at a time and accumulating the
     gradients into one optimizer step per inner iteration (the StableDRL authors'
     grad_accumulation, TRL's gradient_accumulation_steps). Each round's loss counts by its
-    share of the step's loss (its groups, or its scored tokens for batch_token_mean), so the
+    share of the step's loss (by the objective's `normaliser`: its rows, its scored tokens, or 1), so the
     gradient is the one-round step's up to rounding (docs/methods.md, "The training step").
     The rollouts are sampled in one pass whatever R (rollout.micro_batch bounds its memory)."""
     optimizer: Literal["adamw", "sgd"] = "adamw"

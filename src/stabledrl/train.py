@@ -35,7 +35,7 @@ from stabledrl.checkpoint import save_checkpoint
 from stabledrl.diagnostics import drift_from_initial
 from stabledrl.instruments import backward_measuring_agreement, first_half_loss, step_measuring_update
 from stabledrl.likelihood import ViewPlan, backward_views, eubo, plan_for, score_views
-from stabledrl.objectives import ScoredBatch, group_advantages, objective_for
+from stabledrl.objectives import ScoredBatch, group_advantages, objective_for, share_of_loss
 from stabledrl.rollouts import RolloutBatch, concat_groups, drop_flat_groups, roll_groups
 from stabledrl.settings import MAX_MU, EstimatorConfig, ObjectiveConfig, TrainConfig  # noqa: F401 (re-exported)
 from stabledrl.training_run import GatheredPolicy, Run, set_up
@@ -46,8 +46,8 @@ __all__ = ["train", "run_train", "set_up", "Run", "TrainConfig", "EstimatorConfi
 def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True, task: Any = None) -> dict[str, Any]:
     """Train; returns the run's summary (initial and final held-out evaluations, counters).
     `task`: a task object to use instead of cfg.task's."""
+    objective = objective_for(cfg.objective)  # before set-up: an objective without a loss stops here
     run = set_up(cfg, resume=resume, task=task)
-    objective = objective_for(cfg.objective)
     bar = tqdm(range(run.start, cfg.steps), initial=run.start, total=cfg.steps, desc=f"train {cfg.objective.name}",
                disable=not (progress and run.main))
     for step in bar:
@@ -79,7 +79,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True, task
                         batch = _scored_batch(run, groups, old, plan, share, advantages, first_iteration=it == 0)
                         # Objective, backward of the round's share of the step's loss
                         out = objective(batch)
-                        _add_round(it_row, out, share.weight)
+                        _add_round(it_row, out, share)
                         if not (finite := bool(torch.isfinite(out.loss))):
                             break
                         with run.timer.phase("backward", until_gpu_done=True):
@@ -164,7 +164,8 @@ def _rollout_metrics(first: RolloutBatch) -> dict[str, float]:
 @dataclasses.dataclass(frozen=True, eq=False)
 class Share:
     """This process's rows of one accumulation round: rows [start, end) of B', within the
-    round's whole groups [lo, hi), on its device, and the round's share of the step's loss. A
+    round's whole groups [lo, hi), on its device; the round's weight in the step's loss, and
+    its part of the step (its rows, or its tokens for a token mean) for the logged metrics. A
     process with none (the round has fewer rows than processes) scores the round's first row
     in their place, a stand-in whose result is dropped and whose gradient is 0: DDP and FSDP
     need a forward and a backward on every process."""
@@ -174,7 +175,8 @@ class Share:
     end: int
     lo: int
     hi: int
-    weight: float = 1.0  # the round's loss counts this much of the step's
+    weight: float = 1.0  # the round's loss counts this much in the step's (`share_of_loss`)
+    part: float = 1.0  # the round's part of the step, which weighs its metrics (they average to the step's)
 
     @property
     def n(self) -> int:
@@ -197,18 +199,20 @@ class Share:
 
 def _rounds(run: Run, groups: RolloutBatch) -> list[Share]:
     """This process's share of each accumulation round: the K kept groups cut in order into
-    min(R, K) rounds as equal as possible. A round's loss counts by its groups / K, or, for a
-    loss that is a mean over the batch's scored tokens, by its share of those tokens: their
-    weighted sum is the one-round loss."""
-    G, K = run.cfg.group_size, len(groups.problems)
+    min(R, K) rounds as equal as possible. A round's loss counts as the objective's normaliser
+    says (its groups / K, its scored tokens / the step's, or 1 for a constant): their weighted
+    sum is the one-round loss."""
+    G, K, normaliser = run.cfg.group_size, len(groups.problems), run.cfg.objective.normaliser
     R, mask = min(run.cfg.accumulation_rounds, K), groups.completion_mask  # (B', L)
     out = []
     for r in range(R):
         lo, hi = r * K // R * G, (r + 1) * K // R * G
         (a, b), (x, y) = run.shards.bounds(hi - lo), run.shards.run_bounds(hi - lo)
-        weight = 1.0 if R == 1 else ((mask[lo:hi].sum() / mask.sum().clamp(min=1)).item()
-                                     if run.cfg.objective.token_weighted else (hi - lo) / (K * G))
-        out.append(Share(groups.rows(lo + x, lo + y, run.device), lo + a, lo + b, lo, hi, weight))
+        weight = part = 1.0
+        if R > 1:  # the loss as the normaliser says; the metrics by the round's rows (a token mean's: tokens)
+            weight = share_of_loss(normaliser, mask, lo, hi)
+            part = share_of_loss("sequences", mask, lo, hi) if normaliser == "constant" else weight
+        out.append(Share(groups.rows(lo + x, lo + y, run.device), lo + a, lo + b, lo, hi, weight, part))
     return out
 
 
@@ -294,13 +298,15 @@ def _scored_batch(run: Run, groups: RolloutBatch, old: OldScores, plan: ViewPlan
         logp = run.shards.gather_keeping_graph(share.own(logp), share.n).cpu()
         eubo_ = None if eubo_ is None else run.shards.gather_keeping_graph(share.own(eubo_), share.n).cpu()
     return ScoredBatch(logp, old.logp[lo:hi], advantages[lo:hi], cfg.group_size, groups.completion_mask[lo:hi],
-                       ref_logp=None if old.ref_logp is None else old.ref_logp[lo:hi], eubo=eubo_, **weights)
+                       ref_logp=None if old.ref_logp is None else old.ref_logp[lo:hi], eubo=eubo_,
+                       step_rows=cfg.prompts_per_step * cfg.group_size, **weights)
 
 
-def _add_round(it_row: dict[str, Any], out, weight: float) -> None:
-    """A round's loss and metrics into its inner iteration's row: sums weighted by the round's
-    share of the loss (so a weighted mean over the rounds; the loss is the step's), maxima of *_max."""
+def _add_round(it_row: dict[str, Any], out, share: Share) -> None:
+    """A round's loss and metrics into its inner iteration's row: the loss weighted by the round's
+    weight (their sum is the step's), the metrics by its part (a weighted mean), maxima of *_max."""
     for k, v in {**out.metrics, "loss": float(out.loss.detach())}.items():
+        weight = share.weight if k == "loss" else share.part
         if k.endswith("_max"):
             it_row[k] = max(it_row.get(k, v), v)
         else:
@@ -317,7 +323,7 @@ def _backward(run: Run, loss: torch.Tensor, batch: ScoredBatch, plan: ViewPlan, 
     acc, est, world = run.accelerator, run.cfg.estimator, run.shards.world
     loss = loss * share.weight
     if run.cfg.grad_agreement and first_iteration and batch.advantages.size(0) >= 2 * batch.group_size:
-        part = first_half_loss(objective, batch, token_weighted=run.cfg.objective.token_weighted)
+        part = first_half_loss(objective, batch, normaliser=run.cfg.objective.normaliser)
         row["grad_agreement"] = backward_measuring_agreement(loss, part, run.params, acc.backward)
     elif est.max_views_per_forward is None:
         acc.backward(loss * world)
@@ -359,9 +365,15 @@ def _over_iterations(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def _progress(run: Run, row: dict[str, Any]) -> dict[str, str]:
+    """The progress bar's values: only those the step computed (no gradient norm or ratio in a step
+    with no group to train on, none of the ratio diagnostics for an objective that returns none)."""
+    shown = {"reward": f"{row['reward_mean']:.3f}"}
+    if "grad_norm" in row:
+        shown["gnorm"] = f"{row['grad_norm']:.2g}"
+    if "ratio_max" in row:
+        shown["ratio_max"] = f"{row['ratio_max']:.3g}"
     collapse = {"COLLAPSE": ",".join(run.monitor.reasons)} if run.monitor.collapsed else {}
-    return {"reward": f"{row['reward_mean']:.3f}", "gnorm": f"{row.get('grad_norm', 0):.2g}",
-            "ratio_max": f"{row.get('ratio_max', 1):.3g}", "skipped": run.counters["skipped_steps"], **collapse}
+    return {**shown, "skipped": run.counters["skipped_steps"], **collapse}
 
 
 def _save_checkpoint(run: Run, done: int) -> Path:
