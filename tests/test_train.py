@@ -645,11 +645,14 @@ def test_bf16_mixed_precision_computes_in_bf16_and_keeps_a_1e_6_step(init_model,
     assert dtypes == {torch.bfloat16}
     assert next(r for r in metric_rows(tmp_path / "r") if "drift_kl" in r)["drift_kl"] == 0.0
     before = load_file(init_model / "model.safetensors")
-    after = load_file(tmp_path / "r" / "final" / "model.safetensors")
+    after = load_file(tmp_path / "r" / "checkpoint-0000001" / "model.safetensors")  # the trained float32 weights
     for k in before:
         if before[k].dim() == 2 and k != "embed.weight":  # embedding rows of unseen tokens get no gradient
             assert after[k].dtype == torch.float32
             assert (after[k] != before[k]).float().mean() == 1.0, k
+    # final/ is handed over in the precision the run computed in (final_dtype: auto)
+    final = load_file(tmp_path / "r" / "final" / "model.safetensors")
+    assert all(v.dtype == torch.bfloat16 for v in final.values())
 
 
 def test_a_1e_6_step_on_bf16_weights_is_mostly_lost_and_that_precision_is_refused(init_model, tmp_path):
