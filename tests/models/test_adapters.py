@@ -47,7 +47,8 @@ PROMPTS = ["3,5,7=22", "12,4,6=9", "1=1"]  # unequal lengths: left padding
 remote_code = pytest.mark.skipif(
     int(transformers.__version__.split(".")[0]) >= 5,
     reason=f"the published LLaDA, Dream and SDAR files do not run under transformers {transformers.__version__} "
-           "(stabledrl refuses them there); these tests run under transformers 4.57")
+           "(stabledrl refuses them there); the slow layer runs them under transformers 4.57 "
+           "(tests/models/test_published_code.py)")
 SDAR_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|MASK|>", "[UNK]"]
 
 
