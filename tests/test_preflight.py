@@ -139,3 +139,12 @@ def test_the_printed_prediction_of_each_shipped_recipe(name, monkeypatch):
     assert phase == "update" and 30e9 < peak < 80e9  # fits an 80 GB GPU, not a 24 GB one
     with pytest.raises(ConfigError, match="in the update phase"):
         preflight.check_run(dataclasses.replace(pred, machine=preflight.Machine(24 * 10**9, "GPU", 8, True)), ".")
+
+
+def test_a_run_the_memory_model_cannot_read_goes_on_and_says_so(tiny_dir, tmp_path, monkeypatch, capsys):
+    def unreadable(*a, **k):
+        raise RuntimeError("a task without prompts to measure")
+    monkeypatch.setattr(training_run, "longest_prompt_tokens", unreadable)
+    train(_cfg(tiny_dir, tmp_path / "run"), progress=False)
+    assert "preflight: no prediction (RuntimeError: a task without prompts to measure)" in capsys.readouterr().out
+    assert (tmp_path / "run" / "final").is_dir()
