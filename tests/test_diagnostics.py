@@ -160,3 +160,8 @@ def test_drift_from_initial_by_hand():
     # per-token terms (B, L) are summed per row first: the same gaps
     d2 = drift_from_initial(torch.tensor([[math.log(2.0), 0.0], [-0.5, -0.5]]), torch.tensor([[0.0, 0.0], [-0.5, -0.5]]))
     assert d2 == pytest.approx(d, abs=1e-7)
+    # one rollout's likelihood noise: gaps (−30, 0.1, 0.2) make k3 terms (e^30 − 31, e^−0.1 − 0.9,
+    # e^−0.2 − 0.8) = (1.07e13, 0.0048374, 0.0187308): the mean is 3.6e12, the median 0.0187308
+    d3 = drift_from_initial(torch.tensor([-30.0, 0.1, 0.2]), torch.zeros(3))
+    assert d3["drift_k3"] == pytest.approx((math.exp(30) - 31 + math.exp(-0.1) - 0.9 + math.exp(-0.2) - 0.8) / 3, rel=1e-6)
+    assert d3["drift_k3_median"] == pytest.approx(math.exp(-0.2) - 0.8, rel=1e-5)

@@ -86,7 +86,7 @@ def test_report_draws_k3_drift_every_evaluation_and_a_smoothed_reward(tmp_path):
     run = _troubled_run(tmp_path / "a", k3=True, eval_every=2)
     fig = report_figure([run])
     by_title = {ax.get_title(): ax for ax in fig.axes}
-    assert "drift from π_init: k3 estimate" in by_title
+    assert "drift from π_init: k3 estimate (mean)" in by_title  # a run that logs no median
     [evals] = [ln for ln in by_title["held-out accuracy"].get_lines() if ln.get_gid() == "eval"]
     assert list(evals.get_xdata()) == [0, 2, 4, 6, 8, 10]
     assert "set eval_every" not in " ".join(t.get_text() for t in by_title["held-out accuracy"].texts)
@@ -106,3 +106,15 @@ def test_accuracy_curve_is_the_evaluation_rows_in_step_order(tmp_path):
             {"step": 10, "reward_mean": 0.6}, {"step": 10, "eval_accuracy": 0.5, "collapse": False}]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert accuracy_curve(tmp_path) == [(0, 0.25), (10, 0.5)]
+
+
+def test_the_drift_panel_plots_the_median_k3_on_a_log_scale_and_older_runs_their_own(tmp_path):
+    from stabledrl.report import _panels
+
+    def drift_panel(rows):
+        return next(p for p in _panels({"r": rows}) if p.key.startswith("drift"))
+
+    new = drift_panel([{"step": 1, "drift_kl": 0.1, "drift_k3": 3e11, "drift_k3_median": 0.02}])
+    assert (new.key, new.scale) == ("drift_k3_median", "log")
+    assert drift_panel([{"step": 1, "drift_kl": 0.1, "drift_k3": 0.01}]).key == "drift_k3"  # a run of before
+    assert drift_panel([{"step": 1, "drift_kl": 0.1}]).key == "drift_kl"

@@ -116,8 +116,11 @@ def flat_grad_cosine(a: list[torch.Tensor | None], b: list[torch.Tensor | None])
 def drift_from_initial(old_logp: torch.Tensor, ref_logp: torch.Tensor) -> dict[str, float]:
     """KL(π_old ‖ π_init) from π_old's own rollouts, given ℓ_old and ℓ_init on the same masks
     ((B,) estimates, or (B, L) per-token terms summed per row): ``drift_kl``, the mean of
-    gap = ℓ_old − ℓ_init (k1, which can fall below 0), and ``drift_k3``, the mean of
-    (r − 1) − log r with r = π_init / π_old = e^{−gap} (every term ≥ 0), in float64."""
+    gap = ℓ_old − ℓ_init (k1, which can fall below 0), ``drift_k3``, the mean of
+    (r − 1) − log r with r = π_init / π_old = e^{−gap} (every term ≥ 0), in float64, and
+    ``drift_k3_median``, their median: one rollout's likelihood noise (a gap of −30 is a term of
+    1e13) moves the mean, not the median, which rises only when most rollouts drift."""
     gap = old_logp - ref_logp
     gap = gap.sum(-1) if gap.dim() == 2 else gap  # (B,)
-    return {"drift_kl": float(gap.mean()), "drift_k3": float((torch.expm1(-gap.double()) + gap.double()).mean())}
+    k3 = torch.expm1(-gap.double()) + gap.double()  # (B,)
+    return {"drift_kl": float(gap.mean()), "drift_k3": float(k3.mean()), "drift_k3_median": float(k3.median())}

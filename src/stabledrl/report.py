@@ -48,14 +48,17 @@ PANELS = [
     Panel("bypass_fraction", "bypass fraction (A<0, ρ>1+ε)", "linear",
           "Share of terms with a negative advantage and ρ above the clip range, whose unclipped ρ·A passes "
           "through min(). Exactly zero where ρ ≡ 1 (μ = 1, masks: shared)."),
-    Panel("drift_k3", "drift from π_init: k3 estimate", "linear",
-          "KL(π_old ‖ π_init) by k3 = (r − 1) − log r with r = exp(ℓ_init − ℓ_old), averaged over "
-          "π_old's rollouts; ℓ are likelihood estimates, not exact log-probabilities. Each term is "
-          "≥ 0, so the curve is too; zero at the start."),
+    Panel("drift_k3_median", "drift from π_init: median k3 (log)", "log",
+          "KL(π_old ‖ π_init)'s k3 terms (r − 1) − log r, r = exp(ℓ_init − ℓ_old), one per rollout of the "
+          "step: their median, on a log scale. ℓ are likelihood estimates, so one rollout's noise can make "
+          "its term huge (the mean, drift_k3 in metrics.jsonl, then spikes); the median rises only when most "
+          "rollouts drift. Zero at the start (not drawn on a log scale)."),
     Panel("eval_accuracy", "held-out accuracy", "linear",
           "Share of held-out problems solved (greedy unless eval_sampling says otherwise), one marker per "
           "evaluation: at the start, every eval_every steps, and at the end."),
 ]
+DRIFT_K3_MEAN = Panel("drift_k3", "drift from π_init: k3 estimate (mean)", "linear",
+                      "KL(π_old ‖ π_init) by k3, averaged over π_old's rollouts (runs that log no median).")
 DRIFT_MEAN = Panel("drift_kl", "drift: mean of ℓ_old − ℓ_init", "linear",
                    "The mean over π_old's rollouts of ℓ_old − ℓ_init: KL(π_old ‖ π_init)'s k1 form with "
                    "likelihood estimates for log-probabilities. Each term can be negative, and so can the mean "
@@ -110,9 +113,12 @@ def smooth(values: Sequence[float], window: int = 10) -> list[float]:
 
 
 def _panels(runs: dict[str, list[dict]]) -> list[Panel]:
-    """PANELS, with the mean-difference drift where no run logs the k3 estimate."""
-    has_k3 = any("drift_k3" in r for rows in runs.values() for r in rows)
-    return [DRIFT_MEAN if p.key == "drift_k3" and not has_k3 else p for p in PANELS]
+    """PANELS, with an older run's drift where no run logs the median k3: the mean k3, else the
+    mean difference."""
+    logged = {k for rows in runs.values() for r in rows for k in r}
+    median = next(p for p in PANELS if p.key == "drift_k3_median")
+    drift = next((p for p in (median, DRIFT_K3_MEAN, DRIFT_MEAN) if p.key in logged), DRIFT_MEAN)
+    return [drift if p is median else p for p in PANELS]
 
 
 def _draw_series(ax, panel: Panel, rows: list[dict], label: str, color: str | None) -> None:
