@@ -70,12 +70,12 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from stabledrl.evaluate import EVAL_MICRO_BATCH
 from stabledrl.likelihood import Completions, backward_views
 from stabledrl.memory import (  # noqa: F401 (the memory model, read here by the tests and benchmarks)
     Footprint,
     Shape,
     activation_bytes,
-    checkpoint_bytes,
     footprint,
     layer_params,
     llada_lora_param_count,
@@ -84,11 +84,10 @@ from stabledrl.memory import (  # noqa: F401 (the memory model, read here by the
     predict_memory,
     scored_length,
     views_per_row,
-    with_eval,
 )
-from stabledrl.preflight import final_bytes
 from stabledrl.models import TinyDiffusionConfig, TinyDiffusionLM, TinyPolicy, add_lora, base_policy
 from stabledrl.objectives import group_advantages
+from stabledrl.preflight import PUBLISHED_SHAPES, Machine, eval_rows_per_call, run_disk, run_footprint
 from stabledrl.sampling import RolloutRequest, generate_micro_batched, row_generators
 from stabledrl.settings import LoraSettings, TrainConfig
 from stabledrl.tokenizer import build_char_tokenizer
@@ -105,14 +104,14 @@ SHAPES = {
     # weight_tying false, layer_norm_type rms with affine weights and no bias, rope_theta 5e5,
     # max_sequence_length 4096. Its safetensors index: total_size 16,031,162,368 bytes of
     # bfloat16, i.e. 8,015,581,184 parameters, which `param_count` gives.
-    "llada-8b": Shape(126464, 4096, 32, 32, 12288),
+    "llada-8b": PUBLISHED_SHAPES["GSAI-ML/LLaDA-8B-Instruct"],
     # Dream-v0-Instruct-7B is Qwen2.5-7B's shape (its config.json: hidden 3584, 28 layers, 28 heads,
     # 4 key-value heads, intermediate 18944, vocabulary 152064, q/k/v biases, untied head):
     # 7,615,616,512 parameters, Qwen2.5-7B's published count. Not buildable as TinyDiffusionLM (GQA).
-    "dream-7b": Shape(152064, 3584, 28, 28, 18944, rope_theta=1e6, num_key_value_heads=4, qkv_bias=True),
+    "dream-7b": PUBLISHED_SHAPES["Dream-org/Dream-v0-Instruct-7B"],
     # SDAR-8B-Chat is Qwen3-8B's shape (hidden 4096, 36 layers, 32 heads, 8 key-value heads of 128,
     # intermediate 12288, vocabulary 151936, q/k norms, untied head): 8,190,735,360 parameters.
-    "sdar-8b": Shape(151936, 4096, 36, 32, 12288, rope_theta=1e6, num_key_value_heads=8, qk_norm=True),
+    "sdar-8b": PUBLISHED_SHAPES["JetLM/SDAR-8B-Chat"],
     # LLaDA's proportions (I = 3d, head width 128, V/d = 32) at width 256: 11.0 M parameters.
     "llada-cpu": Shape(8192, 256, 8, 2, 768),
     # for the tests
@@ -386,7 +385,7 @@ def run_mode(shape_name: str, pre: Preset, mode: str, device: str, *, repeats: i
     dtype = lora_base_dtype if mode == "lora" else torch.float32
     lora_n = lora_param_count(shape, lora.r) if mode == "lora" else 0
     f = footprint(cfg, pre.prompt_length, lora_params=lora_n, weight_bytes=dtype.itemsize, foreach=cuda)
-    noise = cfg.rollout.noise if cfg.rollout.noise != "auto" else "counter" if shape.vocab_size >= 32768 else "generator"
+    noise = cfg.rollout.noise_for(shape.vocab_size)
     f = dataclasses.replace(f, noise=noise, block_length=cfg.rollout.block_length, head_on_block=noise == "counter")
     predicted = predict_memory(shape, f)
     if cuda:  # rejected at start-up, not discovered as an out-of-memory error
@@ -545,19 +544,14 @@ def recipe_config(name: str, overrides: list[str] = ()) -> TrainConfig:
 
 
 def recipe_footprint(r: Recipe, cfg: TrainConfig) -> Footprint:
-    """One GPU's footprint of `cfg` on the recipe's processes: full fine-tuning sharded over them,
-    or the config's LoRA adapters (the trainer's chunked foreach AdamW), the config's precision,
-    noise, rollout blocks and checkpointing, its evaluation (prompts as long as training's), and
-    the allowances for CUDA, NCCL and the allocator (`stabledrl.memory.NCCL_BYTES`)."""
-    lora = llada_lora_param_count(SHAPES[r.shape], cfg.lora.r, cfg.lora.target_modules) if cfg.lora else 0
-    f = footprint(cfg, r.prompt_length, lora_params=lora, weight_bytes=2 if cfg.model.dtype == "bfloat16" else 4,
-                  shards=r.processes, optimizer_chunk=2**26, foreach=True)
-    f = dataclasses.replace(f, checkpointing=cfg.model.gradient_checkpointing, noise=cfg.rollout.noise,
-                            block_length=cfg.rollout.block_length, block_size=r.block_size,
-                            approx_cache=cfg.rollout.approx_cache != "none", reserve=True,
-                            head_on_block=cfg.rollout.noise == "counter" and not cfg.model.trust_remote_code)
-    eval_rows = min(cfg.eval_sampling.micro_batch or 256, -(-cfg.eval_n // r.processes))
-    return with_eval(f, eval_rows, r.prompt_length, cfg.eval_sampling.gen_length or cfg.rollout.gen_length)
+    """One GPU's footprint of `cfg` on the recipe's processes, as `stabledrl train`'s preflight
+    builds it (`stabledrl.preflight.run_footprint`): full fine-tuning sharded over them, or the
+    config's LoRA adapters, the config's precision, noise, blocks, checkpointing and evaluation
+    (prompts as long as training's), and the allowances for CUDA, NCCL and the allocator."""
+    machine = Machine(None, "GPU", r.processes, sharded=True)
+    eval_rows = eval_rows_per_call(cfg, r.processes, EVAL_MICRO_BATCH)
+    return run_footprint(cfg, SHAPES[r.shape], r.block_size, machine, (r.prompt_length,) * 2, eval_rows,
+                         cfg.rollout.gen_length)
 
 
 def predict_recipes(gpu_bytes: float) -> dict[str, Any]:
@@ -581,16 +575,8 @@ def predict_recipes(gpu_bytes: float) -> dict[str, Any]:
                      "peak_without_checkpointing":
                          predict_memory(shape, dataclasses.replace(f, checkpointing=False))["peak"],
                      "one_round": {"rows": -(-P * G // r.processes), "phases": one["phases"], "peak": one["peak"]},
-                     "disk": _run_disk(shape, f, r.processes, cfg)}
+                     "disk": run_disk(shape, f, cfg, r.processes)}
     return out
-
-
-def _run_disk(shape: Shape, f: Footprint, processes: int, cfg: TrainConfig) -> dict[str, int]:
-    """The disk of a run's checkpoints (`stabledrl.memory.checkpoint_bytes`): the kept ones, one
-    being saved and final/ (bfloat16 under bf16)."""
-    disk = checkpoint_bytes(shape, f, processes=processes, model_bytes=2 if cfg.model.dtype == "bfloat16" else 4,
-                            final_bytes=final_bytes(cfg))
-    return {**disk, "run": (cfg.keep_checkpoints + 1) * disk["checkpoint"] + disk["final"]}
 
 
 def recipes_table(pred: dict[str, Any]) -> str:

@@ -418,13 +418,14 @@ def check_run_version(run_dir: str | Path) -> None:
     record = Path(run_dir) / VERSION_FILE
     if not record.is_file():
         return
+    ours = _this_version()
     try:
         theirs = str(json.loads(record.read_text())["stabledrl"])
-        newer = Version(theirs) > Version(_this_version())
+        newer = Version(theirs) > Version(ours)
     except (ValueError, KeyError, TypeError):  # InvalidVersion is a ValueError
         raise ConfigError(f"{record} is not a version record like {{\"stabledrl\": \"0.1.0\"}}; fix or remove it") from None
     if newer:
-        raise ConfigError(f"{run_dir} was written by stabledrl {theirs}, and this is stabledrl {_this_version()}: "
+        raise ConfigError(f"{run_dir} was written by stabledrl {theirs}, and this is stabledrl {ours}: "
                           f"upgrade stabledrl to {theirs} or later to use it, or start a fresh run in another output_dir")
 
 

@@ -146,6 +146,12 @@ def encode_policy_prompts(policy, prompts: Sequence[str], *, strict: bool = Fals
     return encode_prompts(policy.tokenizer, prompts, strict=strict, chat_template=chat_template)
 
 
+def keep_last_tokens(ids: torch.Tensor, mask: torch.Tensor, n: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded (B, P) prompt ids and mask cut to each prompt's last `n` tokens, as TRL cuts
+    them (`max_prompt_length`); None: as they are."""
+    return (ids, mask) if n is None else (ids[:, -n:], mask[:, -n:])
+
+
 def decode_policy_completions(policy, completion_ids: torch.Tensor) -> list[str]:
     """`decode_completions` cut at the policy's stop tokens (`stop_ids_of`)."""
     return decode_completions(policy.tokenizer, completion_ids, stop_ids_of(policy))

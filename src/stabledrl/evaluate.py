@@ -10,7 +10,7 @@ from typing import Sequence
 
 import torch
 
-from stabledrl.data import decode_policy_completions, encode_policy_prompts
+from stabledrl.data import decode_policy_completions, encode_policy_prompts, keep_last_tokens
 from stabledrl.models.policy import Policy
 from stabledrl.sampling import RolloutRequest, SamplingConfig, generate_micro_batched, row_generators
 from stabledrl.tasks.base import Problem, Task, score_all
@@ -87,8 +87,7 @@ def evaluate(
     policy.model.eval()
     t0 = time.perf_counter()
     ids, mask = encode_policy_prompts(policy, [p.prompt for p in problems])  # (n, P): one padding for all
-    if sampling.max_prompt_length is not None:  # each prompt's last tokens
-        ids, mask = ids[:, -sampling.max_prompt_length:], mask[:, -sampling.max_prompt_length:]
+    ids, mask = keep_last_tokens(ids, mask, sampling.max_prompt_length)
     out = generate_micro_batched(RolloutRequest(policy, ids.to(policy.device), mask.to(policy.device), gen_length,
                                                 generators, sampling, micro_batch=micro_batch, synced=share.synced,
                                                 num_calls=share.num_calls, progress=progress))

@@ -27,13 +27,12 @@ from stabledrl.memory import (
     with_eval,
 )
 
-__all__ = ["Machine", "Prediction", "predict_run", "check_run", "PUBLISHED_SHAPES", "KEPT_CHECKPOINTS"]
+__all__ = ["Machine", "Prediction", "predict_run", "run_footprint", "run_disk", "eval_rows_per_call", "check_run",
+           "PUBLISHED_SHAPES"]
 
 GB = 1e9
-KEPT_CHECKPOINTS = 2
-"""Checkpoints a run keeps by default (`TrainConfig.keep_checkpoints`); one more exists while one is saved."""
 
-PUBLISHED_SHAPES = {  # what the memory model needs when config.json cannot be read (offline); from each config.json
+PUBLISHED_SHAPES = {  # when config.json cannot be read (offline); each config.json's fields, cited in benchmarks/scale.py
     "GSAI-ML/LLaDA-8B-Instruct": Shape(126464, 4096, 32, 32, 12288),
     "GSAI-ML/LLaDA-8B-Base": Shape(126464, 4096, 32, 32, 12288),
     "GSAI-ML/LLaDA-1.5": Shape(126464, 4096, 32, 32, 12288),
@@ -73,7 +72,7 @@ class Prediction:
     machine: Machine
     disk_free: int | None = None
     disk_path: str = ""
-    kept: int = KEPT_CHECKPOINTS
+    kept: int = 2  # checkpoints the run keeps (`TrainConfig.keep_checkpoints`)
 
     @property
     def peak(self) -> tuple[str, int]:
@@ -114,38 +113,54 @@ def _shape(cfg: Any) -> tuple[Shape, int | None]:
     return Shape.from_config(config), block
 
 
-def predict_run(cfg: Any, task: Any, machine: Machine, *, prompt_tokens: tuple[int, int], eval_rows: int) -> Prediction:
-    """The prediction for `cfg` on `machine`: `prompt_tokens` the longest training and evaluation
-    prompts in tokens (`longest_prompt_tokens`), `eval_rows` evaluation's rows per sampler call."""
-    shape, block = _shape(cfg)
+def run_footprint(cfg: Any, shape: Shape, block: int | None, machine: Machine, prompt_tokens: tuple[int, int],
+                  eval_rows: int, completion_length: int) -> Footprint:
+    """The memory model's footprint of one process of `cfg` on `machine`: `prompt_tokens` the
+    longest training and evaluation prompts, `eval_rows` evaluation's rows per sampler call,
+    `completion_length` the task's where the sampling settings give no gen_length."""
     lora = 0
     if cfg.lora is not None:
         targets = list(cfg.lora.target_modules) if cfg.lora.target_modules else ["all-linear"]
         lora = (llada_lora_param_count(shape, cfg.lora.r, targets) if cfg.model.adapter == "llada"
                 else lora_param_count(shape, cfg.lora.r))
-    gen = cfg.rollout.gen_length or task.completion_length
-    run_cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, gen_length=gen))
-    weight_bytes = 2 if cfg.model.dtype in ("bfloat16", "float16") else 4
-    f = footprint(run_cfg, prompt_tokens[0], lora_params=lora, weight_bytes=weight_bytes,
+    run_cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(
+        cfg.rollout, gen_length=cfg.rollout.gen_length or completion_length))
+    f = footprint(run_cfg, prompt_tokens[0], lora_params=lora, weight_bytes=_weight_bytes(cfg),
                   shards=machine.processes if machine.sharded else 1, optimizer_chunk=2**26,
                   foreach=machine.where == "GPU")
-    noise = cfg.rollout.noise if cfg.rollout.noise != "auto" else ("counter" if shape.vocab_size >= 32768 else "generator")
+    noise = cfg.rollout.noise_for(shape.vocab_size)
     f = dataclasses.replace(f, checkpointing=cfg.model.gradient_checkpointing, noise=noise,
                             block_length=cfg.rollout.block_length, block_size=block,
                             approx_cache=cfg.rollout.approx_cache != "none", reserve=machine.where == "GPU",
                             head_on_block=noise == "counter" and not cfg.model.trust_remote_code)
-    f = with_eval(f, eval_rows, prompt_tokens[1], cfg.eval_sampling.gen_length or task.completion_length)
+    return with_eval(f, eval_rows, prompt_tokens[1], cfg.eval_sampling.gen_length or completion_length)
+
+
+def _weight_bytes(cfg: Any) -> int:
+    return 2 if cfg.model.dtype in ("bfloat16", "float16") else 4
+
+
+def run_disk(shape: Shape, f: Footprint, cfg: Any, processes: int) -> dict[str, int]:
+    """`checkpoint_bytes` of `cfg`'s checkpoints, and ``run``: the kept ones, one more while the next
+    is saved, and final/ in `TrainConfig.final_precision`."""
+    final = {"bfloat16": 2, "float32": 4}.get(cfg.final_precision)
+    disk = checkpoint_bytes(shape, f, processes=processes, model_bytes=_weight_bytes(cfg), final_bytes=final)
+    return {**disk, "run": (cfg.keep_checkpoints + 1) * disk["checkpoint"] + disk["final"]}
+
+
+def eval_rows_per_call(cfg: Any, processes: int, default_micro_batch: int) -> int:
+    """Evaluation's rows per sampler call: its micro-batch (else the default), at most a process's share."""
+    return min(cfg.eval_sampling.micro_batch or default_micro_batch, -(-cfg.eval_n // processes))
+
+
+def predict_run(cfg: Any, task: Any, machine: Machine, *, prompt_tokens: tuple[int, int], eval_rows: int) -> Prediction:
+    """The prediction for `cfg` on `machine` (`run_footprint`, `run_disk`), the model's shape read
+    from its config.json."""
+    shape, block = _shape(cfg)
+    f = run_footprint(cfg, shape, block, machine, prompt_tokens, eval_rows, task.completion_length)
     pred = predict_memory(shape, f)
-    disk = checkpoint_bytes(shape, f, processes=machine.processes, model_bytes=weight_bytes,
-                            final_bytes=final_bytes(cfg))
-    disk["run"] = (cfg.keep_checkpoints + 1) * disk["checkpoint"] + disk["final"]
-    return Prediction(pred["phases"], pred["terms"], disk, machine, kept=cfg.keep_checkpoints)
-
-
-def final_bytes(cfg: Any) -> int | None:
-    """Bytes per weight of final/ (`TrainConfig.final_dtype`); None: the model's own dtype."""
-    name = cfg.final_dtype if cfg.final_dtype != "auto" else ("bfloat16" if cfg.mixed_precision == "bf16" else None)
-    return None if name is None else {"bfloat16": 2, "float32": 4}[name]
+    return Prediction(pred["phases"], pred["terms"], run_disk(shape, f, cfg, machine.processes), machine,
+                      kept=cfg.keep_checkpoints)
 
 
 def check_run(pred: Prediction, out: str | Path) -> None:

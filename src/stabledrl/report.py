@@ -35,6 +35,14 @@ class Panel:
     caption: str
 
 
+DRIFT_K3_MEDIAN = Panel(
+    "drift_k3_median", "drift from π_init: median k3 (log)", "log",
+    "KL(π_old ‖ π_init)'s k3 terms (r − 1) − log r, r = exp(ℓ_init − ℓ_old), one per rollout of the step: their "
+    "median, on a log scale. ℓ are likelihood estimates, so one rollout's noise can make its term huge (the mean, "
+    "drift_k3 in metrics.jsonl, then spikes); the median rises only when most rollouts drift. Zero at the start "
+    "(not drawn on a log scale).")
+"""The drift panel: the median of the step's k3 terms (`stabledrl.diagnostics.drift_from_initial`)."""
+
 PANELS = [
     Panel("reward_mean", "reward (train rollouts)", "linear",
           "Thin: the step's mean reward over its rollouts; thick: its running mean over the last 10 logged "
@@ -48,11 +56,7 @@ PANELS = [
     Panel("bypass_fraction", "bypass fraction (A<0, ρ>1+ε)", "linear",
           "Share of terms with a negative advantage and ρ above the clip range, whose unclipped ρ·A passes "
           "through min(). Exactly zero where ρ ≡ 1 (μ = 1, masks: shared)."),
-    Panel("drift_k3_median", "drift from π_init: median k3 (log)", "log",
-          "KL(π_old ‖ π_init)'s k3 terms (r − 1) − log r, r = exp(ℓ_init − ℓ_old), one per rollout of the "
-          "step: their median, on a log scale. ℓ are likelihood estimates, so one rollout's noise can make "
-          "its term huge (the mean, drift_k3 in metrics.jsonl, then spikes); the median rises only when most "
-          "rollouts drift. Zero at the start (not drawn on a log scale)."),
+    DRIFT_K3_MEDIAN,
     Panel("eval_accuracy", "held-out accuracy", "linear",
           "Share of held-out problems solved (greedy unless eval_sampling says otherwise), one marker per "
           "evaluation: at the start, every eval_every steps, and at the end."),
@@ -116,9 +120,8 @@ def _panels(runs: dict[str, list[dict]]) -> list[Panel]:
     """PANELS, with an older run's drift where no run logs the median k3: the mean k3, else the
     mean difference."""
     logged = {k for rows in runs.values() for r in rows for k in r}
-    median = next(p for p in PANELS if p.key == "drift_k3_median")
-    drift = next((p for p in (median, DRIFT_K3_MEAN, DRIFT_MEAN) if p.key in logged), DRIFT_MEAN)
-    return [drift if p is median else p for p in PANELS]
+    drift = next((p for p in (DRIFT_K3_MEDIAN, DRIFT_K3_MEAN, DRIFT_MEAN) if p.key in logged), DRIFT_MEAN)
+    return [drift if p is DRIFT_K3_MEDIAN else p for p in PANELS]
 
 
 def _draw_series(ax, panel: Panel, rows: list[dict], label: str, color: str | None) -> None:

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from stabledrl.data import decode_policy_completions, encode_policy_prompts
+from stabledrl.data import decode_policy_completions, encode_policy_prompts, keep_last_tokens
 from stabledrl.engines import RolloutRequest, roll_out
 from stabledrl.sampling import micro_batch_calls, row_generators
 from stabledrl.settings import SamplingConfig
@@ -71,8 +71,7 @@ def roll_groups(policy, task, problems: list, *, group_size: int, sampling: Samp
     group_problems = [p for p in problems for _ in range(G)]
     n = len(group_problems)
     p_ids, p_mask = encode_policy_prompts(policy, [p.prompt for p in group_problems])  # (n·G, Lp) all rows
-    if sampling.max_prompt_length is not None:  # each prompt's last tokens, as TRL cuts them
-        p_ids, p_mask = p_ids[:, -sampling.max_prompt_length:], p_mask[:, -sampling.max_prompt_length:]
+    p_ids, p_mask = keep_last_tokens(p_ids, p_mask, sampling.max_prompt_length)
     start, end = shards.bounds(n)
     k, (lo, hi) = end - start, shards.run_bounds(n)  # this process's rows; it runs lo:hi (a stand-in if none)
     dev = policy.device

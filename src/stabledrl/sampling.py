@@ -355,7 +355,7 @@ def resolve_noise(policy: Policy, sampling: SamplingConfig) -> SamplingConfig:
         return sampling
     model = getattr(policy.model, "module", policy.model)  # DDP and DeepSpeed hide the model's config
     vocab = getattr(getattr(model, "config", None), "vocab_size", None) or len(policy.tokenizer)
-    return dataclasses.replace(sampling, noise="counter" if vocab >= COUNTER_NOISE_VOCAB else "generator")
+    return dataclasses.replace(sampling, noise=sampling.noise_for(vocab))
 
 
 def _blocks(policy: Policy, L: int, steps: int, block_length: int | None) -> tuple[int, int]:
@@ -443,7 +443,7 @@ class _ApproxCache:
         self.refresh, self.calls = refresh, 0
         self.attn, self.pos = attn, pos  # (B, P+L) all rows
         self.shift = int(bool(getattr(policy, "shift_logits", False)))
-        self.narrow = takes_columns(policy)
+        self.narrow = takes_columns(policy)  # the head on the block
         T = attn.size(1)
         col = torch.arange(T, device=attn.device)
         fed = (col >= P + lo - self.shift) & ((col < P + hi) | (kind == "prefix"))  # (T,) what a later call feeds

@@ -202,6 +202,10 @@ class SamplingConfig:
     engine_options: dict[str, Any] = field(default_factory=dict)
     """Keyword arguments of an external engine's constructor."""
 
+    def noise_for(self, vocab: int) -> str:
+        """The noise this config draws for a model of `vocab` tokens (``auto`` made concrete)."""
+        return self.noise if self.noise != "auto" else "counter" if vocab >= COUNTER_NOISE_VOCAB else "generator"
+
     def __post_init__(self) -> None:
         for name in ("gen_length", "steps", "block_length", "micro_batch", "max_prompt_length", "approx_refresh"):
             v = getattr(self, name)
@@ -632,6 +636,13 @@ class TrainConfig:
     preflight: bool = True
     """Before the model loads, refuse a run that the memory model predicts cannot fit the memory
     a process has or the disk its checkpoints need (`stabledrl.preflight`); false: only print it."""
+
+    @property
+    def final_precision(self) -> str | None:
+        """The dtype final/ is written in (`final_dtype` made concrete); None: the model's own."""
+        if self.final_dtype != "auto":
+            return self.final_dtype
+        return "bfloat16" if self.mixed_precision == "bf16" else None
 
     def __post_init__(self) -> None:
         check(0 <= self.max_resample_rounds <= 63,  # _resample_seed keeps 64 streams per step

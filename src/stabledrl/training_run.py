@@ -27,7 +27,7 @@ from stabledrl.instruments import StepTimer
 from stabledrl.likelihood import check_method_fits
 from stabledrl.models.lora import add_lora, base_policy
 from stabledrl.models.policy import load_policy
-from stabledrl.preflight import check_run, longest_prompt_tokens, machine_of, predict_run
+from stabledrl.preflight import check_run, eval_rows_per_call, longest_prompt_tokens, machine_of, predict_run
 from stabledrl.sampling import micro_batch_calls
 from stabledrl.settings import TrainConfig
 from stabledrl.shards import Shards
@@ -106,7 +106,8 @@ class Run:
         summary = {**self.history, **self.counters, "processes": self.shards.world,
                    "collapse": list(self.monitor.reasons)}
         self.policy.model.eval()
-        weights = GatheredPolicy(self.policy, self.accelerator, dtype=final_dtype(self.cfg))
+        final = self.cfg.final_precision
+        weights = GatheredPolicy(self.policy, self.accelerator, dtype=None if final is None else getattr(torch, final))
         if self.main:
             self.tracker.close()
             save_final(self.out, weights)
@@ -175,8 +176,8 @@ def _preflight(cfg: TrainConfig, task: Any, accelerator: Any, world: int, device
         longest = longest_prompt_tokens(task, tokenizer, chat)
         tokens = tuple(min(longest, s.max_prompt_length or longest) for s in (cfg.rollout, cfg.eval_sampling))
         sharded = accelerator.distributed_type.value in ("FSDP", "DEEPSPEED")
-        eval_rows = min(cfg.eval_sampling.micro_batch or EVAL_MICRO_BATCH, -(-cfg.eval_n // world))
-        pred = predict_run(cfg, task, machine_of(device, world, sharded), prompt_tokens=tokens, eval_rows=eval_rows)
+        pred = predict_run(cfg, task, machine_of(device, world, sharded), prompt_tokens=tokens,
+                           eval_rows=eval_rows_per_call(cfg, world, EVAL_MICRO_BATCH))
     except Exception as e:  # noqa: BLE001 (a model or task the memory model cannot read must not stop the run)
         if accelerator.is_main_process:
             print(f"preflight: no prediction ({type(e).__name__}: {e})")
@@ -188,12 +189,6 @@ def _preflight(cfg: TrainConfig, task: Any, accelerator: Any, world: int, device
             raise
     if accelerator.is_main_process:
         print(pred.line())
-
-
-def final_dtype(cfg: TrainConfig) -> torch.dtype | None:
-    """The dtype final/ is written in (`TrainConfig.final_dtype`); None: the model's own."""
-    name = cfg.final_dtype if cfg.final_dtype != "auto" else ("bfloat16" if cfg.mixed_precision == "bf16" else None)
-    return None if name is None else getattr(torch, name)
 
 
 def check_processes(cfg: TrainConfig, world: int) -> None:

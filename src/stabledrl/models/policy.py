@@ -136,7 +136,7 @@ class TinyPolicy:
     def save(self, path: str | Path, *, state_dict: dict[str, torch.Tensor] | None = None) -> None:
         """`state_dict`: the weights to write instead of the model's own (the full weights
         gathered from sharded processes)."""
-        self.model.save_pretrained(path, state_dict=state_dict, max_shard_size=_compat.MAX_SHARD_SIZE)
+        _compat.save_pretrained(self.model, path, state_dict=state_dict)
         self.tokenizer.save_pretrained(path)
 
 
