@@ -13,8 +13,11 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import resource
+import shutil
 import signal
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -177,18 +180,49 @@ def test_the_first_save_refused_estimates_its_size_from_the_parameters(tmp_path)
     assert not list(tmp_path.iterdir())
 
 
+def _save_without_root(run_dir: Path, step: int) -> str:
+    """`save_checkpoint` in a forked child that has given up root's rights (uid/gid 65534, where
+    root would write into a read-only folder anyway); the OSError's line it raised, or ""."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: never returns to pytest
+        line = ""
+        try:
+            os.setgroups([])
+            os.setgid(65534)
+            os.setuid(65534)
+            save_checkpoint(run_dir, step, Policy(), {"step": step})
+        except OSError as e:
+            line = str(e)
+        finally:
+            os.write(write, line.encode())
+            os._exit(0)
+    os.close(write)
+    with os.fdopen(read) as f:
+        line = f.read()
+    os.waitpid(pid, 0)
+    return line
+
+
 def test_a_read_only_run_dir_stops_in_one_line(tmp_path):
-    save_checkpoint(tmp_path, 10, Policy(), {"step": 10})
-    tmp_path.chmod(0o555)
+    # As root (CI's user) the save runs in a child without root's rights, in a folder others may enter
+    run_dir = Path(tempfile.mkdtemp(prefix="read-only-")) if os.geteuid() == 0 else tmp_path
     try:
-        if os.access(tmp_path, os.W_OK):  # root (CAP_DAC_OVERRIDE) writes anyway: file_size_limit stands in
-            pytest.skip("this user writes into a read-only folder")
-        with pytest.raises(OSError, match=rf"^could not save checkpoint-0000020 in {tmp_path} \(Permission denied: "
-                           rf"{tmp_path}/.tmp-checkpoint-0000020\).* make it writable"):
-            save_checkpoint(tmp_path, 20, Policy(), {"step": 20})
+        save_checkpoint(run_dir, 10, Policy(), {"step": 10})
+        run_dir.chmod(0o555)
+        if os.geteuid() == 0:
+            line = _save_without_root(run_dir, 20)
+        else:
+            with pytest.raises(OSError) as e:
+                save_checkpoint(run_dir, 20, Policy(), {"step": 20})
+            line = str(e.value)
+        assert re.match(rf"^could not save checkpoint-0000020 in {run_dir} \(Permission denied: "
+                        rf"{run_dir}/.tmp-checkpoint-0000020\).* make it writable", line), line
+        assert sorted(p.name for p in run_dir.iterdir()) == ["checkpoint-0000010"]
     finally:
-        tmp_path.chmod(0o755)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-0000010"]
+        run_dir.chmod(0o755)
+        if run_dir != tmp_path:
+            shutil.rmtree(run_dir)
 
 
 def test_a_training_run_whose_save_fails_stops_in_one_line_and_resumes_exactly(tmp_path, monkeypatch, capsys):
