@@ -89,7 +89,7 @@ def diffusion_loss(
     """The SFT loss of the module docstring: one masking level per row, or per block of a
     block model (the one-pass staircase loss); returns (loss, metrics). `reduction`
     "mean": the loss L; "none": (B,) each row's Σ (1/t) Σ_{masked} −log p, whose negative
-    is a one-draw ELBO of the row (benchmarks/plain_reinforce.py)."""
+    is a one-draw ELBO of the row (benchmarks/lab/plain_reinforce.py)."""
     if reduction not in ("mean", "none"):
         raise ValueError(f"reduction must be 'mean' or 'none', got {reduction!r}")
     B, L = completion_ids.shape

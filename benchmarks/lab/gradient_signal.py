@@ -1,7 +1,7 @@
 """Does the policy gradient carry from one set of prompts to another?
 
-    python benchmarks/gradient_signal.py cosines       # ~10 min; -> benchmarks/results/gradient_signal.json
-    python benchmarks/gradient_signal.py line-search --models block --prompts 6400 --parts 2
+    python benchmarks/lab/gradient_signal.py cosines       # ~10 min; -> benchmarks/results/gradient_signal.json
+    python benchmarks/lab/gradient_signal.py line-search --models block --prompts 6400 --parts 2
                                                        # ~25 min on 2 cores; -> gradient_line_search.json
 
 RL on the shipped Countdown models does not raise held-out accuracy reliably (README,
@@ -37,7 +37,7 @@ from stabledrl.models import load_policy
 from stabledrl.sampling import SamplingConfig, generate
 from stabledrl.tasks import get_task
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]  # benchmarks/lab/ -> the repository
 MODELS = {"full": ("checkpoints/countdown-tiny", "mc"), "block": ("checkpoints/countdown-tiny-block", "blockwise")}
 G = 8
 CHUNK = 16  # prompts per rollout batch

@@ -1,6 +1,6 @@
 """A control for RL on the block model: plain online REINFORCE, no ratios, no trainer.
 
-    python benchmarks/plain_reinforce.py          # ~8 min on 2 cores; JSON in benchmarks/results/
+    python benchmarks/lab/plain_reinforce.py          # ~8 min on 2 cores; JSON in benchmarks/results/
 
 For each shipped Countdown model (full attention with the `mc` estimator, block with
 `blockwise`): 60 iterations of 16 fresh training prompts x G = 8 rollouts at temperature 1,
@@ -12,11 +12,11 @@ If the block model loses accuracy here too, the cause lies in the block model or
 blockwise estimator, not in the objectives or the trainer.
 
 `--likelihood path` replaces ℓ by the log-probability of each rollout's own sampling path
-(`benchmarks/likelihood_fit.py`: the committed tokens along the sampler's order), i.e.
+(`benchmarks/lab/likelihood_fit.py`: the committed tokens along the sampler's order), i.e.
 REINFORCE on the sampler's likelihood given its order, no ELBO at all; `--models` picks
 the models. Results go to plain_reinforce_path.json then.
 
-    python benchmarks/plain_reinforce.py --likelihood path --models block
+    python benchmarks/lab/plain_reinforce.py --likelihood path --models block
 
 `--likelihood sft` uses instead minus the SFT loss of each rollout (one mask level per
 block, every slot a target including the PAD after EOS, as `stabledrl sft` trains), and
@@ -44,7 +44,7 @@ from stabledrl.tasks import get_task
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from likelihood_fit import path_logprob  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]  # benchmarks/lab/ -> the repository
 MODELS = {"full": ("checkpoints/countdown-tiny", "mc"), "block": ("checkpoints/countdown-tiny-block", "blockwise")}
 
 

@@ -1,6 +1,6 @@
 """Does the ELBO's policy gradient point where the sampler's path likelihood's does?
 
-    python benchmarks/likelihood_fit.py      # -> benchmarks/results/likelihood_fit.json
+    python benchmarks/lab/likelihood_fit.py      # -> benchmarks/results/likelihood_fit.json
 
 RL on the block model lowers its accuracy while the same recipe raises the full model's
 (README, "Block diffusion"). One suspect is the likelihood: RL climbs Σ_i A_i ∇ℓ(y_i) with
@@ -43,7 +43,7 @@ from stabledrl.models import load_policy
 from stabledrl.sampling import SamplingConfig, generate
 from stabledrl.tasks import get_task
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]  # benchmarks/lab/ -> the repository
 MODELS = {"full": "checkpoints/countdown-tiny", "block": "checkpoints/countdown-tiny-block"}
 
 
@@ -108,7 +108,7 @@ def main() -> None:
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "likelihood_fit.json"))
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    report = {"command": f"python benchmarks/likelihood_fit.py --groups {args.groups} --G {args.G} --seed {args.seed}"}
+    report = {"command": f"python benchmarks/lab/likelihood_fit.py --groups {args.groups} --G {args.G} --seed {args.seed}"}
     for name in MODELS:
         res = measure(name, groups=args.groups, G=args.G, seed=args.seed)
         report[name] = res

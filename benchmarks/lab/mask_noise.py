@@ -1,7 +1,7 @@
 """How much of one step's update is mask noise? Why GRPO collapses under noisy ratios while
 StableDRL keeps learning (README, "GRPO vs StableDRL", its Sudoku part).
 
-    python benchmarks/mask_noise.py --preset sudoku     # ~15 min on one thread
+    python benchmarks/lab/mask_noise.py --preset sudoku     # ~15 min on one thread
 
 For a preset's first `--batches` training batches (its own rollouts from the shipped model,
 the groups with a signal), the update direction of one step is computed, without stepping,
@@ -40,7 +40,7 @@ from stabledrl.objectives import ScoredBatch, grpo_loss, group_advantages, stabl
 from stabledrl.settings import GRPOConfig
 from stabledrl.train import TrainConfig, _groups_to_train_on, _own_scores, _plan, _roll, set_up
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]  # benchmarks/lab/ -> the repository
 
 
 def _grad(run, loss: torch.Tensor) -> list[torch.Tensor]:
@@ -127,7 +127,7 @@ def main() -> None:
                              for n, v in b["variants"].items()), flush=True)
         run.tracker.close()
     out = ROOT / "benchmarks" / "results" / f"mask_noise-{args.preset}.json"
-    out.write_text(json.dumps({"command": "python benchmarks/mask_noise.py " + " ".join(sys.argv[1:]),
+    out.write_text(json.dumps({"command": "python benchmarks/lab/mask_noise.py " + " ".join(sys.argv[1:]),
                                "config": f"configs/{args.preset}-stabledrl.yaml", "estimator": cfg.estimator.method,
                                "num_samples": cfg.estimator.num_samples, "batches": batches,
                                "seconds": time.perf_counter() - t0, "device": "cpu, one thread"}, indent=2))

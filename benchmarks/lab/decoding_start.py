@@ -4,7 +4,7 @@ share of well-formed greedy answers; at each temperature, k samples per problem:
 pass@k, the share of well-formed samples, and the share of groups of k whose rewards are
 all equal (a group RL learns nothing from).
 
-    python benchmarks/decoding_start.py --models checkpoints/countdown-tiny checkpoints/countdown-tiny-diverse \
+    python benchmarks/lab/decoding_start.py --models checkpoints/countdown-tiny checkpoints/countdown-tiny-diverse \
         --split validation --n 500 --threads 1 --tag countdown-validation
 
 Well-formed: Countdown, the answer parses and uses exactly the given numbers (its value
@@ -27,7 +27,7 @@ from stabledrl.sampling import SamplingConfig
 from stabledrl.tasks import get_task
 from stabledrl.tasks.countdown import parse_expression
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]  # benchmarks/lab/ -> the repository
 DECODERS = {"default": []}  # name -> stop tokens besides EOS and PAD (which end a completion by default)
 
 
