@@ -290,7 +290,7 @@ def rl_step(run: _Run, step: int, clock: _Clock) -> dict[str, int]:
     """One step of the trainer (stabledrl.train, one process) on random prompts and rewards."""
     from stabledrl.objectives import ScoredBatch, objective_for
     from stabledrl.rollouts import RolloutBatch
-    from stabledrl.train import _own_scores, _plan
+    from stabledrl.scoring import StepScoring
 
     cfg, policy, acc = run.cfg, run.policy, run.accelerator
     B, G, L = run.prompt_ids.size(0), cfg.group_size, cfg.rollout.gen_length
@@ -302,14 +302,16 @@ def rl_step(run: _Run, step: int, clock: _Clock) -> dict[str, int]:
     comp, cmask = roll.completion_ids, roll.completion_mask  # (B, L)
     batch = RolloutBatch(run.prompt_ids, run.prompt_mask, comp, cmask, roll.unmask_step)
     objective = objective_for(cfg.objective)
-    rewards = torch.rand(B, generator=torch.Generator().manual_seed(cfg.seed * 1_000_003 + step))  # (B,)
+    rewards = torch.rand(B, generator=torch.Generator().manual_seed(cfg.seed * 1_000_003 + step))  # (B,): random rewards
     advantages = group_advantages(rewards, G, cfg.objective.advantage_scale)  # (B,)
 
+    scoring = StepScoring(run, batch, step)  # the trainer's scoring (its rounds unused: one here)
+
     def plan(slot: int):  # the trainer's plan of seed slot `slot`
-        return _plan(run, batch, step, slot)
+        return scoring.plan(slot)
 
     def score(pol, pl) -> torch.Tensor:  # (B,) or (B, L), on the CPU as in the trainer
-        return _own_scores(run, pol, pl, batch)[0].cpu()
+        return scoring.own(pol, pl, batch)[0].cpu()
 
     ocmask = cmask.cpu()  # the objective's completion mask, beside the CPU ℓ
 

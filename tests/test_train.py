@@ -11,6 +11,8 @@ import stabledrl.train as train_mod
 import stabledrl.training_run as training_run
 from stabledrl.config import ConfigError, load_config
 from stabledrl.objectives import OBJECTIVES, ScoredBatch, objective_for
+from stabledrl.scoring import split_rounds
+from stabledrl.seeds import step_seed
 from stabledrl.tasks import get_task
 from stabledrl.train import TrainConfig, run_train
 from tests.conftest import make_tiny_policy, metric_rows
@@ -289,7 +291,7 @@ def test_accumulation_rounds_cut_the_kept_groups_and_weigh_each_by_its_share():
 
     def rounds(normaliser: str, R: int = 2):
         cfg = SimpleNamespace(group_size=2, accumulation_rounds=R, objective=SimpleNamespace(normaliser=normaliser))
-        return train_mod._rounds(SimpleNamespace(cfg=cfg, shards=shards, device="cpu"), groups)
+        return split_rounds(SimpleNamespace(cfg=cfg, shards=shards, device="cpu"), groups)
 
     assert [(s.lo, s.hi, s.start, s.end, s.rows.completion_mask.size(0)) for s in rounds("sequences")] == [
         (0, 2, 0, 2, 2), (2, 6, 2, 6, 4)]
@@ -457,7 +459,7 @@ def test_zero_variance_groups_are_kept_skipped_or_resampled(init_model, tmp_path
             missing = P - used
             if missing <= 0:
                 break
-            extra = task.generate(missing, split="train", seed=train_mod._resample_seed(0, step, r))
+            extra = task.generate(missing, split="train", seed=step_seed(0, step, "resample", r))
             e_good = sum(map(task.informative, extra))
             zero += missing - e_good
             resampled += missing

@@ -38,7 +38,8 @@ from stabledrl.config import load_config
 from stabledrl.diagnostics import flat_grad_cosine
 from stabledrl.objectives import ScoredBatch, grpo_loss, group_advantages, stabledrl_loss
 from stabledrl.settings import GRPOConfig
-from stabledrl.train import TrainConfig, _groups_to_train_on, _own_scores, _plan, _roll, set_up
+from stabledrl.scoring import StepScoring
+from stabledrl.train import TrainConfig, _rollouts, set_up
 
 ROOT = Path(__file__).resolve().parents[2]  # benchmarks/lab/ -> the repository
 
@@ -58,18 +59,18 @@ def _norm(g: list[torch.Tensor]) -> float:
 
 def measure_batch(run, step: int, *, draws: int, reference_draws: int) -> dict:
     cfg = run.cfg
-    problems = run.task.generate(cfg.prompts_per_step, split="train", seed=cfg.seed * 1_000_003 + step)
-    groups = _groups_to_train_on(run, _roll(run, problems, step, round_=0), step)
+    groups, _ = _rollouts(run, step)  # the trainer's prompts and groups of this step
     G = cfg.group_size
     adv = group_advantages(groups.rewards.flatten(), G, cfg.objective.advantage_scale)
     policy = run.policy
 
     def plan(k: int):  # mask draw k of this batch (seeds apart from the trainer's slots)
-        return _plan(dataclasses.replace(run, cfg=dataclasses.replace(cfg, seed=10_000 + k)), groups, step, 1)  # all rows: one process
+        other = dataclasses.replace(run, cfg=dataclasses.replace(cfg, seed=10_000 + k))
+        return StepScoring(other, groups, step).plan(1)  # all rows: one process
 
     def logp(k: int, grad: bool) -> torch.Tensor:
         with torch.set_grad_enabled(grad):
-            return _own_scores(run, policy, plan(k), groups)[0]
+            return StepScoring(run, groups, step).own(policy, plan(k), groups)[0]
 
     def stabledrl(k_new: int, old: torch.Tensor | None = None):  # ℓ_old = ℓ_θ's own value: ρ = 1, uniform weights
         ell = logp(k_new, True)

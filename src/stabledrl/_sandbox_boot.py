@@ -306,10 +306,11 @@ def audit_hook(home: str) -> None:
     sys.addaudithook(hook)
 
 
-def enter_namespaces(s: Settings, source: bytes, layers: list[str]) -> bool:
+def enter_namespaces(s: Settings, source: bytes) -> tuple[bool, list[str]]:
     """New namespaces, read-only mounts and the program's tmpfs (holding a copy of main.py,
-    `source`), as far as the kernel and our privileges allow; appends the layers in force.
-    Whether the namespaces are there."""
+    `source`), as far as the kernel and our privileges allow. Whether the namespaces are
+    there, and the layers in force."""
+    layers: list[str] = []
     try:
         check(libc.unshare(NEWNS | NEWNET | NEWPID | NEWIPC | (0 if s.root else NEWUSER)), "unshare")
         spaces = True
@@ -347,7 +348,7 @@ def enter_namespaces(s: Settings, source: bytes, layers: list[str]) -> bool:
         if blocked:
             sys.stderr.write("stabledrl sandbox: without a mount namespace the sandbox uid cannot read this "
                              f"interpreter's files under {sorted(blocked)}\n")
-    return spaces
+    return spaces, layers
 
 
 def supervise(s: Settings, init: int, spaces: bool) -> None:
@@ -372,10 +373,11 @@ def supervise(s: Settings, init: int, spaces: bool) -> None:
     os._exit(0)
 
 
-def become_init(s: Settings, spaces: bool, cgroup: bool, layers: list[str]) -> bool:
+def become_init(s: Settings, spaces: bool, cgroup: bool, earlier: list[str]) -> bool:
     """Limit and de-privilege this process (and so everything it forks), and report the
-    layers in force; whether init must watch the program's memory itself (the monitor)."""
-    proc_ns = False
+    layers in force (`earlier`, those of `enter_namespaces`, and these); whether init must
+    watch the program's memory itself (the monitor)."""
+    layers, proc_ns = [*earlier], False
     if spaces:
         try:
             mount("proc", "/proc", "proc", NOSUID | NODEV | NOEXEC)  # shows only the sandbox's processes
@@ -464,8 +466,7 @@ def main(argv: list[str]) -> tuple[bytes, str, dict]:
     cgroup_fd = open_cgroup(s.join) if s.join else None
     with open(s.main_py, "rb") as f:
         source = f.read()
-    layers: list[str] = []
-    spaces = enter_namespaces(s, source, layers)
+    spaces, layers = enter_namespaces(s, source)
     # Without a PID namespace, orphans of the program would go to the host's init (which may
     # never reap them); as a subreaper we get them, and kill them once init is gone.
     check(libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0), "prctl")

@@ -74,7 +74,7 @@ def load_config(cls: type[C], source: str | Path | Mapping[str, Any] | None = No
         data = dict(source)
     else:
         data = _read_yaml(Path(source))
-    _expand_shorthands(cls, data)
+    data = _expand_shorthands(cls, data)
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"override {item!r} must look like key.sub=value")
@@ -85,7 +85,7 @@ def load_config(cls: type[C], source: str | Path | Mapping[str, Any] | None = No
             raise ConfigError(f"--set {item}: the value is not valid YAML ({_yaml_problem(e)}); quote it, "
                               "e.g. key='text', or fix its brackets") from None
         _set_dotted(data, key.strip(), value)
-        _expand_shorthands(cls, data)
+        data = _expand_shorthands(cls, data)
     _reject_unknown(cls, data, "")
     _start_from_field_defaults(cls, data)
     config = dacite.Config(strict=True, type_hooks={float: _to_float})
@@ -130,24 +130,26 @@ def _yaml_problem(e: Exception) -> str:
     return f"{what} at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else what
 
 
-def _expand_shorthands(cls: Any, data: Any) -> None:
-    """In place: a bare value of a section with ``__shorthand__`` becomes {field: value}; a
-    bool given for a choice among words becomes the word YAML read it from (``no``, ``off``,
-    ``yes``, ``on`` are booleans to YAML: ``mixed_precision: no`` means "no")."""
+def _expand_shorthands(cls: Any, data: Any) -> Any:
+    """`data` with each bare value of a section with ``__shorthand__`` made {field: value}, and
+    each bool given for a choice among words made the word YAML read it from (``no``, ``off``,
+    ``yes``, ``on`` are booleans to YAML: ``mixed_precision: no`` means "no"). A new dict."""
     if not (dataclasses.is_dataclass(cls) and isinstance(data, dict)):
-        return
-    hints = typing.get_type_hints(cls)
+        return data
+    hints, out = typing.get_type_hints(cls), {}
     for key, value in data.items():
         if isinstance(value, bool) and typing.get_origin(hints.get(key)) is typing.Literal:
             words = [w for w in (("yes", "on") if value else ("no", "off")) if w in typing.get_args(hints[key])]
             if words and value not in typing.get_args(hints[key]):
-                data[key] = value = words[0]
+                value = words[0]
         sub = _section(hints.get(key), value)
         if dataclasses.is_dataclass(sub):
             short = getattr(sub, "__shorthand__", None)
             if short is not None and not isinstance(value, Mapping):
-                data[key] = value = {short: value}
-            _expand_shorthands(sub, value)
+                value = {short: value}
+            value = _expand_shorthands(sub, value)
+        out[key] = value
+    return out
 
 
 def _start_from_field_defaults(cls: Any, data: Any) -> None:
@@ -243,11 +245,13 @@ def to_dict(cfg: Any) -> dict:
 
 def field_docs(cls: type) -> dict[str, str]:
     """The docstring under each field of dataclass `cls` (the string that follows it in the
-    class body), whitespace collapsed; fields without one are left out."""
-    body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
+    class body, or in the body of the base class that declares it), whitespace collapsed;
+    fields without one are left out."""
     docs = {}
-    for node, after in zip(body, body[1:]):
-        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(after, ast.Expr)
-                and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str)):
-            docs[node.target.id] = " ".join(after.value.value.split())
+    for c in reversed([c for c in cls.__mro__ if dataclasses.is_dataclass(c)]):  # a subclass's own doc wins
+        body = ast.parse(textwrap.dedent(inspect.getsource(c))).body[0].body
+        for node, after in zip(body, body[1:]):
+            if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(after, ast.Expr)
+                    and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str)):
+                docs[node.target.id] = " ".join(after.value.value.split())
     return docs

@@ -35,8 +35,9 @@ from stabledrl.config import load_config
 from stabledrl.data import decode_policy_completions, encode_policy_prompts
 from stabledrl.likelihood import Completions, estimate
 from stabledrl.models import load_policy
-from stabledrl.settings import ModelConfig, SamplingConfig
 from stabledrl.sampling import RolloutRequest, generate_micro_batched, row_generators
+from stabledrl.seeds import step_seed
+from stabledrl.settings import ModelConfig, SamplingConfig
 
 __all__ = ["StableDRLLM", "cut_at", "rows_per_call"]
 
@@ -167,7 +168,7 @@ class StableDRLLM(LM):
             rows = Completions(torch.ones_like(comp, dtype=torch.bool), prompt_ids=ids.to(policy.device),
                                completion_ids=comp, prompt_mask=mask.to(policy.device))
             est = estimate(policy, rows, method=self.estimator, num_samples=self.num_samples,
-                           generator=torch.Generator().manual_seed(self.seed * 1_000_003 + i))
+                           generator=torch.Generator().manual_seed(step_seed(self.seed, i, "prompts")))
             out.append((float(est.sequence[0]), False))
         return out
 

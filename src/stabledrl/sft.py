@@ -49,6 +49,7 @@ from stabledrl.metrics import metrics_line
 from stabledrl.models.attention import block_offset, completion_blocks, prompt_attention_of
 from stabledrl.models.policy import Policy, TinyPolicy
 from stabledrl.models.tiny import TinyDiffusionConfig, TinyDiffusionLM
+from stabledrl.seeds import step_seed
 from stabledrl.settings import SFTConfig, TaskConfig, TinyModelConfig  # no torch: for the CLI
 from stabledrl.tasks import Task, get_task
 from stabledrl.tokenizer import build_char_tokenizer
@@ -172,7 +173,7 @@ def _resume(ckpt: Path, out: Path, model, opt, sched, gen: torch.Generator) -> i
 def _train_step(cfg: SFTConfig, policy, task, step: int, opt, gen: torch.Generator) -> tuple[float, float, dict, int]:
     """One optimiser step on a fresh batch of training problems -> the loss, the gradient
     norm before clipping, the loss's metrics and the tokens the batch holds."""
-    problems = task.generate(cfg.batch_size, split="train", seed=cfg.seed * 1_000_003 + step)
+    problems = task.generate(cfg.batch_size, split="train", seed=step_seed(cfg.seed, step, "prompts"))
     p_ids, p_mask = encode_policy_prompts(policy, [p.prompt for p in problems])
     c_ids = encode_completions(policy.tokenizer, [p.answer for p in problems], task.completion_length)
     loss, m = diffusion_loss(policy, p_ids, p_mask, c_ids, generator=gen, t_min=cfg.t_min,

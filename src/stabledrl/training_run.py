@@ -84,13 +84,14 @@ class Run:
         res = self.evaluate(step)
         return _eval_keys(res)
 
-    def check_collapse(self, row: dict[str, Any]) -> None:
-        """Feed the row to the collapse monitor; write `collapse` into it; say so once per reason."""
+    def check_collapse(self, row: dict[str, Any]) -> bool:
+        """Feed the row to the collapse monitor, say so once per new reason; whether the run
+        looks collapsed (the row's `collapse`)."""
         new = self.monitor.update(row)
-        row["collapse"] = self.monitor.collapsed
         if new and self.main:
             tqdm.write(f"step {row['step']}: the run looks collapsed ({', '.join(new)}; "
                        "see stabledrl.diagnostics.CollapseMonitor)", file=sys.stderr)
+        return self.monitor.collapsed
 
     def log(self, row: dict[str, Any]) -> None:
         """One metrics row into metrics.jsonl and each report_to backend (the main process only)."""
@@ -101,7 +102,7 @@ class Run:
         process: under FSDP / ZeRO-3 gathering the weights is a collective). Returns the summary."""
         final = self.history["eval_final"] = self.evaluate(self.cfg.steps)
         row = {"step": self.cfg.steps, **_eval_keys(final)}
-        self.check_collapse(row)
+        row["collapse"] = self.check_collapse(row)
         self.log(row)
         summary = {**self.history, **self.counters, "processes": self.shards.world,
                    "collapse": list(self.monitor.reasons)}
