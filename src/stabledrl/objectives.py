@@ -149,11 +149,6 @@ def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
     return torch.exp(d) - d - 1
 
 
-def _token_mean(x: torch.Tensor, completion_mask: torch.Tensor) -> torch.Tensor:
-    m = completion_mask.to(x.dtype)
-    return (x * m).sum(-1) / m.sum(-1).clamp(min=1)  # (B,)
-
-
 def aggregate_tokens(x: torch.Tensor, completion_mask: torch.Tensor, how: TokenAggregation, *, group_size: int = 1,
                      step_rows: int | None = None) -> torch.Tensor:
     """(B, L) per-token terms x -> scalar, counting only the n_b scored slots of each row b.
@@ -168,7 +163,7 @@ def aggregate_tokens(x: torch.Tensor, completion_mask: torch.Tensor, how: TokenA
     every n_b is equal, and the last is too when every n_b is L and no group is dropped."""
     m = completion_mask.to(x.dtype)  # (B, L)
     if how == "sequence_mean":
-        return _token_mean(x, completion_mask).mean()
+        return ((x * m).sum(-1) / m.sum(-1).clamp(min=1)).mean()  # the mean over rows of each row's token mean
     if how == "group_token_mean":
         per_group = _groups((x * m).sum(-1), group_size).sum(1)  # (num_groups,)
         return (per_group / _groups(m.sum(-1), group_size).sum(1).clamp(min=1)).mean()
@@ -208,17 +203,18 @@ def ratio_diagnostics(batch: ScoredBatch, *, level: RatioLevel = "sequence", cli
         log_rho = log_ratios(batch.logp.detach(), batch.old_logp, level, batch.completion_mask)  # (B,) or (B, L)
     if weights is None and log_rho.dim() == 1:
         weights = torch.softmax(_groups(log_rho.float(), batch.group_size), dim=1)  # (num_groups, G)
-    rho, a = _clamped(log_rho.detach()).exp(), batch.advantages
-    if rho.dim() == 2:  # token level: statistics over scored tokens, advantage broadcast
+    log_rho, a = _clamped(log_rho.detach()), batch.advantages
+    if log_rho.dim() == 2:  # token level: statistics over scored tokens, advantage broadcast
         m = batch.completion_mask.bool()
-        a = a[:, None].expand_as(rho)[m]
-        rho = rho[m]
+        a = a[:, None].expand_as(log_rho)[m]
+        log_rho = log_rho[m]
+    rho = log_rho.exp()
     outside = (rho < 1 - clip_eps) | (rho > 1 + clip_eps)
     out = {
         "ratio_mean": float(rho.mean()),
         "ratio_std": float(rho.std()) if rho.numel() > 1 else 0.0,
         "ratio_max": float(rho.max()),
-        "log_ratio_std": float(rho.log().std()) if rho.numel() > 1 else 0.0,
+        "log_ratio_std": float(log_rho.std()) if rho.numel() > 1 else 0.0,
         "clip_fraction": float(outside.float().mean()),
         "bypass_fraction": float(((a < 0) & (rho > 1 + clip_eps)).float().mean()),
     }
