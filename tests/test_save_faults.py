@@ -180,6 +180,15 @@ def test_the_first_save_refused_estimates_its_size_from_the_parameters(tmp_path)
     assert not list(tmp_path.iterdir())
 
 
+def test_a_refused_final_save_of_gathered_bf16_weights_estimates_2_bytes_a_weight(tmp_path):
+    # what training_run hands save_final: the gathered weights, cast to bf16 (10,100 + 1,010 weights)
+    model = torch.nn.Sequential(torch.nn.Linear(100, 100), torch.nn.Linear(100, 10))
+    gathered = Policy(40_000, model=model)
+    gathered.state_dict = {k: v.to(torch.bfloat16) for k, v in model.state_dict().items()}
+    with file_size_limit(10_000), pytest.raises(OSError, match=r"^could not save final/ in .*about 0\.022 MB free"):
+        save_final(tmp_path, gathered)  # 2 × 11,110 bytes = 0.022 MB, not the float32 0.044
+
+
 def _save_without_root(run_dir: Path, step: int) -> str:
     """`save_checkpoint` in a forked child that has given up root's rights (uid/gid 65534, where
     root would write into a read-only folder anyway); the OSError's line it raised, or ""."""

@@ -259,8 +259,13 @@ def _tree_bytes(path: Path) -> int:
 
 
 def _estimate_bytes(policy: Any, *, optimizer: bool) -> int:
-    """The size of a save of `policy` before one was made: 4 bytes of weights per trainable
-    parameter of `policy.model`, and 8 of AdamW's m and v with `optimizer`; 0 without a model."""
+    """The size of a save of `policy` before one was made: the weights it saves, when it holds
+    them gathered (`state_dict`, in the dtype they are written in: bf16 for a bf16 final/), else
+    4 bytes per trainable parameter of `policy.model`; with `optimizer`, 8 more per parameter
+    for AdamW's m and v. 0 without a model."""
+    state = getattr(policy, "state_dict", None)
+    if not optimizer and isinstance(state, dict):
+        return sum(v.numel() * v.element_size() for v in state.values() if isinstance(v, torch.Tensor))
     model = getattr(policy, "model", None)
     if not isinstance(model, torch.nn.Module):
         return 0
