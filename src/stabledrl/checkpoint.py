@@ -404,14 +404,9 @@ def finished_summary(run_dir: str | Path, cfg: Any) -> dict | None:
 
 
 def _this_version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
+    from stabledrl import __version__  # the one place the version is written (pyproject reads it too)
 
-    try:
-        return version("stabledrl")
-    except PackageNotFoundError:  # run from a source tree that was never installed
-        from stabledrl import __version__
-
-        return __version__
+    return __version__
 
 
 def check_run_version(run_dir: str | Path) -> None:
