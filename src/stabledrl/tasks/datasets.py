@@ -75,7 +75,8 @@ class DatasetSplits:
     task: str | None = None
     """The task's name, for the `export` command a missing file's error gives."""
     _rows: dict[str, list[dict[str, Any]]] = field(default_factory=dict, init=False, repr=False)
-    _parts: dict[str, list[dict[str, Any]]] = field(default_factory=dict, init=False, repr=False)
+    _parts: dict[str, list[dict[str, Any]]] = field(default_factory=dict, init=False, repr=False)  # train, validation
+    _kept_rows: list[dict[str, Any]] | None = field(default=None, init=False, repr=False)  # the filter's, once
 
     def __post_init__(self) -> None:
         size = self.validation_size
@@ -112,15 +113,15 @@ class DatasetSplits:
         """The rows of file split `name` that `keep_row` keeps (all without one)."""
         if self.keep_row is None:
             return self._file_rows(name)
-        if "kept" not in self._parts:
+        if self._kept_rows is None:
             rows = self._file_rows(name)
-            self._parts["kept"] = [r for r in rows if self.keep_row(r)]
-            if not self._parts["kept"]:
+            kept = [r for r in rows if self.keep_row(r)]
+            if not kept:
                 raise ValueError(f"the {name!r} split of {self.path!r}: none of its {len(rows)} rows passes the task's "
                                  "filter of training rows (math: max_level, max_problem_chars, max_problem_words)")
-            logger.info("%s: %d of %d training rows kept by the task's filter", self.path, len(self._parts["kept"]),
-                        len(rows))
-        return self._parts["kept"]
+            logger.info("%s: %d of %d training rows kept by the task's filter", self.path, len(kept), len(rows))
+            self._kept_rows = kept
+        return self._kept_rows
 
     def _file_rows(self, name: str) -> list[dict[str, Any]]:
         if name not in self._rows:
