@@ -1,11 +1,17 @@
 """Every shipped preset loads into its dataclass and points at a model that ships; bad
 config files and values are a `ConfigError` that names the file or field and the fix."""
 
+import ast
+import dataclasses
+import inspect
+import textwrap
 from pathlib import Path
 
 import pytest
 
-from stabledrl.config import ConfigError, load_config
+from stabledrl import settings
+from stabledrl.config import ConfigError, field_docs, load_config, to_dict
+from stabledrl.settings import RunConfig, TaskConfig
 from stabledrl.sft import SFTConfig
 from stabledrl.train import TrainConfig
 from tests.test_recipes import RECIPES
@@ -154,3 +160,90 @@ def test_a_section_given_in_part_keeps_its_fields_default(source, overrides):
     # a key that is given wins, and the other sections keep their class defaults
     cfg = load_config(TrainConfig, {"rollout": {"temperature": 0.5}, "eval_sampling": {"steps": 4}})
     assert cfg.rollout.temperature == 0.5 and cfg.eval_sampling.temperature == 0.0
+
+
+# The fields `stabledrl sft` and `stabledrl train` share, with each run's defaults as shipped.
+_SHARED_DEFAULTS = {
+    #                 SFTConfig    TrainConfig
+    "output_dir":   ("runs/sft",   "runs/train"),
+    "steps":        (4000,         100),
+    "lr":           (1e-3,         1e-5),
+    "min_lr_ratio": (0.1,          1.0),
+    "warmup_steps": (200,          0),
+    "weight_decay": (0.01,         0.0),
+    "log_every":    (20,           1),
+    "eval_every":   (1000,         0),
+    "save_every":   (500,          50),
+    "task":         (TaskConfig(), TaskConfig()),
+    "seed":         (0,            0),
+    "grad_clip":    (1.0,          1.0),
+    "eval_n":       (500,          500),
+    "eval_split":   ("test",       "test"),
+    "threads":      (None,         None),
+}
+
+
+def _own_field_docs(cls) -> dict[str, str | None]:
+    """Each field a class body declares -> the docstring under it there (None: none), as
+    `stabledrl.config.field_docs` reads them."""
+    body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
+    out = {}
+    for node, after in zip(body, body[1:] + [None]):
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            doc = after.value.value if (isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant)
+                                        and isinstance(after.value.value, str)) else None
+            out[node.target.id] = doc
+    return out
+
+
+def test_the_fields_sft_and_rl_share_are_declared_once_in_run_config():
+    shared = [f.name for f in dataclasses.fields(RunConfig)]
+    assert shared == list(_SHARED_DEFAULTS)
+    sft, rl = ({f.name for f in dataclasses.fields(c)} for c in (SFTConfig, TrainConfig))
+    assert sft & rl == set(shared) | {"model"}  # `model` is a TinyModelConfig in one, a ModelConfig in the other
+    base = _own_field_docs(RunConfig)
+    assert all(base[name] for name in shared)  # each documented there, once
+    base_types = {f.name: f.type for f in dataclasses.fields(RunConfig)}
+    no_default = {f.name for f in dataclasses.fields(RunConfig) if f.default is dataclasses.MISSING
+                  and f.default_factory is dataclasses.MISSING}
+    for cls in (SFTConfig, TrainConfig):
+        again = {name: doc for name, doc in _own_field_docs(cls).items() if name in base}
+        assert set(again) == no_default, cls  # a subclass only gives the defaults the base leaves open
+        assert not any(again.values()), cls  # without a second docstring
+        assert all(dataclasses.fields(cls)[i].type == base_types[f] for i, f in enumerate(shared)), cls
+    assert field_docs(SFTConfig)["lr"] == field_docs(TrainConfig)["lr"] == " ".join(base["lr"].split())
+
+
+def test_the_shared_fields_keep_each_runs_defaults():
+    sft, rl = SFTConfig(), TrainConfig()
+    assert {k: (getattr(sft, k), getattr(rl, k)) for k in _SHARED_DEFAULTS} == _SHARED_DEFAULTS
+    # and a run's dumped config reads back, whatever the order of its keys
+    for cfg in (sft, rl):
+        data = to_dict(cfg)
+        assert load_config(type(cfg), dict(reversed(data.items()))) == cfg
+
+
+@pytest.mark.parametrize("cls", [SFTConfig, TrainConfig])
+@pytest.mark.parametrize("override, message", [
+    ("steps=0", "steps must be >= 1, got 0"),
+    ("eval_n=0", "eval_n must be >= 1"),
+    ("lr=0", "lr must be positive"),
+    ("min_lr_ratio=1.5", r"min_lr_ratio must be in \[0, 1\]"),
+    ("warmup_steps=-1", "warmup_steps and eval_every must be >= 0"),
+    ("eval_every=-1", "warmup_steps and eval_every must be >= 0"),
+])
+def test_both_runs_check_the_shared_fields_the_same_way(cls, override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(cls, None, [override])
+
+
+def test_every_field_docstring_of_the_settings_is_at_most_two_lines():
+    # What a field does and why one would change it; the history and figures go to docs/.
+    tree = ast.parse(Path(settings.__file__).read_text())
+    long = []
+    for cls in (n for n in tree.body if isinstance(n, ast.ClassDef)):
+        for node, after in zip(cls.body, cls.body[1:]):
+            if (isinstance(node, ast.AnnAssign) and isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant)
+                    and isinstance(after.value.value, str) and len(after.value.value.strip().splitlines()) > 2):
+                long.append(f"{cls.name}.{node.target.id}")
+    assert not long, long

@@ -18,8 +18,9 @@ from typing import Any, ClassVar, Literal, get_args
 from stabledrl.config import check
 
 __all__ = ["METHODS", "Method", "Noise", "COUNTER_NOISE_VOCAB", "ApproxCache", "MAX_MU", "ModelConfig", "LoraSettings", "SamplingConfig", "TaskConfig", "TinyModelConfig",
-           "SFTConfig", "EstimatorConfig", "Normaliser", "TokenAggregation", "OBJECTIVE_SECTIONS", "ObjectiveSection",
-           "StableDRLConfig", "GRPOConfig", "WD1Config", "SPGConfig", "ObjectiveConfig", "TrainConfig"]
+           "RunConfig", "SFTConfig", "EstimatorConfig", "Normaliser", "TokenAggregation", "OBJECTIVE_SECTIONS",
+           "ObjectiveSection", "StableDRLConfig", "GRPOConfig", "WD1Config", "SPGConfig", "ObjectiveConfig",
+           "TrainConfig"]
 
 Method = Literal["mc", "sdmc", "mean_field", "exact", "blockwise", "path", "coupled", "block_random"]
 """The likelihood estimators (`stabledrl.likelihood`, whose `PLANNERS` has one planner for each)."""
@@ -56,11 +57,8 @@ class ModelConfig:
     block_size: int | None = None
     """decoder and sdar: the block size S of the block-diffusion reading; None: the checkpoint's (SDAR's config)."""
     prompt_attention: Literal["auto", "bidirectional", "sequence_blocks", "prompt_blocks"] = "auto"
-    """decoder and sdar: where the prompt's blocks fall (`stabledrl.models.attention`). auto: as saved with a
-    stabledrl policy, else sequence_blocks (SDAR's and TraDo's: blocks of S over the whole sequence from its
-    first token, so the prompt's tail shares the first completion block); prompt_blocks: the prompt's blocks
-    end where it ends (dLLM-RL's trainers); bidirectional: the prompt is one block (stabledrl's tiny block
-    models, which store theirs)."""
+    """decoder and sdar: where the prompt's blocks fall (docs/methods.md, "Policy interface"); auto: as saved
+    with a stabledrl policy, else sequence_blocks (SDAR's and TraDo's)."""
     shift_logits: bool | None = None
     """True if the model's logits[:, i] predict token i+1; None: true for dream only."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
@@ -69,30 +67,20 @@ class ModelConfig:
     """auto (a GPU if there is one, else the CPU), cpu, cuda, cuda:1 ...; in a multi-process run each
     process uses the device accelerate assigns it, on CPUs when this is cpu."""
     trust_remote_code: bool | None = None
-    """Run the checkpoint's own modelling code instead of stabledrl's (llada, dream and sdar: the published files,
-    which keep no KV cache and need transformers < 4.58 for LLaDA and Dream; docs/scale-out.md); None: false for
-    llada, dream and sdar, true for another local checkpoint whose config.json names its code (auto_map), and as
-    saved with a stabledrl policy."""
+    """Run the checkpoint's own modelling code instead of stabledrl's native llada, dream or sdar (docs/scale-out.md);
+    None: off for those, on for a local checkpoint whose config.json names its code (auto_map), or as saved."""
     gradient_checkpointing: bool = False
-    """Recompute each transformer block's activations in the backward instead of keeping them
-    (memory of the update: one block's activations per view plus the blocks' inputs; one more
-    forward of compute). Every adapter, through the model's own hook: the tiny models', LLaDA's
-    set_activation_checkpointing, transformers' gradient_checkpointing_enable (also in the eval
-    mode the update runs in); a model with none is refused at load."""
+    """Recompute each transformer block's activations in the backward instead of keeping them: far less
+    memory for the update, one more forward of compute (docs/scale-out.md)."""
     chat_template: bool | Literal["auto"] = "auto"
-    """Wrap every prompt in the tokenizer's chat template as one user turn followed by the
-    assistant's generation prompt (instruct checkpoints expect it): auto = when the tokenizer has
-    a template (the shipped models have none); true (YAML: on) = always, an error if it has none;
-    false (off) = the raw prompt text. Training, evaluation and `stabledrl sample` all encode
-    prompts this way; saved with an adapter policy."""
+    """Wrap each prompt in the tokenizer's chat template, as instruct checkpoints expect: auto = when the
+    tokenizer has one; true (YAML: on) = always; false (off) = the raw text (docs/scale-out.md)."""
     stop_tokens: list[int | str] = field(default_factory=list)
-    """More tokens that end a completion, by id or by text (e.g. ["<|eot_id|>"], LLaDA-Instruct's
-    end of turn), besides EOS and the EOS ids of the checkpoint's generation config; each text
-    must be one token of the tokenizer. Saved with an adapter policy."""
+    """More tokens that end a completion, by id or by one token's text (e.g. ["<|eot_id|>"], LLaDA-Instruct's
+    end of turn), besides EOS and the EOS ids of the checkpoint's generation config."""
     check_attention: bool = True
-    """At load, probe a full-attention model with two rows (one left-padded): refuse it if it is
-    causal or lets padding in (docs/scale-out.md says what to do). Off only for a model whose
-    attention you have checked yourself."""
+    """At load, refuse a full-attention model that attends causally or to padding (docs/scale-out.md,
+    "Attention probe"); off only for a model whose attention you have checked yourself."""
 
     def __post_init__(self) -> None:
         check(bool(self.path), "model.path is empty: name a model directory")
@@ -143,10 +131,8 @@ class SamplingConfig:
     steps: int | None = None
     """Denoising steps T; None = L (one slot per step)."""
     block_length: int | None = None
-    """Semi-autoregressive block size. None: a block model (the tiny block models, the decoder
-    adapter: SDAR) decodes in its own blocks of `block_size`, and any other value is refused; a
-    full-attention model (LLaDA, Dream) decodes one block of L, as its checkpoint stores no block
-    convention of its own: their recipes set block_length and steps for rollouts and evaluation."""
+    """Semi-autoregressive block size. None: a block model decodes in its own blocks (it refuses any other),
+    a full-attention model in one block of L (docs/methods.md, "Sampling")."""
     temperature: float = 0.0
     """Gumbel temperature; 0 = greedy."""
     remasking: Literal["low_confidence", "random"] = "low_confidence"
@@ -157,48 +143,26 @@ class SamplingConfig:
     """Rows per sampler call, to bound its memory; the tokens are the same (every row draws from
     its own generator). None: a process's rollouts of a step at once, evaluation 256 at a time."""
     sort_by_length: bool = False
-    """Cut the rows into micro-batches in order of prompt length (with several micro-batches), each
-    call dropping the left padding its rows all have (prompts of very different lengths: GSM8K,
-    MATH). Outputs in the given order; a row's tokens are the same but for rounding (a different
-    number of hidden padding keys; `stabledrl.sampling.generate_micro_batched`)."""
+    """Cut the micro-batches in order of prompt length, each call without the padding its rows share: faster
+    for prompts of very different lengths (GSM8K, MATH); the same tokens but for rounding."""
     max_prompt_length: int | None = None
     """Keep each prompt's last N tokens, the left-padded batch cut from the left as TRL's and d1's
     ``max_prompt_length`` cuts it (the trainer then scores the prompt as cut); None: whole prompts."""
     noise: Noise = "auto"
-    """Where the sampling noise comes from. generator: each row's CPU generator, float64 Gumbel
-    noise over every completion column and the whole vocabulary, copied to the device (the stream
-    every figure of the README was made with). counter: one counter-based uniform per decoded
-    slot, a hash of (the row's key, drawn from its generator; the step; the column), made on the
-    model's device for the slots being decoded only, and an inverse-CDF draw: far cheaper at a
-    large vocabulary, still reproducible per row. Same distribution, other tokens: switching
-    changes every sampled completion (greedy decoding is unchanged). auto: counter when the
-    model's vocabulary has at least 32,768 tokens (`COUNTER_NOISE_VOCAB`), else generator. At
-    LLaDA's 126k tokens the generator's noise is 8 GB of float64 per step of 32 rows of 256
-    slots, made on the CPU; the shipped tiny models (a few dozen tokens) pay nothing for it and
-    keep their figures. Every real dLLM has 100k+ tokens, every character model < 1k: any
-    threshold between splits them; a power of two near the smallest BPE vocabularies (32k) does."""
+    """Where the sampling noise comes from: generator (each row's CPU generator: the README's figures) or counter
+    (on the device: far cheaper at large vocabularies, other tokens); auto: counter from 32,768 tokens up."""
     threshold: float | None = None
-    """Confidence-threshold parallel decoding (Fast-dLLM), in (0, 1]: each step also commits every
-    eligible slot whose confidence exceeds the threshold, and at least the schedule's
-    ceil(masked left / steps left), so `steps` stays an upper bound. Needs low_confidence
-    remasking. None or 1: the exact sampler's tokens. Fewer model calls, but processes with
-    sharded parameters (synced) still make every call of the schedule."""
+    """Fast-dLLM's parallel decoding, in (0, 1]: each step also commits every slot more confident than this, for
+    fewer model calls (`steps` stays an upper bound); None or 1: the exact sampler's tokens."""
     approx_cache: ApproxCache = "none"
-    """Full-attention models with a KV cache (the tiny models and the native llada and dream; a
-    checkpoint's own code has none and is refused): Fast-dLLM's approximate caches, refreshed at
-    each block's first step (with block_length < L; one block caches the prompt alone). prefix: later steps feed the block and
-    what follows it, attending to the kept prefix; dual: they feed the block alone, attending to
-    the kept prefix and suffix. An approximation of the exact sampler (other tokens, another
-    distribution); none: exact."""
+    """Fast-dLLM's approximate KV caches of a full-attention model, refreshed at each block's first step: prefix or
+    dual, faster but another distribution; none: exact (docs/methods.md, "Fast decoding")."""
     approx_refresh: int | None = None
-    """With approx_cache: also refresh the kept keys and values (a whole-sequence call) every this
-    many calls within a block; None: at each block's first call only (Fast-dLLM's). 1 is the exact
-    sampler at its cost. The knob between the cache's speed and how far its samples stray
-    (docs/experiments.md, "RL on approximate rollouts")."""
+    """With approx_cache: also refresh the kept keys every this many calls of a block (1: exact); None: at a block's
+    first call only. Samples nearer the exact ones, less speed (docs/experiments.md, "RL on approximate rollouts")."""
     engine: str = "builtin"
-    """What produces the trainer's rollouts (`stabledrl.engines`): builtin (this library's sampler,
-    with every option above) or an external engine, "package.module:ClassName", imported by name
-    and built with `engine_options`. Evaluations always use the built-in sampler (the yardstick)."""
+    """What produces the trainer's rollouts: builtin (this sampler) or "package.module:ClassName", an external
+    engine built with `engine_options` (docs/methods.md, "Rollout engines"); evaluations use builtin."""
     engine_options: dict[str, Any] = field(default_factory=dict)
     """Keyword arguments of an external engine's constructor."""
 
@@ -266,57 +230,80 @@ class TinyModelConfig:
 
 
 @dataclass
-class SFTConfig:
-    """`stabledrl sft`: train a tiny masked-diffusion LM from scratch on a task."""
+class RunConfig:
+    """What `stabledrl sft` and `stabledrl train` share: where a run writes, its schedule, its
+    evaluations. A field without a default here takes each run's own (`SFTConfig`, `TrainConfig`)."""
 
-    output_dir: str = "runs/sft"
-    """Run directory: config, metrics, checkpoints, final model, eval JSON."""
-    task: TaskConfig = field(default_factory=TaskConfig)
-    model: TinyModelConfig = field(default_factory=TinyModelConfig)
-    sampling: SamplingConfig = field(default_factory=SamplingConfig)
-    """Sampling used by the evaluations."""
-    seed: int = 0
-    """Seeds initialisation, data order and masks."""
-    steps: int = 4000
-    """Optimizer steps."""
-    batch_size: int = 256
-    """Problems per step."""
-    lr: float = 1e-3
-    """Peak AdamW learning rate."""
-    min_lr_ratio: float = 0.1
-    """Final learning rate as a fraction of lr (cosine decay)."""
-    warmup_steps: int = 200
+    output_dir: str
+    """Run directory: the resolved config, metrics, checkpoints, the final model (and SFT's eval.json;
+    docs/logging.md)."""
+    steps: int
+    """Training steps (RL: each a round of rollouts and `mu` optimizer updates)."""
+    lr: float
+    """Peak learning rate (after warmup)."""
+    min_lr_ratio: float
+    """Final learning rate as a fraction of lr (cosine decay); 1.0 = constant."""
+    warmup_steps: int
     """Linear warmup steps."""
-    weight_decay: float = 0.01
+    weight_decay: float
     """AdamW weight decay."""
+    log_every: int
+    """Steps between metric lines (metrics.jsonl, and RL's `report_to` backends)."""
+    eval_every: int
+    """Steps between held-out evaluations; 0: at the end only (RL also evaluates at the start)."""
+    save_every: int
+    """Steps between checkpoints (and at the end)."""
+    task: TaskConfig = field(default_factory=TaskConfig)
+    """The task trained and evaluated on, with its options."""
+    seed: int = 0
+    """Seeds every draw of the run (SFT: initialisation, data order, masks; RL: prompts, rollouts and masks,
+    a step's depending only on (seed, step))."""
     grad_clip: float = 1.0
-    """Max global gradient norm."""
-    t_min: float = 1e-3
-    """Smallest masking level t, keeps the 1/t weight finite."""
-    stratified_t: bool = True
-    """Spread t evenly over the batch (same marginal, lower variance)."""
-    log_every: int = 20
-    """Steps between metric lines."""
-    eval_every: int = 1000
-    """Steps between held-out evaluations (0 = only at the end)."""
+    """Max global gradient norm (the norm before clipping is logged, grad_norm)."""
     eval_n: int = 500
     """Held-out problems per evaluation (seed 0 of `eval_split`: the set `stabledrl eval` uses)."""
     eval_split: Literal["validation", "test"] = "test"
-    """Split of the evaluations: validation when you choose a checkpoint or a setting by them."""
-    save_every: int = 500
-    """Steps between checkpoints."""
+    """Split of the held-out evaluations: validation while choosing settings or a checkpoint, test to report."""
     threads: int | None = None
     """torch CPU threads; None = torch's default."""
 
     def __post_init__(self) -> None:
-        check(self.steps > 0, f"steps must be positive, got {self.steps}")
-        check(self.batch_size > 0, f"batch_size must be positive, got {self.batch_size}")
+        for name in ("steps", "eval_n", "save_every", "log_every"):
+            check(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}")
         check(self.lr > 0, f"lr must be positive, got {self.lr}")
         check(0 <= self.min_lr_ratio <= 1, f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
-        check(0 < self.t_min < 1, f"t_min must be in (0, 1), got {self.t_min}")
         check(self.warmup_steps >= 0 and self.eval_every >= 0, "warmup_steps and eval_every must be >= 0")
-        check(self.log_every > 0 and self.save_every > 0, "log_every and save_every must be positive")
-        check(self.eval_n > 0, f"eval_n must be positive, got {self.eval_n}")
+
+
+@dataclass
+class SFTConfig(RunConfig):
+    """`stabledrl sft`: train a tiny masked-diffusion LM from scratch on a task."""
+
+    # RunConfig's fields, with SFT's defaults
+    output_dir: str = "runs/sft"
+    steps: int = 4000
+    lr: float = 1e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 200
+    weight_decay: float = 0.01
+    log_every: int = 20
+    eval_every: int = 1000
+    save_every: int = 500
+
+    model: TinyModelConfig = field(default_factory=TinyModelConfig)
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    """Sampling used by the evaluations."""
+    batch_size: int = 256
+    """Problems per step."""
+    t_min: float = 1e-3
+    """Smallest masking level t, keeps the 1/t weight finite."""
+    stratified_t: bool = True
+    """Spread t evenly over the batch (same marginal, lower variance)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check(self.batch_size > 0, f"batch_size must be positive, got {self.batch_size}")
+        check(0 < self.t_min < 1, f"t_min must be in (0, 1), got {self.t_min}")
 
 
 @dataclass
@@ -324,24 +311,18 @@ class EstimatorConfig:
     """The likelihood estimator ℓ (see stabledrl.likelihood)."""
 
     method: Method = "mc"
-    """mc (ELBO), sdmc (GDPO), mean_field (d1), coupled (DiffuCoder's complementary views), exact
-    (enumeration, tiny L only); blockwise
-    for block-diffusion models (per-block ELBO terms in one staircase pass); path (either
-    kind: the log-probability along the rollout's own decoding order, num_samples 1); block_random
-    (SPG's block masks with prompt masking, a per-token-mean ELBO: the authors' StableDRL)."""
+    """mc (ELBO), sdmc (GDPO), mean_field (d1), coupled (DiffuCoder), exact (tiny L), blockwise (block models), path
+    (the rollout's own order) or block_random (the authors' StableDRL); docs/methods.md, "Likelihood estimators"."""
     num_samples: int = 1
     """K: masks per sequence (per node for sdmc)."""
     options: dict[str, Any] = field(default_factory=dict)
-    """Method options: mc: masking, stratified, antithetic; sdmc: num_nodes, weight (count: n/k per
-    node, ours; time: 1/t, GDPO's; docs/methods.md); mean_field: p_prompt, prompt_columns (tokens | all,
-    d1's); coupled: t_min, t_max; block_random: block_length, p_prompt; blockwise: inner (mc | sdmc |
-    exact), num_nodes, stratified."""
+    """mc: masking, stratified, antithetic; sdmc: num_nodes, weight; mean_field: p_prompt, prompt_columns; coupled:
+    t_min, t_max; block_random: block_length, p_prompt; blockwise: inner, num_nodes, stratified (docs/methods.md)."""
     reduction: Literal["sum", "mean"] = "sum"
     """sum: a log-likelihood; mean: per scored token."""
     max_views_per_forward: int | None = None
-    """Noised views per forward. None: all at once, one graph for the update. Set: the
-    update scores ℓ without a graph, takes ∂loss/∂ℓ, and back-propagates one micro-batch
-    of views at a time (one extra no-grad forward; memory independent of the views)."""
+    """Noised views per forward; None: all at once, one graph. Set, the update back-propagates a micro-batch of
+    views at a time: memory independent of the views, one extra no-grad forward (docs/methods.md)."""
 
     def __post_init__(self) -> None:
         check(self.method in METHODS, f"estimator.method must be one of {METHODS}")
@@ -428,9 +409,8 @@ class StableDRLConfig(ObjectiveSection):
     ratio_level: Literal["sequence", "sequence_normalized"] = "sequence"
     """sequence: exp(ℓ−ℓ_old); sequence_normalized: divided by |y| (GDPO)."""
     likelihood: Literal["estimator", "spg"] = "estimator"
-    """The ℓ in the gradient. estimator: the estimator's ℓ (weights and gradient alike). spg: SPG's
-    sandwich, the ELBO where A > 0 and spg_omega·EUBO + (1 − spg_omega)·ELBO elsewhere, with the
-    estimator's ℓ (the ELBO) in the weights: the authors' StableDRL (docs/methods.md)."""
+    """The ℓ in the gradient: estimator (as in the weights) or spg (SPG's ELBO/EUBO sandwich, the estimator's ℓ
+    in the weights: the authors' StableDRL; docs/methods.md, "StableDRL")."""
     spg_beta: float = 1.5
     """likelihood spg: the EUBO's β (`stabledrl.likelihood.eubo`)."""
     spg_omega: float = 0.5
@@ -466,10 +446,8 @@ class GRPOConfig(ObjectiveSection):
     beta: float = 0.0
     """Weight of the k3 KL to the initial policy."""
     token_aggregation: TokenAggregation = "sequence_mean"
-    """How token ratios' per-token terms (and the KL's) become the loss: sequence_mean (each completion's
-    mean, then the mean over completions: GRPO), group_token_mean (each group's token mean, then the
-    mean over groups: DAPO), batch_token_mean (the batch's token mean: d1's trainer), constant (the
-    sum over tokens / (P·G·L), P·G the step's rows, L the slots: Dr. GRPO). docs/methods.md, "GRPO"."""
+    """How the per-token terms (and the KL's) become the loss: sequence_mean (GRPO), group_token_mean (DAPO),
+    batch_token_mean (d1's trainer) or constant (Dr. GRPO); docs/methods.md, "GRPO"."""
 
     @property
     def token_terms(self) -> bool:
@@ -534,16 +512,24 @@ ObjectiveConfig = ObjectiveSection
 
 
 @dataclass
-class TrainConfig:
+class TrainConfig(RunConfig):
     """`stabledrl train`: RL from a saved policy."""
+
+    # RunConfig's fields, with RL's defaults
+    output_dir: str = "runs/train"
+    steps: int = 100
+    lr: float = 1e-5
+    min_lr_ratio: float = 1.0
+    warmup_steps: int = 0
+    weight_decay: float = 0.0
+    log_every: int = 1
+    eval_every: int = 0
+    save_every: int = 50
 
     model: ModelConfig = field(default_factory=ModelConfig)
     """The initial policy (also the KL reference and drift baseline); `model: dir` is short for `model: {path: dir}`."""
     lora: LoraSettings | None = None
     """Train LoRA adapters instead of every weight; the reference is then the base model (adapters off)."""
-    output_dir: str = "runs/train"
-    """Run directory: config, metrics.jsonl, TensorBoard, checkpoints, final model."""
-    task: TaskConfig = field(default_factory=TaskConfig)
     objective: ObjectiveConfig = field(default_factory=StableDRLConfig)
     """The objective, by `name` (`OBJECTIVE_SECTIONS`): stabledrl (default), grpo, wd1, spg, or one
     registered from your code, each with its own options."""
@@ -556,17 +542,10 @@ class TrainConfig:
     masks: Literal["shared", "independent"] = "shared"
     """shared: ℓ_θ on ℓ_old's masks (common random numbers); independent: fresh masks."""
     zero_variance_groups: Literal["keep", "skip", "resample"] = "skip"
-    """Groups whose rewards are all equal (zero advantage, no signal): keep them, skip them,
-    or skip them and roll out fresh prompts to refill the step (up to max_resample_rounds).
-    Counters: `zero_variance_groups` counts every such group rolled out, in every round;
-    `resampled_groups` counts the groups rolled out in extra rounds (kept or not); the
-    step's `zero_variance_fraction` and reward statistics describe the first round only."""
+    """Groups whose rewards are all equal (no signal): keep them, skip them, or skip them and roll out fresh
+    prompts to refill the step (resample, DAPO's; docs/methods.md, "The training step")."""
     max_resample_rounds: int = 2
     """resample: extra rollout rounds per step at most (each costs a rollout of the missing groups)."""
-    seed: int = 0
-    """Seeds the prompts, rollouts and masks of every step (a step's draws depend only on (seed, step))."""
-    steps: int = 100
-    """RL steps (each: rollouts + mu optimizer updates)."""
     prompts_per_step: int = 16
     """Distinct training problems per step."""
     group_size: int = 8
@@ -574,62 +553,28 @@ class TrainConfig:
     mu: int = 1
     """Inner optimizer iterations per batch of rollouts."""
     accumulation_rounds: int = 1
-    """R: score and back-propagate the step's kept groups in R rounds of whole groups (at most
-    prompts_per_step / R each), holding one round's graph at a time and accumulating the
-    gradients into one optimizer step per inner iteration (the StableDRL authors'
-    grad_accumulation, TRL's gradient_accumulation_steps). Each round's loss counts by its
-    share of the step's loss (by the objective's `normaliser`: its rows, its scored tokens, or 1), so the
-    gradient is the one-round step's up to rounding (docs/methods.md, "The training step").
-    The rollouts are sampled in one pass whatever R (rollout.micro_batch bounds its memory)."""
+    """R: score and back-propagate the step's groups in R rounds, one round's graph at a time, into one optimizer
+    step (TRL's gradient_accumulation_steps): less memory, the same gradient (docs/methods.md)."""
     optimizer: Literal["adamw", "sgd"] = "adamw"
     """adamw, or plain sgd (no momentum: the update is −lr·g, which makes updates easy to compare)."""
-    lr: float = 1e-5
-    """Learning rate."""
-    min_lr_ratio: float = 1.0
-    """Final lr / lr (cosine); 1.0 = constant."""
-    warmup_steps: int = 0
-    """Linear warmup steps."""
-    weight_decay: float = 0.0
-    """AdamW weight decay."""
-    grad_clip: float = 1.0
-    """Max global gradient norm (the norm before clipping is logged)."""
-    eval_every: int = 0
-    """Steps between held-out evaluations (0: start and end only)."""
-    eval_n: int = 500
-    """Held-out problems (seed 0 of `eval_split`: the set `stabledrl eval` uses)."""
-    save_every: int = 50
-    """Steps between checkpoints (and at the end)."""
-    log_every: int = 1
-    """Steps between metric lines (metrics.jsonl and each report_to backend)."""
     report_to: list[Literal["tensorboard", "wandb", "trackio"]] = field(default_factory=lambda: ["tensorboard"])
     """Where metrics, the config and each evaluation's table of sample completions go besides
     metrics.jsonl and samples.jsonl: any of tensorboard, wandb, trackio, or [] (docs/logging.md)."""
-    threads: int | None = None
-    """torch CPU threads; None = torch's default."""
     grad_agreement: bool = False
-    """Log `grad_agreement`, the cosine between the policy gradients of the two halves of the
-    step's kept groups (first inner iteration; README "RL that learns"): near 0, the batch is
-    too small to learn from. Costs a second backward pass; one process, no view budget."""
+    """Log the cosine between the policy gradients of the step's two halves of groups (near 0: the batch is too
+    small to learn from); costs a second backward pass (docs/methods.md, "The training step")."""
     update_norm: bool = False
-    """Log `update_norm`, the norm of the change each optimizer step makes to the weights. The
-    optimizer then steps the parameters a chunk at a time (same weights, bit for bit) so that
-    only a chunk is copied to take the difference."""
-    eval_split: Literal["validation", "test"] = "test"
-    """Split of the held-out evaluations: validation while choosing settings, test to report."""
+    """Log the norm of the change each optimizer step makes to the weights (the same weights: the optimizer
+    steps a chunk at a time to bound the copy; docs/scale-out.md)."""
     mixed_precision: Literal["no", "bf16"] = "no"
-    """bf16: the forward passes compute in bfloat16 (autocast, through accelerate; under FSDP
-    also the gathered parameters) while the weights, gradients and AdamW states stay in
-    model.dtype, float32: the recommended precision on GPUs, no update lost to rounding
-    (docs/scale-out.md). It overrides the accelerate config's mixed_precision."""
+    """bf16: compute the forward passes in bfloat16 while weights, gradients and AdamW states stay in model.dtype:
+    the recommended precision on GPUs (docs/scale-out.md); overrides the accelerate config's."""
     drift_kl: bool = False
-    """Score the rollouts under the initial policy each step for the `drift_kl` and `drift_k3`
-    diagnostics. Costs a forward and, without LoRA, a second full copy of the model on every
-    process, hence off by default (an 8B model's is 32 GB in float32); the shipped tiny presets
-    turn it on. A KL term (beta > 0) loads the reference whatever this says."""
+    """Score the rollouts under the initial policy each step for the drift_kl and drift_k3 diagnostics; costs a
+    forward and, without LoRA, a second copy of the model, hence off by default (docs/scale-out.md)."""
     keep_checkpoints: int = 2
-    """Checkpoints kept (the newest); one more exists while the next is saved. Each holds the
-    model and the resume state (AdamW's m and v; under FSDP the model's shards): 16 bytes a
-    parameter at full fine-tuning (128 GB for an 8B model; the preflight prints the run's total)."""
+    """Checkpoints kept (the newest), each the model and AdamW's state: 16 bytes a parameter at full fine-tuning
+    (the preflight prints the run's disk; docs/scale-out.md)."""
     final_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     """The dtype of the model the run hands over (final/); auto: bfloat16 under mixed_precision
     bf16 (the precision it computes in, as the published checkpoints), else model.dtype."""
@@ -645,10 +590,10 @@ class TrainConfig:
         return "bfloat16" if self.mixed_precision == "bf16" else None
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         check(0 <= self.max_resample_rounds <= 63,  # _resample_seed keeps 64 streams per step
               f"max_resample_rounds must be in [0, 63], got {self.max_resample_rounds}")
-        for name in ("steps", "prompts_per_step", "group_size", "mu", "eval_n", "save_every", "log_every",
-                     "keep_checkpoints"):
+        for name in ("prompts_per_step", "group_size", "mu", "keep_checkpoints"):
             check(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}")
         check(self.accumulation_rounds >= 1, f"accumulation_rounds must be >= 1, got {self.accumulation_rounds}")
         check(self.prompts_per_step % self.accumulation_rounds == 0,
@@ -658,7 +603,6 @@ class TrainConfig:
               "grad_agreement needs the one-round update: set accumulation_rounds: 1")
         check(self.mu <= MAX_MU, f"mu must be at most {MAX_MU} (each inner iteration has its own seed slot)")
         check(self.group_size >= 2, "group_size must be >= 2: advantages compare completions of one prompt")
-        check(self.lr > 0, f"lr must be positive, got {self.lr}")
         check(self.optimizer == "adamw" or self.weight_decay == 0, "weight_decay is an adamw option; set it to 0")
         check(self.objective.eubo_beta is None or self.estimator.max_views_per_forward is None,
               "SPG's EUBO is not linear in the views' terms: leave estimator.max_views_per_forward unset")
