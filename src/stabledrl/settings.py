@@ -36,7 +36,7 @@ ApproxCache = Literal["none", "prefix", "dual"]
 
 MAX_MU = 13
 """Inner iterations per step at most: `stabledrl.train` seeds 16 mask streams per step, 3 of
-them for other draws (its `_SEED_SLOTS`)."""
+them for other draws (`stabledrl.seeds.SLOTS`)."""
 
 
 @dataclass
@@ -591,7 +591,7 @@ class TrainConfig(RunConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        check(0 <= self.max_resample_rounds <= 63,  # _resample_seed keeps 64 streams per step
+        check(0 <= self.max_resample_rounds <= 63,  # stabledrl.seeds: 64 resampling streams per step
               f"max_resample_rounds must be in [0, 63], got {self.max_resample_rounds}")
         for name in ("prompts_per_step", "group_size", "mu", "keep_checkpoints"):
             check(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}")
