@@ -70,17 +70,16 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True, task
                     # Score ℓ_θ on ℓ_old's masks (shared) or fresh ones (independent), a round at a time
                     plan = old.plan if cfg.masks == "shared" else scoring.plan(FIRST_ITERATION_SLOT + it)
                     run.opt.zero_grad(set_to_none=True)
-                    rounds = []
+                    rounds, finite = [], True
                     for share in scoring.rounds:  # one round's graph at a time; their gradients add up
                         batch = scoring.batch(old, plan, share, advantages, first_iteration=it == 0)
                         out = objective(batch)
                         rounds.append((out, share))
-                        if not torch.isfinite(out.loss):
+                        if not (finite := bool(torch.isfinite(out.loss))):
                             break
                         with run.timer.phase("backward", until_gpu_done=True):
                             row.update(scoring.backward(out.loss, batch, plan, share, objective, first_iteration=it == 0))
                     # Clip, then step (a non-finite loss or gradient: skipped, the weights untouched)
-                    finite = all(torch.isfinite(out.loss) for out, _ in rounds)
                     iterations.append({**_over_rounds(rounds), **_clip_and_step(run, finite)})
             row.update(_over_iterations(iterations))
         _advance_schedule(run)
