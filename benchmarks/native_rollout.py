@@ -64,6 +64,23 @@ def reduced_llada(vocab: int, width: int, layers: int) -> HFPolicy:
     return HFPolicy(LLaDAModelLM(config).eval(), tok, "llada", config.mask_token_id)
 
 
+def model_work(scheme: str, *, rows: int, prompt: int, length: int, block: int, steps: int, width: int,
+               layers: int, vocab: int) -> float:
+    """Multiply-adds of one `generate`'s model calls, by hand: what the speed-up should be where the
+    model's forward is all the time. Per fed column and layer, the weights' 13·d² (q, k, v, o and
+    the MLP of 3·d) and the attention's 2·keys·d; the head's d·V on the block's columns. A block
+    of k = steps·block/length steps: k whole-sequence calls uncached; one whole call and k − 1 calls
+    of the block's columns (attending to all T keys) with the dual cache."""
+    T, d = prompt + length, width
+    k = steps * block // length
+
+    def call(fed: int) -> float:
+        return rows * (fed * layers * (13 * d * d + 2 * T * d) + block * d * vocab)
+
+    per_block = {"none": k * call(T), "dual": call(T) + (k - 1) * call(block)}[scheme]
+    return per_block * (length // block)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", type=int, default=16)
@@ -105,6 +122,13 @@ def main(argv: list[str] | None = None) -> int:
     if "none" in rows:
         for r in rows.values():
             r["speedup_vs_none"] = r["tokens_per_cpu_second"] / rows["none"]["tokens_per_cpu_second"]
+    shape = {k: getattr(args, k) for k in ("rows", "prompt", "length", "block", "steps", "width", "layers", "vocab")}
+    for name in ("none", "dual"):
+        if name in rows:
+            rows[name]["model_multiply_adds"] = model_work(name, **shape)
+    if {"none", "dual"} <= rows.keys():
+        rows["dual"]["predicted_speedup_from_model_work"] = model_work("none", **shape) / model_work("dual", **shape)
+        print(f"model work alone predicts {rows['dual']['predicted_speedup_from_model_work']:.2f}x for the dual cache")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({
         "command": "python benchmarks/native_rollout.py " + " ".join(sys.argv[1:] if argv is None else argv),
