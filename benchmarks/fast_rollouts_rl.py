@@ -3,10 +3,12 @@ threshold parallel decoding? The task's preset, over seeds, with only `rollout` 
 (evaluation stays the exact built-in sampler).
 
     python benchmarks/fast_rollouts_rl.py launch --task countdown --seeds 0 1 2 --settings A B C --jobs 2
-    python benchmarks/fast_rollouts_rl.py summarise --task countdown --settings A B C A4 B4 C4
+    python benchmarks/fast_rollouts_rl.py midway --task countdown --settings A B C R2
+    python benchmarks/fast_rollouts_rl.py summarise --task countdown --settings A B C R2
 
 Settings (`SETTINGS`): A the preset (exact, uncached), B `rollout.approx_cache=dual`, C dual and
-`rollout.threshold=0.9`; A4/B4/C4 the same with `rollout.block_length=4`.
+`rollout.threshold=0.9`; A4/B4/C4 the same with `rollout.block_length=4`; R2/R4 dual refreshed
+every 2 / 4 calls.
 
 `launch` runs each (setting, seed) as its own process (`run`, at most `--jobs` at a time,
 `threads=1`), into runs/fastrl/<task>-<setting>-s<seed> with a log beside it, then summarises.
@@ -17,7 +19,11 @@ it writes fastrl.json into the run directory. A finished run is reused (`finishe
 per run the held-out accuracy before and after, wall seconds (the process: both evaluations
 included) and the training steps' seconds, rollout seconds (the metrics' time_rollout), rollout
 model calls, the means over the steps of the ratio diagnostics and of the rollout entropy,
-skipped steps and collapse flags; per setting the means over seeds.
+skipped steps and collapse flags; per setting the means over seeds, and a step's time against
+A's (`step_time_vs_A`: 1 + rollout time over the rest of the step, whose work is the same in
+every setting, so the machine's varying load cancels). `midway` evaluates each finished run's
+checkpoint of step 100 as the final evaluation is made (midway-100.json, read by `summarise`):
+the accuracy at two thirds of the run's time, to compare settings at equal time.
 """
 
 from __future__ import annotations
@@ -108,6 +114,37 @@ def cmd_launch(args) -> None:
     cmd_summarise(args)
 
 
+def cmd_midway(args) -> None:
+    """Each finished run's checkpoint of step `--step` evaluated as the run's final evaluation is
+    (its config's held-out problems and eval_sampling), into the run directory's midway.json:
+    the accuracy at a fraction of the run's time, to compare settings at equal time."""
+    import dataclasses
+
+    import torch
+
+    from stabledrl.config import load_config
+    from stabledrl.evaluate import evaluate
+    from stabledrl.models.policy import load_policy
+    from stabledrl.tasks import get_task
+    from stabledrl.train import TrainConfig
+
+    for setting in args.settings:
+        for seed in args.seeds:
+            out = run_dir(args.task, setting, seed)
+            ckpt, path = out / f"checkpoint-{args.step:07d}", out / f"midway-{args.step}.json"
+            if not (out / "summary.json").is_file() or not ckpt.is_dir() or path.is_file():
+                continue
+            cfg = load_config(TrainConfig, out / "config.yaml", [])
+            torch.set_num_threads(cfg.threads or 1)
+            task = get_task(cfg.task.name, **cfg.task.options)
+            problems = task.generate(cfg.eval_n, split=cfg.eval_split, seed=0)
+            policy = load_policy(dataclasses.replace(cfg.model, path=str(ckpt)), device="cpu")
+            res = evaluate(policy, task, problems, cfg.eval_sampling, progress=False)
+            path.write_text(json.dumps({"step": args.step, "accuracy": res.accuracy, "mean_reward": res.mean_reward,
+                                        "n": res.n, "checkpoint": str(ckpt.relative_to(ROOT))}, indent=2))
+            print(f"{out.name}: step {args.step} held-out accuracy {res.accuracy:.4f}", flush=True)
+
+
 def _mean(xs):
     xs = [x for x in xs if x is not None]
     return statistics.mean(xs) if xs else None
@@ -127,8 +164,10 @@ def summarise_run(task: str, setting: str, seed: int) -> dict | None:
         means["drift_k3_median"] = statistics.median(r["drift_k3"] for r in steps if r.get("drift_k3") is not None)
     start, final = summary["eval_initial"]["accuracy"], summary["eval_final"]["accuracy"]
     wall = extra.get("wall_seconds")
+    midway = out / "midway-100.json"  # written by `midway`
+    at_100 = json.loads(midway.read_text())["accuracy"] if midway.is_file() else None
     return {"setting": setting, "seed": seed, "run_dir": str(out.relative_to(ROOT)), "start": start, "final": final,
-            "gain_points": 100 * (final - start), "wall_seconds": wall,
+            "at_step_100": at_100, "gain_points": 100 * (final - start), "wall_seconds": wall,
             "train_seconds": sum(r.get("seconds", 0.0) for r in steps),
             "rollout_seconds": sum(r.get("time_rollout", 0.0) for r in steps),
             # rollout time over the rest of the steps' time (the same work in every setting): robust to a shared machine's load
@@ -164,12 +203,16 @@ def cmd_summarise(args) -> None:
                 "rollout_forward_passes", "rollout_row_forward_passes", "gain_points_per_1000_s", "gain_points_per_1000_rollouts"]
         per_setting[s] = {"overrides": SETTINGS[s], "seeds": [r["seed"] for r in rs],
                           **{k: _mean(r[k] for r in rs) for k in keys},
+                          "at_step_100": _mean(r["at_step_100"] for r in rs),
                           "final_min": min(r["final"] for r in rs), "final_max": max(r["final"] for r in rs),
                           "rollout_share": _mean(r["rollout_seconds"] / r["wall_seconds"] for r in rs
                                                  if r["wall_seconds"]),
                           "step_means": {k: _mean(r["step_means"].get(k) for r in rs) for k in rs[0]["step_means"]},
                           "skipped_steps": sum(r["skipped_steps"] or 0 for r in rs),
                           "collapsed_runs": sum(bool(r["collapse"]) for r in rs)}
+    if "A" in per_setting:  # a step's time against the exact preset's, with the rest of the step as the yardstick
+        for m in per_setting.values():
+            m["step_time_vs_A"] = (1 + m["rollout_to_rest"]) / (1 + per_setting["A"]["rollout_to_rest"])
     result = {"command": " ".join(["python", *sys.argv]), "note": args.note, "config": CONFIGS[args.task], "task": args.task,
               "rollouts_per_run": rollouts, "settings": {s: SETTINGS[s] for s in args.settings},
               "per_setting": per_setting, "runs": runs}
@@ -185,7 +228,7 @@ def cmd_summarise(args) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="cmd", required=True)
-    for name in ("run", "launch", "summarise"):
+    for name in ("run", "launch", "summarise", "midway"):
         p = sub.add_parser(name)
         p.add_argument("--task", choices=sorted(CONFIGS), required=True)
         p.add_argument("--set", action="append", default=[], help="another override, KEY=VALUE (every run)")
@@ -195,13 +238,15 @@ def main() -> None:
         else:
             p.add_argument("--settings", nargs="+", choices=sorted(SETTINGS), default=["A", "B", "C"])
             p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
-        if name != "run":
+        if name == "midway":
+            p.add_argument("--step", type=int, default=100, help="the checkpoint's step")
+        if name not in ("run", "midway"):
             p.add_argument("--note", default="", help="kept in the JSON (e.g. how the runs were launched)")
         if name == "launch":
             p.add_argument("--jobs", type=int, default=2, help="runs at a time (this script's runs on the machine)")
             p.add_argument("--runs", nargs="+", default=[], help="[TASK:]SETTING:SEED in this order (default: each seed's settings)")
     args = parser.parse_args()
-    {"run": cmd_run, "launch": cmd_launch, "summarise": cmd_summarise}[args.cmd](args)
+    {"run": cmd_run, "launch": cmd_launch, "summarise": cmd_summarise, "midway": cmd_midway}[args.cmd](args)
 
 
 if __name__ == "__main__":
