@@ -1,6 +1,8 @@
 """Rollout speed of the native LLaDA under Fast-dLLM's caches, on the CPU, at LLaDA's vocabulary.
 
     python benchmarks/native_rollout.py                      # ~15 min on one thread
+    python benchmarks/native_rollout.py --width 512 --layers 32 --steps 128 --schemes none dual \
+        --repeats 1 --out benchmarks/results/native_rollout-w512-32layers.json   # LLaDA's depth: ~32 min
 
 A randomly initialised native LLaDA (`stabledrl.models.native.LLaDAModelLM`) of a reduced
 shape (width 128, 2 layers, 4 heads, MLP 384) with LLaDA's whole vocabulary (126,464), so that
@@ -94,7 +96,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--schemes", nargs="+", default=list(SCHEMES), choices=list(SCHEMES))
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/native_rollout.json"))
+    ap.add_argument("--predict", action="store_true", help="print the dual cache's speed-up from model work and stop")
     args = ap.parse_args(argv)
+    shape = {k: getattr(args, k) for k in ("rows", "prompt", "length", "block", "steps", "width", "layers", "vocab")}
+    if args.predict:
+        print(f"model work alone predicts {model_work('none', **shape) / model_work('dual', **shape):.2f}x for the dual cache")
+        return 0
     torch.set_num_threads(1)
     policy = reduced_llada(args.vocab, args.width, args.layers)
     ids = torch.randint(100, 126000, (args.rows, args.prompt), generator=torch.Generator().manual_seed(1))
@@ -122,7 +129,6 @@ def main(argv: list[str] | None = None) -> int:
     if "none" in rows:
         for r in rows.values():
             r["speedup_vs_none"] = r["tokens_per_cpu_second"] / rows["none"]["tokens_per_cpu_second"]
-    shape = {k: getattr(args, k) for k in ("rows", "prompt", "length", "block", "steps", "width", "layers", "vocab")}
     for name in ("none", "dual"):
         if name in rows:
             rows[name]["model_multiply_adds"] = model_work(name, **shape)
