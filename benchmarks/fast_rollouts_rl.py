@@ -116,7 +116,7 @@ def cmd_launch(args) -> None:
 
 def cmd_midway(args) -> None:
     """Each finished run's checkpoint of step `--step` evaluated as the run's final evaluation is
-    (its config's held-out problems and eval_sampling), into the run directory's midway.json:
+    (its config's held-out problems and eval_sampling), into the run directory's midway-<step>.json:
     the accuracy at a fraction of the run's time, to compare settings at equal time."""
     import dataclasses
 

@@ -67,7 +67,7 @@ def reduced_llada(vocab: int, width: int, layers: int) -> HFPolicy:
 
 
 def model_work(scheme: str, *, rows: int, prompt: int, length: int, block: int, steps: int, width: int,
-               layers: int, vocab: int) -> float:
+               layers: int, vocab: int) -> int:
     """Multiply-adds of one `generate`'s model calls, by hand: what the speed-up should be where the
     model's forward is all the time. Per fed column and layer, the weights' 13·d² (q, k, v, o and
     the MLP of 3·d) and the attention's 2·keys·d; the head's d·V on the block's columns. A block
@@ -76,7 +76,7 @@ def model_work(scheme: str, *, rows: int, prompt: int, length: int, block: int, 
     T, d = prompt + length, width
     k = steps * block // length
 
-    def call(fed: int) -> float:
+    def call(fed: int) -> int:
         return rows * (fed * layers * (13 * d * d + 2 * T * d) + block * d * vocab)
 
     per_block = {"none": k * call(T), "dual": call(T) + (k - 1) * call(block)}[scheme]
