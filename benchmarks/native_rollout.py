@@ -79,8 +79,47 @@ def model_work(scheme: str, *, rows: int, prompt: int, length: int, block: int, 
     def call(fed: int) -> int:
         return rows * (fed * layers * (13 * d * d + 2 * T * d) + block * d * vocab)
 
-    per_block = {"none": k * call(T), "dual": call(T) + (k - 1) * call(block)}[scheme]
-    return per_block * (length // block)
+    return per_rollout(scheme, length // block, k, call(T), call(block))
+
+
+def per_rollout(scheme: str, blocks: int, k: int, whole, later):
+    """A rollout's cost from its calls': a block of k steps is k whole-sequence calls uncached, one
+    whole call and k - 1 calls of the block with the dual cache."""
+    return blocks * (k * whole if scheme == "none" else whole + (k - 1) * later)
+
+
+def interleaved_calls(policy, *, rows: int, prompt: int, length: int, block: int, steps: int, vocab: int,
+                      repeats: int) -> dict:
+    """The model's time of each scheme from its calls timed side by side, so that the machine's
+    load falls on both alike: an uncached call (the whole sequence, the head on a block), a dual
+    cache's first call of a block (the same, its keys kept) and a later call (the block's columns
+    against the kept keys), in turn, `repeats` times; medians composed as `generate` makes them
+    (a block: k uncached calls, or one first call and k - 1 later ones)."""
+    from stabledrl.data import position_ids
+    from stabledrl.sampling import _ApproxCache
+
+    T, k, blocks = prompt + length, steps * block // length, length // block
+    x = torch.randint(0, min(126000, vocab - 1), (rows, T), generator=torch.Generator().manual_seed(2))  # no mask id
+    attn = torch.ones_like(x)
+    pos, active = position_ids(attn), torch.arange(rows)
+    times: dict[str, list[float]] = {"uncached": [], "first": [], "later": []}
+
+    def timed(name: str, call) -> None:
+        t0 = time.process_time()
+        with torch.no_grad():
+            call()
+        times[name].append(time.process_time() - t0)
+
+    for _ in range(repeats):
+        timed("uncached", lambda: policy.logits(x, attn, pos, columns=slice(prompt, prompt + block)))
+        cache = _ApproxCache(policy, "dual", prompt, 0, block, attn, pos)
+        timed("first", lambda: cache.logits(x, active))
+        timed("later", lambda: cache.logits(x, active))
+    med = {name: statistics.median(ts) for name, ts in times.items()}
+    none = per_rollout("none", blocks, k, med["uncached"], None)
+    dual = per_rollout("dual", blocks, k, med["first"], med["later"])
+    return {"call_seconds": med, "repeats": repeats, "model_seconds": {"none": none, "dual": dual},
+            "model_speedup": none / dual}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -97,6 +136,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--schemes", nargs="+", default=list(SCHEMES), choices=list(SCHEMES))
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/native_rollout.json"))
     ap.add_argument("--predict", action="store_true", help="print the dual cache's speed-up from model work and stop")
+    ap.add_argument("--interleaved", type=int, metavar="REPEATS",
+                    help="time the schemes' model calls side by side, REPEATS times, instead of whole rollouts")
     args = ap.parse_args(argv)
     shape = {k: getattr(args, k) for k in ("rows", "prompt", "length", "block", "steps", "width", "layers", "vocab")}
     if args.predict:
@@ -104,6 +145,16 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     torch.set_num_threads(1)
     policy = reduced_llada(args.vocab, args.width, args.layers)
+    if args.interleaved:
+        res = interleaved_calls(policy, **{k: v for k, v in shape.items() if k not in ("width", "layers")},
+                                repeats=args.interleaved)
+        res["predicted_speedup_from_model_work"] = model_work("none", **shape) / model_work("dual", **shape)
+        print(f"calls side by side: the dual cache's model time {res['model_speedup']:.2f}x shorter "
+              f"(model work predicts {res['predicted_speedup_from_model_work']:.2f}x)")
+        args.out.write_text(json.dumps({"command": "python benchmarks/native_rollout.py " + " ".join(
+            sys.argv[1:] if argv is None else argv), "settings": {k: v for k, v in vars(args).items() if k != "out"},
+            "torch": torch.__version__, "threads": 1, "interleaved": res}, indent=2) + "\n")
+        return 0
     ids = torch.randint(100, 126000, (args.rows, args.prompt), generator=torch.Generator().manual_seed(1))
     mask = torch.ones_like(ids)
     rows = {}
