@@ -12,8 +12,9 @@ noise (the recipes'). Schemes: no cache, prefix cache, dual cache, dual cache + 
 Random weights give near-uniform predictions, which never reach the threshold: there it saves
 no call (the tiny tasks measure what it saves on a trained model, docs/decoding.md).
 
-Tokens per CPU second = 16 · 256 / process time of one `generate` (one thread: other jobs on the
-machine barely change it), median over repeats; the model calls; the share of that time inside
+Tokens per CPU second = 16 · 256 / process time of one `generate` (one thread; heavy load on the
+machine still moves a CPU second's work by a tenth, and unevenly between schemes run minutes apart:
+`--interleaved N` times the schemes' model calls in turn instead), median over repeats; the model calls; the share of that time inside
 the model's forward (the rest is the sampler's draw over the vocabulary); the speed-up over no
 cache.
 Writes benchmarks/results/native_rollout.json.
