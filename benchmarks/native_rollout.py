@@ -83,6 +83,11 @@ def model_work(scheme: str, *, rows: int, prompt: int, length: int, block: int, 
     return per_rollout(scheme, length // block, k, call(T), call(block))
 
 
+def predicted_speedup(shape: dict) -> float:
+    """The dual cache's speed-up over no cache from model work alone."""
+    return model_work("none", **shape) / model_work("dual", **shape)
+
+
 def per_rollout(scheme: str, blocks: int, k: int, whole, later):
     """A rollout's cost from its calls': a block of k steps is k whole-sequence calls uncached, one
     whole call and k - 1 calls of the block with the dual cache."""
@@ -123,6 +128,16 @@ def interleaved_calls(policy, *, rows: int, prompt: int, length: int, block: int
             "model_speedup": none / dual}
 
 
+def _write(args, argv: list[str] | None, policy, **results) -> None:
+    """The JSON: the command, the settings, the model's size, the versions, then the results."""
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({
+        "command": "python benchmarks/native_rollout.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        "settings": {k: v for k, v in vars(args).items() if k != "out"},
+        "parameters": sum(p.numel() for p in policy.model.parameters()),
+        "torch": torch.__version__, "python": platform.python_version(), "threads": 1, **results}, indent=2) + "\n")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", type=int, default=16)
@@ -142,19 +157,17 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     shape = {k: getattr(args, k) for k in ("rows", "prompt", "length", "block", "steps", "width", "layers", "vocab")}
     if args.predict:
-        print(f"model work alone predicts {model_work('none', **shape) / model_work('dual', **shape):.2f}x for the dual cache")
+        print(f"model work alone predicts {predicted_speedup(shape):.2f}x for the dual cache")
         return 0
     torch.set_num_threads(1)
     policy = reduced_llada(args.vocab, args.width, args.layers)
     if args.interleaved:
         res = interleaved_calls(policy, **{k: v for k, v in shape.items() if k not in ("width", "layers")},
                                 repeats=args.interleaved)
-        res["predicted_speedup_from_model_work"] = model_work("none", **shape) / model_work("dual", **shape)
+        res["predicted_speedup_from_model_work"] = predicted_speedup(shape)
         print(f"calls side by side: the dual cache's model time {res['model_speedup']:.2f}x shorter "
               f"(model work predicts {res['predicted_speedup_from_model_work']:.2f}x)")
-        args.out.write_text(json.dumps({"command": "python benchmarks/native_rollout.py " + " ".join(
-            sys.argv[1:] if argv is None else argv), "settings": {k: v for k, v in vars(args).items() if k != "out"},
-            "torch": torch.__version__, "threads": 1, "interleaved": res}, indent=2) + "\n")
+        _write(args, argv, policy, interleaved=res)
         return 0
     ids = torch.randint(100, 126000, (args.rows, args.prompt), generator=torch.Generator().manual_seed(1))
     mask = torch.ones_like(ids)
@@ -185,14 +198,9 @@ def main(argv: list[str] | None = None) -> int:
         if name in rows:
             rows[name]["model_multiply_adds"] = model_work(name, **shape)
     if {"none", "dual"} <= rows.keys():
-        rows["dual"]["predicted_speedup_from_model_work"] = model_work("none", **shape) / model_work("dual", **shape)
+        rows["dual"]["predicted_speedup_from_model_work"] = predicted_speedup(shape)
         print(f"model work alone predicts {rows['dual']['predicted_speedup_from_model_work']:.2f}x for the dual cache")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({
-        "command": "python benchmarks/native_rollout.py " + " ".join(sys.argv[1:] if argv is None else argv),
-        "settings": {k: v for k, v in vars(args).items() if k != "out"},
-        "parameters": sum(p.numel() for p in policy.model.parameters()),
-        "torch": torch.__version__, "python": platform.python_version(), "threads": 1, "schemes": rows}, indent=2) + "\n")
+    _write(args, argv, policy, schemes=rows)
     return 0
 
 
