@@ -51,7 +51,8 @@ from stabledrl.tokenizer import build_char_tokenizer  # noqa: E402
 GB = 1e9
 SIZES = ("llada-8b", "tiny")  # shapes of benchmarks/scale.py
 SCHEMES = {"none": {}, "prefix": {"approx_cache": "prefix"}, "dual": {"approx_cache": "dual"},
-           "dual+threshold0.9": {"approx_cache": "dual", "threshold": 0.9}}
+           "dual+threshold0.9": {"approx_cache": "dual", "threshold": 0.9},
+           "dual+refresh2": {"approx_cache": "dual", "approx_refresh": 2}}
 
 
 class _Tokens:
@@ -132,27 +133,32 @@ def native_llada(shape: scale.Shape, device: str, dtype: torch.dtype) -> HFPolic
     return HFPolicy(model, tok, "llada", tok.mask_token_id)
 
 
-def rollout_schemes(policy, args, ids: torch.Tensor, cuda: bool) -> dict[str, Any]:
+def rollout_schemes(policy, args, ids: torch.Tensor, cuda: bool, save=lambda part: None) -> dict[str, Any]:
     """The rollout alone under each of `args.schemes`: seconds, tokens/s, model calls, peak memory
-    (CUDA) of one `generate` of the rows (after one untimed call of the first scheme)."""
+    (CUDA) of one `generate` of the rows. Each scheme is warmed up first by a rollout of one step a
+    block (the same shapes of call, a fraction of the time); `save` gets the results so far."""
     out: dict[str, Any] = {}
-    for i, name in enumerate(["warm-up"] + args.schemes):
-        sampling = SamplingConfig(gen_length=args.gen_length, steps=args.steps, block_length=args.block_length,
-                                  temperature=args.temperature, noise=args.noise,
-                                  **SCHEMES[args.schemes[0] if i == 0 else name])
-        if cuda:
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-        t0 = time.perf_counter()
-        with torch.no_grad():
-            gen = generate(policy, ids, torch.ones_like(ids), sampling, generator=row_generators("check", 0, len(ids)))
-        if cuda:
-            torch.cuda.synchronize()
-        seconds = time.perf_counter() - t0
-        if i:
-            out[name] = {"seconds": seconds, "tokens_per_s": ids.size(0) * args.gen_length / seconds,
-                         "model_calls": gen.forward_passes,
-                         "peak_bytes": torch.cuda.max_memory_allocated() if cuda else None}
+    blocks = -(-args.gen_length // args.block_length)
+    for name in args.schemes:
+        for steps in (blocks, args.steps):  # warm-up, then timed
+            sampling = SamplingConfig(gen_length=args.gen_length, steps=steps, block_length=args.block_length,
+                                      temperature=args.temperature, noise=args.noise, **SCHEMES[name])
+            if cuda:
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+            t0 = time.perf_counter()
+            with torch.no_grad():
+                gen = generate(policy, ids, torch.ones_like(ids), sampling,
+                               generator=row_generators("check", 0, len(ids)))
+            if cuda:
+                torch.cuda.synchronize()
+            seconds = time.perf_counter() - t0
+        out[name] = {"seconds": seconds, "tokens_per_s": ids.size(0) * args.gen_length / seconds,
+                     "model_calls": gen.forward_passes,
+                     "peak_bytes": torch.cuda.max_memory_allocated() if cuda else None}
+        print(f"rollout, {name}: {out[name]['tokens_per_s']:.0f} tokens/s, {gen.forward_passes} calls, "
+              f"{seconds:.2f} s", flush=True)
+        save(out)
     return out
 
 
@@ -170,13 +176,15 @@ def _shape_of(cfg) -> scale.Shape | None:
                        qkv_bias=bool(get("attention_bias", "include_bias")), qk_norm=any(t in str(get("model_type")) for t in ("qwen3", "sdar")))
 
 
-def train_config(args) -> TrainConfig:
-    """The trainer's config of this check's step (one process), for `scale.rl_step`."""
+def train_config(args, scheme: str = "none") -> TrainConfig:
+    """The trainer's config of this check's step (one process), for `scale.rl_step`; the
+    rollout under `scheme` (`SCHEMES`)."""
     options = {"block_length": args.block_length, "p_prompt": 0.15} if args.estimator == "block_random" else {}
     return TrainConfig(
         lora=LoraSettings(r=args.lora_r, alpha=2.0 * args.lora_r, dropout=0.0) if args.train == "lora" else None,
         rollout=SamplingConfig(gen_length=args.gen_length, steps=args.steps, block_length=args.block_length,
-                               temperature=args.temperature, noise=args.noise, micro_batch=args.micro_batch),
+                               temperature=args.temperature, noise=args.noise, micro_batch=args.micro_batch,
+                               **SCHEMES[scheme]),
         estimator=EstimatorConfig(method=args.estimator, num_samples=args.views, options=options, reduction="mean",
                                   max_views_per_forward=args.max_views_per_forward),
         objective=StableDRLConfig(), prompts_per_step=args.rows // args.group_size, group_size=args.group_size,
@@ -219,15 +227,16 @@ def flops_per_token(n_matmul: int, layers: int, width: int) -> tuple[int, int]:
     return 2 * n_matmul, 4 * layers * width
 
 
-def footprint(args, lora_params: int, rows: int) -> scale.Footprint:
-    """The memory model's description of this run (one process, no sharding)."""
+def footprint(args, lora_params: int, rows: int, scheme: str = "none") -> scale.Footprint:
+    """The memory model's description of this run (one process, no sharding), its rollouts under `scheme`."""
     views = rows * args.views
     return scale.Footprint(prompt_length=args.prompt_length, gen_length=args.gen_length,
                            rows_per_call=min(rows, args.micro_batch or rows),
                            views_per_forward=min(views, args.max_views_per_forward or views),
                            lora_params=lora_params, weight_bytes=2 if args.train == "lora" else 4, autocast=True,
                            foreach=True, checkpointing=args.checkpointing, noise=args.noise,
-                           block_length=args.block_length, head_on_block=args.noise == "counter")
+                           block_length=args.block_length, head_on_block=args.noise == "counter",
+                           approx_cache=bool(SCHEMES[scheme].get("approx_cache")))
 
 
 def _args(argv: list[str] | None) -> argparse.Namespace:
@@ -238,6 +247,9 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
                     help="the random model: stabledrl's native LLaDA, or the project's TinyDiffusionLM")
     ap.add_argument("--schemes", nargs="*", default=list(SCHEMES), choices=list(SCHEMES),
                     help="rollout caches timed before the step (none: skip)")
+    ap.add_argument("--step-schemes", nargs="+", default=["none"], choices=list(SCHEMES),
+                    help="the steps' rollout: the first is the report's step; each further one is timed "
+                         "the same way after it (step_by_scheme)")
     ap.add_argument("--layers", type=int, help="depth of the random model (default: the shape's)")
     ap.add_argument("--train", choices=["lora", "full"], default="lora")
     ap.add_argument("--lora-r", type=int, default=16)
@@ -312,16 +324,22 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         (args.rows, args.prompt_length), generator=torch.Generator().manual_seed(0))
     ids[:, 0] = policy.tokenizer.bos_token_id if policy.tokenizer.bos_token_id is not None else ids[0, 0]
     ids = ids.to(policy.device)
-    run = scale._Run(train_config(args), policy, None, acc, opt, params, ids, torch.ones_like(ids))
+    run = scale._Run(train_config(args, args.step_schemes[0]), policy, None, acc, opt, params, ids, torch.ones_like(ids))
     source = (f"checkpoint {args.model}" if args.model else
               f"random {'native LLaDA' if args.model_code == 'native' else 'TinyDiffusionLM'}, {args.size} shape")
     layers = shape.num_hidden_layers if shape is not None else cfg.num_hidden_layers
     print(f"model: {source}, {n_params:,} parameters ({layers} layers), train {args.train}: {trainable:,} "
           f"trainable; built in {build_seconds:.1f} s", flush=True)
-    schemes = rollout_schemes(policy, args, ids, cuda) if args.schemes else {}
-    for name, r in schemes.items():
-        print(f"rollout, {name}: {r['tokens_per_s']:.0f} tokens/s, {r['model_calls']} calls, {r['seconds']:.2f} s",
-              flush=True)
+    partial: dict[str, Any] = {"command": "python benchmarks/gpu_check.py " + " ".join(sys.argv[1:] if argv is None else argv),
+                               "complete": False, "model": {"source": source, "params": n_params, "layers": layers}}
+
+    def save(key: str, value: Any) -> None:  # what is measured so far, kept if a later part fails
+        partial[key] = value
+        if args.out:
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.out).write_text(json.dumps(partial, indent=2) + "\n")
+
+    schemes = rollout_schemes(policy, args, ids, cuda, lambda done: save("rollout_schemes", done)) if args.schemes else {}
     t0 = time.perf_counter()
     rl_step(run, tokens, 0)  # warm-up: kernels, AdamW's states
     warm = time.perf_counter() - t0
@@ -332,6 +350,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             for t in scale._resident(run):
                 live.add(t)
             steps.append(rl_step(run, tokens, 1 + args.repeats, live))
+    save("steps", steps)
+    by_scheme = {args.step_schemes[0]: _step_seconds(steps)}
+    for name in args.step_schemes[1:]:  # the same step with another rollout (kernels and AdamW warm already)
+        other = dataclasses.replace(run, cfg=train_config(args, name))
+        by_scheme[name] = _step_seconds([rl_step(other, tokens, 1 + r) for r in range(args.repeats)])
+        print(f"step, rollout {name}: {by_scheme[name]['step']:.2f} s (rollout {by_scheme[name]['rollout']:.2f} s)",
+              flush=True)
+        save("step_by_scheme", by_scheme)
     phases = ("rollout", "scoring", "update", "optimizer")
     med = {k: statistics.median(s[k]["seconds"] for s in steps) for k in phases}
     last = steps[-1]
@@ -345,7 +371,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     flops["update"] = (1 + backward) * flops["scoring"]  # the same views; a view budget's no-grad pass not counted
     mm = _matmul_tflops() if cuda else None
     report: dict[str, Any] = {
-        "command": "python benchmarks/gpu_check.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        "command": partial["command"], "complete": True,
         "machine": {"device": torch.cuda.get_device_name() if cuda else platform.processor() or platform.machine(),
                     "gpu_bytes": torch.cuda.mem_get_info()[1] if cuda else None, "torch": torch.__version__,
                     "cuda": torch.version.cuda, "platform": platform.platform(),
@@ -359,6 +385,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "counts": last["counts"],
         "rollout_tokens_per_s": last["counts"]["completion_slots"] / med["rollout"],
         "rollout_schemes": schemes,
+        "step_by_scheme": by_scheme,
         "model_tflop": {k: v / 1e12 for k, v in flops.items()},
         "mfu": {k: flops[k] / med[k] / (args.peak_tflops * 1e12) for k in flops} if cuda else None,
         "peak_tflops": args.peak_tflops,
@@ -370,16 +397,25 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         "measured_phases": measured, "measured_peak": max(measured.values())}
     if shape is not None:
         lora_n = trainable if args.train == "lora" else 0
-        pred = scale.predict_memory(shape, footprint(args, lora_n, args.rows))
+        pred = scale.predict_memory(shape, footprint(args, lora_n, args.rows, args.step_schemes[0]))
         mem = report.setdefault("memory", {})
         mem.update(predicted_peak=pred["peak"], predicted_phases=pred["phases"], predicted_terms=pred["terms"])
         mem["ratio_predicted_over_measured"] = pred["peak"] / mem["measured_peak"]
+        for name, r in schemes.items():  # the rollout alone (before AdamW's states exist) against the rollout phase
+            r["predicted_rollout_bytes"] = scale.predict_memory(shape, footprint(args, lora_n, args.rows, name))["phases"]["rollout"]
     _print(report)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
         print(f"wrote {args.out}")
     return report
+
+
+def _step_seconds(steps: list[dict[str, Any]]) -> dict[str, float]:
+    """Median seconds of each phase, and of the whole step, over `steps`."""
+    phases = ("rollout", "scoring", "update", "optimizer")
+    med = {k: statistics.median(s[k]["seconds"] for s in steps) for k in phases}
+    return {**med, "step": statistics.median(sum(s[k]["seconds"] for k in phases) for s in steps)}
 
 
 def _size(x: float) -> str:
