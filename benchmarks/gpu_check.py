@@ -133,7 +133,8 @@ def native_llada(shape: scale.Shape, device: str, dtype: torch.dtype) -> HFPolic
     return HFPolicy(model, tok, "llada", tok.mask_token_id)
 
 
-def rollout_schemes(policy, args, ids: torch.Tensor, cuda: bool, save=lambda part: None) -> dict[str, Any]:
+def rollout_schemes(policy, args, ids: torch.Tensor, cuda: bool, save=lambda part: None,
+                    label: str = "") -> dict[str, Any]:
     """The rollout alone under each of `args.schemes`: seconds, tokens/s, model calls, peak memory
     (CUDA) of one `generate` of the rows. Each scheme is warmed up first by a rollout of one step a
     block (the same shapes of call, a fraction of the time); `save` gets the results so far."""
@@ -156,7 +157,7 @@ def rollout_schemes(policy, args, ids: torch.Tensor, cuda: bool, save=lambda par
         out[name] = {"seconds": seconds, "tokens_per_s": ids.size(0) * args.gen_length / seconds,
                      "model_calls": gen.forward_passes,
                      "peak_bytes": torch.cuda.max_memory_allocated() if cuda else None}
-        print(f"rollout, {name}: {out[name]['tokens_per_s']:.0f} tokens/s, {gen.forward_passes} calls, "
+        print(f"rollout{label}, {name}: {out[name]['tokens_per_s']:.0f} tokens/s, {gen.forward_passes} calls, "
               f"{seconds:.2f} s", flush=True)
         save(out)
     return out
@@ -247,6 +248,8 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
                     help="the random model: stabledrl's native LLaDA, or the project's TinyDiffusionLM")
     ap.add_argument("--schemes", nargs="*", default=list(SCHEMES), choices=list(SCHEMES),
                     help="rollout caches timed before the step (none: skip)")
+    ap.add_argument("--also-without-adapters", action="store_true",
+                    help="with --train lora: time the schemes again with the adapters off (as full fine-tuning samples)")
     ap.add_argument("--step-schemes", nargs="+", default=["none"], choices=list(SCHEMES),
                     help="the steps' rollout: the first is the report's step; each further one is timed "
                          "the same way after it (step_by_scheme)")
@@ -340,6 +343,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             Path(args.out).write_text(json.dumps(partial, indent=2) + "\n")
 
     schemes = rollout_schemes(policy, args, ids, cuda, lambda done: save("rollout_schemes", done)) if args.schemes else {}
+    bare: dict[str, Any] = {}
+    if args.schemes and args.also_without_adapters and args.train == "lora":
+        # the same rollouts with the adapters off (peft's disable_adapter: the base layers alone, none of
+        # LoRA's own kernels): what a fully fine-tuned model, or one sharded by FSDP, samples with
+        with policy.model.disable_adapter():
+            bare = rollout_schemes(policy, args, ids, cuda, lambda done: save("rollout_schemes_without_adapters", done),
+                                   label=" without adapters")
     t0 = time.perf_counter()
     rl_step(run, tokens, 0)  # warm-up: kernels, AdamW's states
     warm = time.perf_counter() - t0
@@ -385,6 +395,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "counts": last["counts"],
         "rollout_tokens_per_s": last["counts"]["completion_slots"] / med["rollout"],
         "rollout_schemes": schemes,
+        "rollout_schemes_without_adapters": bare,
         "step_by_scheme": by_scheme,
         "model_tflop": {k: v / 1e12 for k, v in flops.items()},
         "mfu": {k: flops[k] / med[k] / (args.peak_tflops * 1e12) for k in flops} if cuda else None,

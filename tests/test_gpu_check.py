@@ -63,3 +63,21 @@ def test_a_bfloat16_model_runs_without_autocast():
     ids = torch.randint(5, 256, (2, 8), generator=torch.Generator().manual_seed(0))
     logits = model(ids).logits
     assert logits.dtype == torch.bfloat16 and torch.isfinite(logits).all()
+
+
+def test_the_rollouts_without_adapters_and_the_step_under_further_rollout_schemes(tmp_path):
+    out = tmp_path / "check.json"
+    r = gpu_check.main(TINY + ["--schemes", "none", "dual", "--also-without-adapters",
+                               "--step-schemes", "none", "dual+refresh2", "--out", str(out)])
+    saved = json.loads(out.read_text())
+    assert saved["complete"] is True and list(saved["step_by_scheme"]) == ["none", "dual+refresh2"]
+    # fresh LoRA adapters (B = 0) change nothing: the same schedule of calls with them off
+    assert list(r["rollout_schemes_without_adapters"]) == ["none", "dual"]
+    assert [s["model_calls"] for s in r["rollout_schemes_without_adapters"].values()] == \
+        [s["model_calls"] for s in r["rollout_schemes"].values()]
+    # the dual cache's rollout phase predicts the cache beside the uncached one: 2 (k, v) · 4 rows · 2 layers ·
+    # 24 columns · 32 wide · 2 bytes (bf16 autocast, on CPU too) = 24,576 bytes more
+    assert saved["rollout_schemes"]["dual"]["predicted_rollout_bytes"] - \
+        saved["rollout_schemes"]["none"]["predicted_rollout_bytes"] == 2 * 4 * 2 * 24 * 32 * 2
+    step = r["step_by_scheme"]["dual+refresh2"]
+    assert step["step"] == pytest.approx(sum(step[k] for k in ("rollout", "scoring", "update", "optimizer")))

@@ -188,8 +188,8 @@ class RMSNorm(nn.Module):
         self.eps, self.weight_in_float32 = eps, weight_in_float32
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        # torch's rms_norm is the families' h * rsqrt(mean(h²) + eps) in one kernel where torch has one (CUDA)
+        h = F.rms_norm(x.float(), (x.size(-1),), eps=self.eps)
         if self.weight_in_float32:
             return (h * self.weight.float()).to(x.dtype)
         return self.weight * h.to(x.dtype)
@@ -197,12 +197,13 @@ class RMSNorm(nn.Module):
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, in_float32: bool) -> torch.Tensor:
     """RoPE on halves (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin), back in x's dtype; computed
-    in float32 or in x's dtype (`Architecture.rope_in_float32`). x: (B, H, T, Dh); cos, sin: (B, 1, T, Dh)
-    in float32."""
+    in float32 or in x's dtype (`Architecture.rope_in_float32`). x: (B, H, T, Dh); cos: (B, 1, T, Dh)
+    in float32; sin: the same with the first half negated (`_NativeLM.forward`), so that the
+    rotated halves need no negation of their own: (-x2)·s and x2·(-s) are the same number."""
     h = x.float() if in_float32 else x
     cos, sin = cos.to(h.dtype), sin.to(h.dtype)
     x1, x2 = h.chunk(2, dim=-1)
-    return (h * cos + torch.cat((-x2, x1), dim=-1) * sin).to(x.dtype)
+    return (h * cos + torch.cat((x2, x1), dim=-1) * sin).to(x.dtype)
 
 
 class _Attention(nn.Module):
@@ -362,8 +363,8 @@ class _NativeLM(PreTrainedModel):
         # theta^(-2i/Dh), as every family's file writes it (there, a buffer)
         inv_freq = rope_frequencies(self.arch.rope_theta, self.arch.head_dim, input_ids.device)  # (Dh/2,)
         freqs = position_ids[:, None, :, None].float() * inv_freq  # (B, 1, T, Dh/2)
-        freqs = torch.cat((freqs, freqs), dim=-1)
-        cos, sin = freqs.cos(), freqs.sin()  # (B, 1, T, Dh)
+        c, s = freqs.cos(), freqs.sin()
+        cos, sin = torch.cat((c, c), dim=-1), torch.cat((-s, s), dim=-1)  # (B, 1, T, Dh); sin signed for `_rotate`
         embed, layers, norm, head = self._parts()
         x = embed(input_ids)  # (B, T, D)
         new = []
