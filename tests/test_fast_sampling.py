@@ -374,6 +374,39 @@ def test_cached_sampler_a_row_samples_the_same_alone_and_in_a_batch(approx_cache
         assert torch.equal(alone.completion_ids[0], batched.completion_ids[i])
 
 
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("remasking", ["low_confidence", "random"])
+def test_the_counter_draw_is_its_formula_from_any_layout_of_the_logits(temperature, remasking):
+    # The draw tempers its own copy of the eligible slots' logits in place: the tokens and scores
+    # of the formula written out, bit for bit, from contiguous logits and from a strided view of
+    # the same values, and the logits left as they were.
+    from stabledrl.sampling import _At, _Decoding, _draw_counter
+
+    policy = make_tiny_policy(seed=21)
+    sampling = SamplingConfig(gen_length=8, temperature=temperature, noise="counter", remasking=remasking)
+    dec = _Decoding(policy, sampling, 3, torch.device("cpu"), row_generators("t", 0, 3), False, False)
+    V = len(policy.tokenizer)
+    logits = torch.randn(3, 5, V, generator=torch.Generator().manual_seed(4)) * 4
+    eligible = torch.rand(3, 5, generator=torch.Generator().manual_seed(5)) < 0.6
+    at = _At(torch.arange(3), 2, torch.arange(5))
+    a, w = eligible.nonzero(as_tuple=True)
+    lg = logits[a, w]
+    weights = (lg - lg.amax(-1, keepdim=True)).div_(temperature).exp_()
+    x0 = categorical(weights, counter_uniform(dec.keys, 2, at.cols, 0)[a, w])
+    if remasking == "low_confidence":
+        p1 = (lg - lg.amax(-1, keepdim=True)).exp_()
+        score = p1.gather(-1, x0[:, None]).squeeze(-1) / p1.sum(-1)
+    else:
+        score = counter_uniform(dec.keys, 2, at.cols, 1)[a, w].float()
+    strided = torch.empty(3, 7, V).copy_(torch.cat([logits, logits[:, :2]], 1))[:, :5]
+    assert not strided.is_contiguous()
+    for given in (logits.clone(), strided):
+        got_x0, got_score = _draw_counter(dec, given, eligible, at)
+        assert torch.equal(got_x0[a, w], x0) and torch.equal(got_score[a, w], score)
+        assert not got_x0[~eligible].any() and not got_score[~eligible].any()
+        assert torch.equal(given, logits)
+
+
 class _Copied:
     """The policy with its cache taken as one no model writes in place (``cache_in_place``
     False): `_ApproxCache` copies the kept columns' keys out and joins the fed ones' to them."""

@@ -189,11 +189,17 @@ def _draw_counter(dec: _Decoding, logits: torch.Tensor, eligible: torch.Tensor, 
     temperature = dec.sampling.temperature
     keys = None if dec.keys is None else dec.keys[at.rows]  # (A, 2)
     a, w = eligible.nonzero(as_tuple=True)  # (N,) each
-    lg = logits[a, w]  # (N, V)
+    # (N, V), a copy; of whole rows of V (index_select's row copies, not a gather of each element)
+    lg = logits.flatten(0, 1).index_select(0, a * logits.size(1) + w) if logits.is_contiguous() else logits[a, w]
     top = lg.amax(-1, keepdim=True)  # (N, 1)
     if temperature > 0:
-        weights = (lg - top).div_(temperature).exp_()  # (N, V) unnormalised tempered probabilities
-        x0 = categorical(weights, counter_uniform(keys, at.step, at.cols, 0)[a, w])
+        # (N, V) unnormalised tempered probabilities. In lg's own memory where nothing reads lg again
+        # (a fresh (N, V) tensor is a pass over new pages), and no division by a temperature of 1 (x / 1
+        # is x): the same values.
+        weights = lg.sub_(top) if temperature == 1 or dec.sampling.remasking != "low_confidence" else lg - top
+        if temperature != 1:
+            weights.div_(temperature)
+        x0 = categorical(weights.exp_(), counter_uniform(keys, at.step, at.cols, 0)[a, w])
     else:
         x0 = lg.argmax(-1)  # (N,)
     if dec.sampling.remasking == "low_confidence":  # p(x0) at temperature 1, as the generator path computes it
