@@ -374,6 +374,95 @@ def test_cached_sampler_a_row_samples_the_same_alone_and_in_a_batch(approx_cache
         assert torch.equal(alone.completion_ids[0], batched.completion_ids[i])
 
 
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("remasking", ["low_confidence", "random"])
+def test_the_counter_draw_is_its_formula_from_any_layout_of_the_logits(temperature, remasking):
+    # The draw tempers its own copy of the eligible slots' logits in place: the tokens and scores
+    # of the formula written out, bit for bit, from contiguous logits and from a strided view of
+    # the same values, and the logits left as they were.
+    from stabledrl.sampling import _At, _Decoding, _draw_counter
+
+    policy = make_tiny_policy(seed=21)
+    sampling = SamplingConfig(gen_length=8, temperature=temperature, noise="counter", remasking=remasking)
+    dec = _Decoding(policy, sampling, 3, torch.device("cpu"), row_generators("t", 0, 3), False, False)
+    V = len(policy.tokenizer)
+    logits = torch.randn(3, 5, V, generator=torch.Generator().manual_seed(4)) * 4
+    eligible = torch.rand(3, 5, generator=torch.Generator().manual_seed(5)) < 0.6
+    at = _At(torch.arange(3), 2, torch.arange(5))
+    a, w = eligible.nonzero(as_tuple=True)
+    lg = logits[a, w]
+    weights = (lg - lg.amax(-1, keepdim=True)).div_(temperature).exp_()
+    x0 = categorical(weights, counter_uniform(dec.keys, 2, at.cols, 0)[a, w])
+    if remasking == "low_confidence":
+        p1 = (lg - lg.amax(-1, keepdim=True)).exp_()
+        score = p1.gather(-1, x0[:, None]).squeeze(-1) / p1.sum(-1)
+    else:
+        score = counter_uniform(dec.keys, 2, at.cols, 1)[a, w].float()
+    strided = torch.empty(3, 7, V).copy_(torch.cat([logits, logits[:, :2]], 1))[:, :5]
+    assert not strided.is_contiguous()
+    for given in (logits.clone(), strided):
+        got_x0, got_score = _draw_counter(dec, given, eligible, at)
+        assert torch.equal(got_x0[a, w], x0) and torch.equal(got_score[a, w], score)
+        assert not got_x0[~eligible].any() and not got_score[~eligible].any()
+        assert torch.equal(given, logits)
+
+
+class _Copied:
+    """The policy with its cache taken as one no model writes in place (``cache_in_place``
+    False): `_ApproxCache` copies the kept columns' keys out and joins the fed ones' to them."""
+
+    cache_in_place = False
+
+    def __init__(self, policy):
+        self.policy = policy
+
+    def __getattr__(self, name):
+        return getattr(self.policy, name)
+
+
+@pytest.mark.parametrize("approx_cache", ["prefix", "dual"])
+def test_the_cache_written_in_place_gives_the_copied_caches_logits(approx_cache):
+    # The same kept keys, laid out otherwise: left-padded prompts, a block (and, under prefix, a
+    # suffix) changed since the first call (the kept keys stale), rows leaving and coming back.
+    policy = make_tiny_policy(seed=19)
+    ids, mask = encode_prompts(policy.tokenizer, PROMPTS)
+    B, P = ids.shape
+    L, lo, hi = 12, 4, 8
+    comp = torch.randint(4, 24, (B, L), generator=torch.Generator().manual_seed(1))
+    x = torch.cat([ids, comp], dim=1)
+    attn = torch.cat([mask, torch.ones(B, L, dtype=mask.dtype)], dim=1)
+    from stabledrl.data import position_ids
+    pos = position_ids(attn)
+    caches = [_ApproxCache(p, approx_cache, P, lo, hi, attn, pos) for p in (policy, _Copied(policy))]
+    assert caches[0].in_place and not caches[1].in_place
+    x2 = x.clone()
+    x2[:, P + lo] = policy.mask_token_id
+    x3 = x2.clone()
+    x3[:, P + hi + 1] = policy.mask_token_id
+    rows, some = torch.arange(B), torch.tensor([0, 2, 4])
+    with torch.no_grad():
+        for inputs, active in ((x, rows), (x2, rows), (x3, rows), (x3[some], some), (x2[some], some), (x2, rows)):
+            got, want = (c.logits(inputs, active) for c in caches)
+            assert (got - want).abs().max() <= 1e-4 * want.abs().max()
+
+
+@pytest.mark.parametrize("approx_cache", ["prefix", "dual"])
+@pytest.mark.parametrize("refresh", [None, 2])
+def test_the_cache_written_in_place_samples_the_copied_caches_tokens(approx_cache, refresh):
+    # In float64 the two layouts' rounding differs by about 1e-16, far from moving a draw: the same
+    # tokens, rows ending early (EOS) and leaving the cache, with and without refreshes. Sharpened:
+    # near-uniform logits would hide a wrong key from the draws.
+    tiny = make_tiny_policy(seed=18)
+    tiny.model.double()
+    policy = EosLeaning(Sharpened(tiny, 20.0), bias=1.5)
+    common = dict(gen_length=12, steps=12, block_length=4, temperature=1.0, noise="counter",
+                  approx_cache=approx_cache, approx_refresh=refresh)
+    want = _run(_Copied(policy), generator=row_generators("w", 0, 5), **common)
+    got = _run(policy, generator=row_generators("w", 0, 5), **common)
+    assert (want.completion_mask.sum(1) < 12).any()
+    assert torch.equal(got.completion_ids, want.completion_ids) and torch.equal(got.unmask_step, want.unmask_step)
+
+
 def test_approx_cache_is_refused_where_there_is_no_cache_or_an_exact_one():
     ids, mask = encode_prompts(ScriptedPolicy([], [], 0).tokenizer, ["12"])
     with pytest.raises(ValueError, match="new_cache"):

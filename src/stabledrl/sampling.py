@@ -189,11 +189,17 @@ def _draw_counter(dec: _Decoding, logits: torch.Tensor, eligible: torch.Tensor, 
     temperature = dec.sampling.temperature
     keys = None if dec.keys is None else dec.keys[at.rows]  # (A, 2)
     a, w = eligible.nonzero(as_tuple=True)  # (N,) each
-    lg = logits[a, w]  # (N, V)
+    # (N, V), a copy; of whole rows of V (index_select's row copies, not a gather of each element)
+    lg = logits.flatten(0, 1).index_select(0, a * logits.size(1) + w) if logits.is_contiguous() else logits[a, w]
     top = lg.amax(-1, keepdim=True)  # (N, 1)
     if temperature > 0:
-        weights = (lg - top).div_(temperature).exp_()  # (N, V) unnormalised tempered probabilities
-        x0 = categorical(weights, counter_uniform(keys, at.step, at.cols, 0)[a, w])
+        # (N, V) unnormalised tempered probabilities. In lg's own memory where nothing reads lg again
+        # (a fresh (N, V) tensor is a pass over new pages), and no division by a temperature of 1 (x / 1
+        # is x): the same values.
+        weights = lg.sub_(top) if temperature == 1 or dec.sampling.remasking != "low_confidence" else lg - top
+        if temperature != 1:
+            weights.div_(temperature)
+        x0 = categorical(weights.exp_(), counter_uniform(keys, at.step, at.cols, 0)[a, w])
     else:
         x0 = lg.argmax(-1)  # (N,)
     if dec.sampling.remasking == "low_confidence":  # p(x0) at temperature 1, as the generator path computes it
@@ -435,7 +441,15 @@ class _ApproxCache:
 
     A policy whose model reads column i for token i + 1 (``shift_logits``, Dream) is fed the
     column before the block as well: its logits predict the block's first slot. `refresh`: the
-    whole-sequence call (and new kept keys) every `refresh` calls, not only the first."""
+    whole-sequence call (and new kept keys) every `refresh` calls, not only the first.
+
+    Where the policy's model writes a cache in place (``cache_in_place``: the native models
+    and the tiny one honour `KVCache.write_at`), the first call's keys of every column stay
+    where they are, and a later call overwrites the fed columns' (one run of the sequence) with
+    its own and attends to all of them under the rows' own key padding: the same keys as the
+    kept ones followed by the fed ones, without copying the kept ones out once a block and
+    joining them to the fed ones in every layer of every call. Otherwise the kept columns are
+    copied out and the fed ones' keys joined to them."""
 
     def __init__(self, policy, kind: str, P: int, lo: int, hi: int, attn: torch.Tensor, pos: torch.Tensor,
                  refresh: int | None = None) -> None:
@@ -444,11 +458,14 @@ class _ApproxCache:
         self.attn, self.pos = attn, pos  # (B, P+L) all rows
         self.shift = int(bool(getattr(policy, "shift_logits", False)))
         self.narrow = takes_columns(policy)  # the head on the block
+        self.in_place = bool(getattr(policy, "cache_in_place", False))
         T = attn.size(1)
+        self.run = slice(P + lo - self.shift, T if kind == "prefix" else P + hi)  # what a later call feeds
         col = torch.arange(T, device=attn.device)
-        fed = (col >= P + lo - self.shift) & ((col < P + hi) | (kind == "prefix"))  # (T,) what a later call feeds
+        fed = (col >= self.run.start) & (col < self.run.stop)  # (T,)
         self.fed, self.kept = fed.nonzero().flatten(), (~fed).nonzero().flatten()
         self.kv, self.rows = None, None  # the kept keys/values, and the batch rows they are of
+        self.sub = None  # (rows, their cache, key padding, positions) of the latest later call
 
     def logits(self, x: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
         """(A, P+L) inputs of batch rows `active` -> (A, hi - lo, V) logits of the block."""
@@ -459,14 +476,24 @@ class _ApproxCache:
             block = slice(P + lo, P + hi)
             out = self.policy.logits(x, self.attn[active], self.pos[active], cache=cache, extend_cache=True,
                                      **({"columns": block} if self.narrow else {}))
-            self.kv, self.rows = cache.select(cols=self.kept), active
+            if self.in_place:
+                cache.write_at = self.run
+                self.kv = cache
+            else:
+                self.kv = cache.select(cols=self.kept)
+            self.rows, self.sub = active, None
             return out if self.narrow else out[:, block]
-        cache = self.kv
-        if not torch.equal(active, self.rows):  # rows that finished the block leave the cache
-            cache = cache.select(rows=torch.searchsorted(self.rows, active))
-        keys = self.attn[active][:, torch.cat([self.kept, self.fed])]  # (A, Tc+F) key padding, cached first
+        if self.sub is None or not torch.equal(active, self.sub[0]):  # the same until rows leave
+            # Rows that finished the block leave the cache: a copy of the others' (the first call's
+            # cache stays whole, for any rows of it a later call may bring).
+            same = torch.equal(active, self.rows)
+            cache = self.kv if same else self.kv.select(rows=torch.searchsorted(self.rows, active))
+            attn = self.attn[active]
+            keys = attn if self.in_place else attn[:, torch.cat([self.kept, self.fed])]  # (A, T) key padding
+            self.sub = (active, cache, keys, self.pos[active][:, self.run])
+        _, cache, keys, fed_pos = self.sub
         block = slice(self.shift, self.shift + hi - lo)
-        out = self.policy.logits(x[:, self.fed], keys, self.pos[active][:, self.fed], cache=cache,
+        out = self.policy.logits(x[:, self.run], keys, fed_pos, cache=cache,
                                  **({"columns": block} if self.narrow else {}))
         return out if self.narrow else out[:, block]
 

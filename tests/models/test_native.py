@@ -149,6 +149,46 @@ def test_a_refreshed_cached_step_is_the_uncached_step(dirs, family, approx_cache
         assert (stale - policy.logits(x2, attn, pos)[:, P + lo : P + hi]).abs().max() > 1e-6
 
 
+class _Copied:
+    """The policy with its cache taken as one no model writes in place: `_ApproxCache` copies
+    the kept columns' keys out and joins the fed ones' to them."""
+
+    cache_in_place = False
+
+    def __init__(self, policy):
+        self.policy = policy
+
+    def __getattr__(self, name):
+        return getattr(self.policy, name)
+
+
+@pytest.mark.parametrize("family", ["llada", "dream"])
+@pytest.mark.parametrize("approx_cache", ["prefix", "dual"])
+def test_the_cache_written_in_place_gives_the_copied_caches_logits(dirs, family, approx_cache):
+    # The native models write the fed columns' keys into the first call's (Dream's fed run starting
+    # a column before the block): the copied cache's logits with the block changed (the kept keys
+    # stale), left-padded rows, rows leaving and coming back.
+    policy = load_policy(ModelConfig(path=str(dirs[family])))
+    assert policy.cache_in_place
+    ids, mask = _padded(policy)
+    B, P = ids.shape
+    L, lo, hi = 12, 4, 8
+    comp = torch.randint(4, 20, (B, L), generator=torch.Generator().manual_seed(1))
+    x = torch.cat([ids, comp], dim=1)
+    attn = torch.cat([mask, torch.ones(B, L, dtype=mask.dtype)], dim=1)
+    pos = position_ids(attn)
+    caches = [_ApproxCache(p, approx_cache, P, lo, hi, attn, pos) for p in (policy, _Copied(policy))]
+    x2 = x.clone()
+    x2[:, P + lo + 1] = policy.mask_token_id
+    x3 = x2.clone()
+    x3[:, P + hi + 1] = policy.mask_token_id
+    rows, some = torch.arange(B), torch.tensor([1, 3])
+    with torch.no_grad():
+        for inputs, active in ((x, rows), (x2, rows), (x3, rows), (x3[some], some), (x2, rows)):
+            got, want = (c.logits(inputs, active) for c in caches)
+            assert (got - want).abs().max() <= 1e-4 * want.abs().max()
+
+
 @pytest.mark.parametrize("family", ["llada", "dream"])
 def test_the_dual_cache_with_one_step_per_block_samples_the_exact_tokens(dirs, family):
     # Every call is then a block's refresh: the cached sampler is the uncached one.

@@ -136,6 +136,41 @@ def test_kv_cache_gives_the_same_logits_as_the_full_pass():
     assert len(cache) == Tp + T
 
 
+def test_a_cache_written_in_place_gives_the_logits_of_the_joined_one():
+    # A whole left-padded sequence cached; its last 3 columns fed again, changed. Written in place
+    # (write_at) they overwrite their own keys and attend to all 9 columns under the sequence's key
+    # padding: the logits of the kept 6 columns' keys joined to the fed ones' (the usual cache),
+    # in the same tensors (no copy), and the fed columns' new keys are in them after the call.
+    policy = make_tiny_policy(seed=6)
+    B, T, F = 2, 9, 3
+    x = torch.randint(5, len(policy.tokenizer), (B, T))
+    keys = torch.ones(B, T, dtype=torch.long)
+    keys[0, :2] = 0  # row 0 left-padded by two
+    pos = (keys.cumsum(-1) - 1).clamp(min=0)
+    cache = policy.new_cache()
+    with torch.no_grad():
+        policy.logits(x, keys, pos, cache=cache, extend_cache=True)
+        joined = cache.select(cols=torch.arange(T - F))
+        fed = torch.randint(5, len(policy.tokenizer), (B, F))
+        want = policy.logits(fed, keys, pos[:, T - F :], cache=joined)
+        ptrs = [t.data_ptr() for layer in cache.layers for t in layer]
+        before = cache.layers[0][0][:, :, T - F :].clone()  # layer 0's keys: of each column's token alone
+        cache.write_at = slice(T - F, T)
+        got = policy.logits(fed, keys, pos[:, T - F :], cache=cache)
+        assert (got - want).abs().max() <= 1e-4 * want.abs().max()
+        assert [t.data_ptr() for layer in cache.layers for t in layer] == ptrs and len(cache) == T
+        fresh = policy.new_cache()
+        policy.logits(torch.cat([x[:, : T - F], fed], 1), keys, pos, cache=fresh, extend_cache=True)
+        now, new = cache.layers[0][0][:, :, T - F :], fresh.layers[0][0][:, :, T - F :]
+        assert (now - new).abs().max() <= 1e-5 * new.abs().max() < (before - new).abs().max()
+        with pytest.raises(ValueError, match="not extended"):
+            policy.logits(fed, keys, pos[:, T - F :], cache=cache, extend_cache=True)
+        with pytest.raises(ValueError, match="2 tokens were fed"):
+            policy.logits(fed[:, :2], keys, pos[:, T - 2 :], cache=cache)
+        with pytest.raises(ValueError, match="Tc = 9 columns"):
+            policy.logits(fed, torch.ones(B, T + F, dtype=torch.long), pos[:, T - F :], cache=cache)
+
+
 @pytest.mark.parametrize("extend", [False, True])
 def test_a_forward_keeps_layer_keys_and_values_only_for_the_cache(extend):
     # Each block returns its (k, v): k the RoPE'd keys, v a view of the block's whole qkv

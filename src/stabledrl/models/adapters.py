@@ -159,6 +159,11 @@ class HFPolicy:
 
         return DynamicCache
 
+    @property
+    def cache_in_place(self) -> bool:
+        """The model writes a `KVCache` in place where it says (`KVCache.write_at`): the native models."""
+        return self.native
+
     def logits(
         self,
         input_ids: torch.Tensor,

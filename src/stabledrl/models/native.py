@@ -32,7 +32,7 @@ from torch.utils.checkpoint import checkpoint
 from transformers import PretrainedConfig, PreTrainedModel
 from transformers.modeling_outputs import MaskedLMOutput
 
-from stabledrl.models.tiny import KVCache, rope_frequencies, sdpa_mask
+from stabledrl.models.tiny import KVCache, check_write_at, join_cached, rope_frequencies, sdpa_mask
 
 __all__ = ["Architecture", "LLaDAConfig", "DreamConfig", "SDARConfig", "LLaDAModelLM", "DreamModel",
            "SDARForCausalLM", "NATIVE_MODELS", "architecture"]
@@ -221,11 +221,12 @@ class _Attention(nn.Module):
 
 
 def _attend(a: Architecture, h: torch.Tensor, proj: nn.Module, cos: torch.Tensor, sin: torch.Tensor,
-            mask: torch.Tensor | None, past: tuple[torch.Tensor, torch.Tensor] | None,
+            mask: torch.Tensor | None, past: tuple[torch.Tensor, torch.Tensor] | None, write_at: slice | None = None,
             ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """Normalised input h (B, T, D) -> attention output (B, T, H * Dh) before the output
-    projection, and this call's keys and values with the cached ones before them. `proj` holds
-    q_proj, k_proj, v_proj (and q_norm, k_norm where the family has them)."""
+    projection, and this call's keys and values with the cached ones before them (`write_at`:
+    written into them there, `KVCache.write_at`). `proj` holds q_proj, k_proj, v_proj (and
+    q_norm, k_norm where the family has them)."""
     B, T, _ = h.shape
     q = proj.q_proj(h).view(B, T, a.num_heads, a.head_dim)  # (B, T, H, Dh)
     k = proj.k_proj(h).view(B, T, a.num_kv_heads, a.head_dim)  # (B, T, Hkv, Dh)
@@ -234,8 +235,7 @@ def _attend(a: Architecture, h: torch.Tensor, proj: nn.Module, cos: torch.Tensor
         q, k = proj.q_norm(q), proj.k_norm(k)
     fp32 = a.rope_in_float32
     q, k = _rotate(q.transpose(1, 2), cos, sin, fp32), _rotate(k.transpose(1, 2), cos, sin, fp32)  # (B, H|Hkv, T, Dh)
-    if past is not None:
-        k, v = torch.cat([past[0], k], dim=2), torch.cat([past[1], v], dim=2)  # (B, Hkv, Tc+T, Dh)
+    k, v = join_cached(past, k, v, write_at)  # (B, Hkv, Tc+T or Tc, Dh)
     y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=a.num_kv_heads != a.num_heads)
     return y.transpose(1, 2).reshape(B, T, -1), (k, v)  # (B, T, H * Dh)
 
@@ -254,8 +254,8 @@ class _QwenLayer(nn.Module):
         self.mlp.up_proj = nn.Linear(a.hidden_size, a.intermediate_size, bias=False)
         self.mlp.down_proj = nn.Linear(a.intermediate_size, a.hidden_size, bias=False)
 
-    def forward(self, x, cos, sin, mask, past=None):  # (B, T, D) -> (B, T, D), (k, v)
-        y, kv = _attend(self.arch, self.input_layernorm(x), self.self_attn, cos, sin, mask, past)
+    def forward(self, x, cos, sin, mask, past=None, write_at=None):  # (B, T, D) -> (B, T, D), (k, v)
+        y, kv = _attend(self.arch, self.input_layernorm(x), self.self_attn, cos, sin, mask, past, write_at)
         x = x + self.self_attn.o_proj(y)
         h, mlp = self.post_attention_layernorm(x), self.mlp
         return x + mlp.down_proj(F.silu(mlp.gate_proj(h)) * mlp.up_proj(h)), kv
@@ -286,8 +286,8 @@ class LLaDALlamaBlock(nn.Module):
         self.up_proj = nn.Linear(d, a.intermediate_size, bias=False)
         self.ff_out = nn.Linear(a.intermediate_size, d, bias=False)
 
-    def forward(self, x, cos, sin, mask, past=None):  # (B, T, D) -> (B, T, D), (k, v)
-        y, kv = _attend(self.arch, self.attn_norm(x), self, cos, sin, mask, past)
+    def forward(self, x, cos, sin, mask, past=None, write_at=None):  # (B, T, D) -> (B, T, D), (k, v)
+        y, kv = _attend(self.arch, self.attn_norm(x), self, cos, sin, mask, past, write_at)
         x = x + self.attn_out(y)
         h = self.ff_norm(x)
         return x + self.ff_out(F.silu(self.ff_proj(h)) * self.up_proj(h)), kv
@@ -350,14 +350,16 @@ class _NativeLM(PreTrainedModel):
         `position_ids` (B, T): with a 2-D mask they default to counts over the real tokens (left
         padding shifts nothing); required with a boolean mask or a cache.
         `past_key_values`: a `KVCache` the new tokens also attend to; `extend_cache` appends
-        their keys and values to it. The logits are the model's own (Dream's shifted by one);
+        their keys and values to it (a cache with `write_at` takes them in place there instead,
+        the mask over its Tc keys alone). The logits are the model's own (Dream's shifted by one);
         `logits_columns`: only those columns' (the final norm and the head run on them alone)."""
         B, T = input_ids.shape
         cache = past_key_values
         cached = cache is not None and len(cache) > 0
         if extend_cache and cache is None:
             raise ValueError("extend_cache needs a KVCache in past_key_values")
-        mask, position_ids = self._mask(input_ids, attention_mask, position_ids, len(cache) if cached else 0)
+        write_at = check_write_at(cache, T, extend_cache)
+        mask, position_ids = self._mask(input_ids, attention_mask, position_ids, len(cache) if cached else 0, write_at)
         if position_ids is None:
             position_ids = torch.arange(T, device=input_ids.device).expand(B, T)
         # theta^(-2i/Dh), as every family's file writes it (there, a buffer)
@@ -372,9 +374,9 @@ class _NativeLM(PreTrainedModel):
             past = cache.layers[i] if cached else None
             if self.gradient_checkpointing and torch.is_grad_enabled():
                 # Keep the layer's input only; its activations are recomputed in the backward.
-                x, kv = checkpoint(layer, x, cos, sin, mask, past, use_reentrant=False)
+                x, kv = checkpoint(layer, x, cos, sin, mask, past, write_at, use_reentrant=False)
             else:
-                x, kv = layer(x, cos, sin, mask, past)
+                x, kv = layer(x, cos, sin, mask, past, write_at)
             if extend_cache:
                 new.append(kv)
             del kv
@@ -385,8 +387,9 @@ class _NativeLM(PreTrainedModel):
         return MaskedLMOutput(logits=logits)
 
     def _mask(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None,
-              Tc: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """SDPA's boolean mask (B, 1, T, Tc + T) (None: attend to all) and the position ids."""
+              Tc: int, write_at: slice | None = None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """SDPA's boolean mask (B, 1, T, Tc + T) or, with `write_at`, (B, 1, T, Tc) (None: attend
+        to all) and the position ids."""
         if attention_mask is None or attention_mask.dim() == 2:
             if self.block_attention:
                 raise ValueError(f"{type(self).__name__} is a block-diffusion model: give it a boolean (B, T, T) "
@@ -395,7 +398,7 @@ class _NativeLM(PreTrainedModel):
             raise ValueError("position_ids are required with a boolean (B, T, Tc + T) attention mask")
         if Tc and (position_ids is None or attention_mask is None):
             raise ValueError("a KV cache needs position_ids and an attention mask over the cached keys and the new")
-        mask, position_ids = sdpa_mask(input_ids, attention_mask, position_ids, Tc)  # the tiny model's
+        mask, position_ids = sdpa_mask(input_ids, attention_mask, position_ids, Tc, write_at)  # the tiny model's
         if attention_mask is not None and attention_mask.dim() == 2 and bool(attention_mask.bool().all()):
             return None, position_ids  # no padding: SDPA's unmasked path
         return mask, position_ids

@@ -133,6 +133,11 @@ class TinyPolicy:
     def new_cache(self) -> KVCache:
         return KVCache()
 
+    @property
+    def cache_in_place(self) -> bool:
+        """The model writes a `KVCache` in place where it says (`KVCache.write_at`): the tiny one."""
+        return isinstance(getattr(self.model, "module", self.model), TinyDiffusionLM)
+
     def save(self, path: str | Path, *, state_dict: dict[str, torch.Tensor] | None = None) -> None:
         """`state_dict`: the weights to write instead of the model's own (the full weights
         gathered from sharded processes)."""

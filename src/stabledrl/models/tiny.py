@@ -32,7 +32,8 @@ from torch.utils.checkpoint import checkpoint
 from transformers import PretrainedConfig, PreTrainedModel
 from transformers.modeling_outputs import MaskedLMOutput
 
-__all__ = ["TinyDiffusionConfig", "TinyDiffusionLM", "KVCache", "rope_frequencies", "sdpa_mask"]
+__all__ = ["TinyDiffusionConfig", "TinyDiffusionLM", "KVCache", "join_cached", "check_write_at", "rope_frequencies",
+           "sdpa_mask"]
 
 
 # The fields of `TinyDiffusionConfig` and their defaults; `intermediate_size=None` means 4 * hidden_size.
@@ -106,30 +107,34 @@ def rope_frequencies(theta: float, dim: int, device: torch.device) -> torch.Tens
 
 
 def sdpa_mask(input_ids: torch.Tensor, attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None,
-              Tc: int = 0) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """SDPA's boolean mask (B, 1, T, Tc+T) (None: attend to everything) and the position ids,
-    counted over the real tokens when a (B, Tc+T) key-padding mask is given without them. The
-    mask is (B, Tc+T) key padding, or a boolean (B, T, Tc+T) / (B, 1, T, Tc+T) mask, True where
-    query i may attend to key j, the Tc cached keys first. Every query keeps its own key."""
+              Tc: int = 0, write_at: slice | None = None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """SDPA's boolean mask (B, 1, T, K) (None: attend to everything) and the position ids,
+    counted over the real tokens when a (B, K) key-padding mask is given without them. The
+    keys are the Tc cached ones and then the T new ones (K = Tc + T), or, with `write_at` (a
+    cache written in place, `KVCache.write_at`), the Tc cached ones alone (K = Tc), the new
+    tokens' own among them at write_at. The mask is (B, K) key padding, or a boolean (B, T, K) /
+    (B, 1, T, K) mask, True where query i may attend to key j. Every query keeps its own key."""
     B, T = input_ids.shape
+    K, own = (Tc + T, Tc) if write_at is None else (Tc, write_at.start)
     if attention_mask is None:
         if Tc:
             raise ValueError("an attention_mask is required with a KV cache")
         return None, position_ids
     if attention_mask.dim() == 2:
-        keep = attention_mask.bool()  # (B, Tc+T)
-        if keep.size(1) != Tc + T:
-            raise ValueError(f"a 2-D attention_mask needs Tc+T = {Tc + T} columns, got {keep.size(1)}")
-        mask = keep[:, None, :].expand(B, T, Tc + T)  # (B, T, Tc+T)
+        keep = attention_mask.bool()  # (B, K)
+        if keep.size(1) != K:
+            raise ValueError(f"a 2-D attention_mask needs {'Tc+T' if write_at is None else 'Tc'} = {K} columns, "
+                             f"got {keep.size(1)}")
+        mask = keep[:, None, :].expand(B, T, K)  # (B, T, K)
         if position_ids is None:
             position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
     else:
-        mask = attention_mask.bool().reshape(B, T, Tc + T)
+        mask = attention_mask.bool().reshape(B, T, K)
     # A query with no key to attend to (a padding row) would make SDPA return NaN; letting every
     # token see itself keeps padding rows finite and unused.
-    eye = torch.eye(T, dtype=torch.bool, device=input_ids.device)
-    mask = mask | torch.cat([eye.new_zeros(T, Tc), eye], dim=1)
-    return mask[:, None], position_ids  # (B, 1, T, Tc+T)
+    keys = torch.arange(K, device=input_ids.device)
+    mask = mask | (keys[None, :] == own + torch.arange(T, device=input_ids.device)[:, None])
+    return mask[:, None], position_ids  # (B, 1, T, K)
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -139,10 +144,18 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
 
 
 class KVCache:
-    """Per-layer keys and values (B, H, Tc, Dh) of the tokens processed so far."""
+    """Per-layer keys and values (B, H, Tc, Dh) of the tokens processed so far.
+
+    `write_at`: None (the usual cache), a forward's new tokens attend to the cached keys and
+    to their own after them, and `extend_cache` appends theirs. A slice of the cached positions
+    (T long): the new tokens are those positions fed again; their keys and values overwrite
+    the cached ones there, in place, and they attend to all Tc positions, under a mask over
+    those Tc alone. Fast-dLLM's caches keep a whole sequence's keys so, feeding a run of its
+    columns each call: no copy of the cache per call (`stabledrl.sampling._ApproxCache`)."""
 
     def __init__(self) -> None:
         self.layers: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.write_at: slice | None = None
 
     def __len__(self) -> int:
         """Tc, the number of cached positions."""
@@ -151,8 +164,12 @@ class KVCache:
     def select(self, rows: torch.Tensor | None = None, cols: torch.Tensor | None = None) -> "KVCache":
         """A new cache of the batch rows `rows` and cached positions `cols` (index tensors;
         None: all), in that order. The order of the cached positions does not matter to the
-        model (their positions are in the rotated keys); a query's mask must follow it."""
+        model (their positions are in the rotated keys); a query's mask must follow it. The
+        new cache is written in place where this one is (`write_at`), which needs `cols` None."""
+        if cols is not None and self.write_at is not None:
+            raise ValueError("select(cols=...) would move the positions write_at names")
         out = KVCache()
+        out.write_at = self.write_at
         for k, v in self.layers:  # (B, H, Tc, Dh) each
             if rows is not None:
                 k, v = k.index_select(0, rows), v.index_select(0, rows)
@@ -160,6 +177,34 @@ class KVCache:
                 k, v = k.index_select(2, cols), v.index_select(2, cols)
             out.layers.append((k, v))
         return out
+
+
+def join_cached(past: tuple[torch.Tensor, torch.Tensor] | None, k: torch.Tensor, v: torch.Tensor,
+                write_at: slice | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer's keys and values to attend to: this call's (B, H, T, Dh) alone (no cache),
+    after the cached ones (B, H, Tc + T, Dh), or written into them at `write_at` (the cache's
+    own tensors, (B, H, Tc, Dh): `KVCache.write_at`)."""
+    if past is None:
+        return k, v
+    if write_at is None:
+        return torch.cat([past[0], k], dim=2), torch.cat([past[1], v], dim=2)
+    past[0][:, :, write_at] = k
+    past[1][:, :, write_at] = v
+    return past
+
+
+def check_write_at(cache: KVCache | None, T: int, extend_cache: bool) -> slice | None:
+    """The cache's `write_at` where it has one (else None), checked against T new tokens."""
+    at = cache.write_at if cache is not None and len(cache) > 0 else None
+    if at is None:
+        return None
+    if extend_cache:
+        raise ValueError("a cache written in place (write_at) is not extended")
+    start, stop, step = at.indices(len(cache))
+    if step != 1 or stop - start != T:
+        raise ValueError(f"write_at {at} must name a run of the cache's {len(cache)} positions, one per new token: "
+                         f"{T} tokens were fed")
+    return slice(start, stop)
 
 
 class _Block(nn.Module):
@@ -175,7 +220,7 @@ class _Block(nn.Module):
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn_mask: torch.Tensor | None,
-        past: tuple[torch.Tensor, torch.Tensor] | None = None,
+        past: tuple[torch.Tensor, torch.Tensor] | None = None, write_at: slice | None = None,
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         B, T, D = x.shape
         q, k, v = self.qkv(self.attn_norm(x)).split(D, dim=-1)  # 3 x (B, T, D)
@@ -183,8 +228,7 @@ class _Block(nn.Module):
         # RoPE in float32 (cos, sin), then back to v's dtype: SDPA needs one dtype, which a bfloat16
         # model without autocast would otherwise break (autocast casts q and k so anyway).
         q, k = _rope(q, cos, sin).to(v.dtype), _rope(k, cos, sin).to(v.dtype)
-        if past is not None:
-            k, v = torch.cat([past[0], k], dim=2), torch.cat([past[1], v], dim=2)  # (B, H, Tc+T, Dh)
+        k, v = join_cached(past, k, v, write_at)  # (B, H, Tc+T or Tc, Dh)
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)  # (B, H, T, Dh)
         x = x + self.proj(y.transpose(1, 2).reshape(B, T, D))
         gate, up = self.gate_up(self.mlp_norm(x)).chunk(2, dim=-1)  # 2 x (B, T, I)
@@ -243,7 +287,8 @@ class TinyDiffusionLM(PreTrainedModel):
         tokens, so left padding does not shift positions; required with a boolean mask
         (whose layout, e.g. the staircase copy ỹ, the model cannot infer) and with a cache.
         `past_key_values`: a `KVCache` whose keys the new tokens may attend to; with
-        `extend_cache` the new tokens' keys and values are appended to it.
+        `extend_cache` the new tokens' keys and values are appended to it (or, where the
+        cache has `write_at`, written into it there, the mask then over its Tc keys alone).
         `logits_columns`: the logits of those columns only (the final norm and head run on them alone).
         `labels` (B, T) with -100 for ignored positions gives the mean cross-entropy as
         `loss` (no diffusion weighting: see `stabledrl.sft`)."""
@@ -251,7 +296,9 @@ class TinyDiffusionLM(PreTrainedModel):
         cached = past_key_values is not None and len(past_key_values) > 0
         self._check_inputs(attention_mask, position_ids, cached)
         past = past_key_values if cached else None
-        mask, position_ids = sdpa_mask(input_ids, attention_mask, position_ids, len(past) if past is not None else 0)
+        write_at = check_write_at(past_key_values, T, extend_cache)
+        mask, position_ids = sdpa_mask(input_ids, attention_mask, position_ids, len(past) if past is not None else 0,
+                                       write_at)
         if position_ids is None:
             position_ids = torch.arange(T, device=input_ids.device).expand(B, T)
         inv_freq = rope_frequencies(float(self.config.rope_theta), self.config.hidden_size // self.config.num_attention_heads,
@@ -260,7 +307,8 @@ class TinyDiffusionLM(PreTrainedModel):
         cos, sin = angles.cos(), angles.sin()
         if extend_cache and past_key_values is None:
             raise ValueError("extend_cache needs a KVCache in past_key_values")
-        x = self._run_blocks(self.embed(input_ids), cos, sin, mask, past, past_key_values if extend_cache else None)
+        x = self._run_blocks(self.embed(input_ids), cos, sin, mask, past, past_key_values if extend_cache else None,
+                             write_at)
         logits = self.lm_head(self.norm(x if logits_columns is None else x[:, logits_columns]))  # (B, T, V)
         loss = None
         if labels is not None:
@@ -288,19 +336,20 @@ class TinyDiffusionLM(PreTrainedModel):
 
     def _run_blocks(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None,
-        past: KVCache | None, extend: KVCache | None,
+        past: KVCache | None, extend: KVCache | None, write_at: slice | None = None,
     ) -> torch.Tensor:
         """The blocks over embeddings `x` (B, T, D), attending to the cached keys of `past`
-        (non-empty, or None); the new keys and values replace `extend`'s layers (None: kept nowhere)."""
+        (non-empty, or None; `write_at`: its positions the new tokens overwrite); the new keys
+        and values replace `extend`'s layers (None: kept nowhere)."""
         new_layers = []
         for i, block in enumerate(self.blocks):
             layer_past = past.layers[i] if past is not None else None
             if self.gradient_checkpointing and torch.is_grad_enabled():
                 # Keep only the block's input; its activations are recomputed in the backward.
                 # Unlike transformers' layers, also in eval mode: the RL update runs in eval mode.
-                x, kv = checkpoint(block, x, cos, sin, mask, layer_past, use_reentrant=False)
+                x, kv = checkpoint(block, x, cos, sin, mask, layer_past, write_at, use_reentrant=False)
             else:
-                x, kv = block(x, cos, sin, mask, layer_past)
+                x, kv = block(x, cos, sin, mask, layer_past, write_at)
             # Keep a layer's keys and values only for the cache: v is a view of the whole qkv
             # output, so holding them would keep 3D + D values per token and layer to the end.
             if extend is not None:
