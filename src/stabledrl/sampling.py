@@ -472,6 +472,7 @@ class _ApproxCache:
         P, lo, hi = self.P, self.lo, self.hi
         self.calls += 1
         if self.kv is None or (self.refresh and (self.calls - 1) % self.refresh == 0):  # the whole sequence, keys kept
+            self.kv = self.sub = None  # a refresh: the old keys' memory free for the new call's
             cache = self.policy.new_cache()
             block = slice(P + lo, P + hi)
             out = self.policy.logits(x, self.attn[active], self.pos[active], cache=cache, extend_cache=True,
