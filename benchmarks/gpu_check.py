@@ -136,12 +136,13 @@ def native_llada(shape: scale.Shape, device: str, dtype: torch.dtype) -> HFPolic
 def rollout_schemes(policy, args, ids: torch.Tensor, cuda: bool, save=lambda part: None,
                     label: str = "") -> dict[str, Any]:
     """The rollout alone under each of `args.schemes`: seconds, tokens/s, model calls, peak memory
-    (CUDA) of one `generate` of the rows. Each scheme is warmed up first by a rollout of one step a
-    block (the same shapes of call, a fraction of the time); `save` gets the results so far."""
+    (CUDA) of one `generate` of the rows. Each scheme is warmed up first by a rollout of two steps a
+    block (a block's first call and a later one: every shape of call the rollout makes, in a fraction
+    of its time; one step a block warmed the first calls alone); `save` gets the results so far."""
     out: dict[str, Any] = {}
     blocks = -(-args.gen_length // args.block_length)
     for name in args.schemes:
-        for steps in (blocks, args.steps):  # warm-up, then timed
+        for steps in (min(2 * blocks, args.steps), args.steps):  # warm-up, then timed
             sampling = SamplingConfig(gen_length=args.gen_length, steps=steps, block_length=args.block_length,
                                       temperature=args.temperature, noise=args.noise, **SCHEMES[name])
             if cuda:
@@ -412,7 +413,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         mem = report.setdefault("memory", {})
         mem.update(predicted_peak=pred["peak"], predicted_phases=pred["phases"], predicted_terms=pred["terms"])
         mem["ratio_predicted_over_measured"] = pred["peak"] / mem["measured_peak"]
-        for name, r in schemes.items():  # the rollout alone (before AdamW's states exist) against the rollout phase
+        for name, r in [*schemes.items(), *bare.items()]:  # the rollout alone (no AdamW states yet) vs the rollout phase
             r["predicted_rollout_bytes"] = scale.predict_memory(shape, footprint(args, lora_n, args.rows, name))["phases"]["rollout"]
     _print(report)
     if args.out:
