@@ -54,6 +54,31 @@ class ScriptedPolicy:
         return out
 
 
+class CopiedCache:
+    """A policy whose cache `_ApproxCache` takes as one no model writes in place
+    (``cache_in_place`` False): it copies the kept columns' keys out and joins the fed ones' to
+    them, the layout the in-place cache is tested against."""
+
+    cache_in_place = False
+
+    def __init__(self, policy):
+        self.policy = policy
+
+    def __getattr__(self, name):
+        return getattr(self.policy, name)
+
+
+def cached_block_inputs(ids: torch.Tensor, mask: torch.Tensor, L: int, high: int, seed: int):
+    """[prompt ; L random completion tokens in [4, high)] of left-padded prompts: the inputs,
+    their key padding and positions, (B, P + L) each, as `_decode_full` gives `_ApproxCache`."""
+    from stabledrl.data import position_ids
+
+    B = ids.size(0)
+    comp = torch.randint(4, high, (B, L), generator=torch.Generator().manual_seed(seed))
+    attn = torch.cat([mask, torch.ones(B, L, dtype=mask.dtype)], dim=1)
+    return torch.cat([ids, comp], dim=1), attn, position_ids(attn)
+
+
 def metric_rows(run_dir) -> list[dict]:
     """A run's metrics.jsonl without the timings (which differ between identical runs)."""
     import json

@@ -21,7 +21,7 @@ from stabledrl.sampling import (
     row_generators,
     row_keys,
 )
-from tests.conftest import ScriptedPolicy, make_tiny_policy
+from tests.conftest import CopiedCache, ScriptedPolicy, cached_block_inputs, make_tiny_policy
 from tests.test_likelihood_path import EosLeaning, sampler_path_logprob
 
 PROMPTS = ["3,5,7=22", "12,13,5,6=99", "1=1", "20,2=10", "7,7=49"]
@@ -319,11 +319,7 @@ def test_cached_logits_equal_uncached_while_the_sequence_is_unchanged(approx_cac
     ids, mask = encode_prompts(policy.tokenizer, PROMPTS)  # left-padded
     B, P = ids.shape
     L, lo, hi = 12, 4, 8
-    comp = torch.randint(4, 24, (B, L), generator=torch.Generator().manual_seed(0))
-    x = torch.cat([ids, comp], dim=1)
-    attn = torch.cat([mask, torch.ones(B, L, dtype=mask.dtype)], dim=1)
-    from stabledrl.data import position_ids
-    pos = position_ids(attn)
+    x, attn, pos = cached_block_inputs(ids, mask, L, 24, seed=0)
     with torch.no_grad():
         want = policy.logits(x, attn, pos)[:, P + lo : P + hi]
         cache = _ApproxCache(policy, approx_cache, P, lo, hi, attn, pos)
@@ -407,19 +403,6 @@ def test_the_counter_draw_is_its_formula_from_any_layout_of_the_logits(temperatu
         assert torch.equal(given, logits)
 
 
-class _Copied:
-    """The policy with its cache taken as one no model writes in place (``cache_in_place``
-    False): `_ApproxCache` copies the kept columns' keys out and joins the fed ones' to them."""
-
-    cache_in_place = False
-
-    def __init__(self, policy):
-        self.policy = policy
-
-    def __getattr__(self, name):
-        return getattr(self.policy, name)
-
-
 @pytest.mark.parametrize("approx_cache", ["prefix", "dual"])
 def test_the_cache_written_in_place_gives_the_copied_caches_logits(approx_cache):
     # The same kept keys, laid out otherwise: left-padded prompts, a block (and, under prefix, a
@@ -428,12 +411,8 @@ def test_the_cache_written_in_place_gives_the_copied_caches_logits(approx_cache)
     ids, mask = encode_prompts(policy.tokenizer, PROMPTS)
     B, P = ids.shape
     L, lo, hi = 12, 4, 8
-    comp = torch.randint(4, 24, (B, L), generator=torch.Generator().manual_seed(1))
-    x = torch.cat([ids, comp], dim=1)
-    attn = torch.cat([mask, torch.ones(B, L, dtype=mask.dtype)], dim=1)
-    from stabledrl.data import position_ids
-    pos = position_ids(attn)
-    caches = [_ApproxCache(p, approx_cache, P, lo, hi, attn, pos) for p in (policy, _Copied(policy))]
+    x, attn, pos = cached_block_inputs(ids, mask, L, 24, seed=1)
+    caches = [_ApproxCache(p, approx_cache, P, lo, hi, attn, pos) for p in (policy, CopiedCache(policy))]
     assert caches[0].in_place and not caches[1].in_place
     x2 = x.clone()
     x2[:, P + lo] = policy.mask_token_id
@@ -457,7 +436,7 @@ def test_the_cache_written_in_place_samples_the_copied_caches_tokens(approx_cach
     policy = EosLeaning(Sharpened(tiny, 20.0), bias=1.5)
     common = dict(gen_length=12, steps=12, block_length=4, temperature=1.0, noise="counter",
                   approx_cache=approx_cache, approx_refresh=refresh)
-    want = _run(_Copied(policy), generator=row_generators("w", 0, 5), **common)
+    want = _run(CopiedCache(policy), generator=row_generators("w", 0, 5), **common)
     got = _run(policy, generator=row_generators("w", 0, 5), **common)
     assert (want.completion_mask.sum(1) < 12).any()
     assert torch.equal(got.completion_ids, want.completion_ids) and torch.equal(got.unmask_step, want.unmask_step)

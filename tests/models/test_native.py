@@ -21,7 +21,7 @@ from stabledrl.models import ModelConfig, load_policy
 from stabledrl.models.attention import block_causal_attention_mask
 from stabledrl.models.native import NATIVE_MODELS, LLaDAConfig, architecture
 from stabledrl.sampling import SamplingConfig, _ApproxCache, generate, row_generators
-from tests.conftest import make_tiny_policy
+from tests.conftest import CopiedCache, cached_block_inputs, make_tiny_policy
 from tests.models.test_adapters import dirs, fake_dllm, remote_code, run_fresh  # noqa: F401 (the fixture)
 
 PROMPTS = ["3,5,7=22", "12,4,6=9", "1=1", "8,8=16"]  # three padding counts: 0, 1 and 5 columns
@@ -131,10 +131,7 @@ def test_a_refreshed_cached_step_is_the_uncached_step(dirs, family, approx_cache
     ids, mask = _padded(policy)
     B, P = ids.shape
     L, lo, hi = 12, 4, 8
-    comp = torch.randint(4, 20, (B, L), generator=torch.Generator().manual_seed(0))
-    x = torch.cat([ids, comp], dim=1)
-    attn = torch.cat([mask, torch.ones(B, L, dtype=mask.dtype)], dim=1)
-    pos = position_ids(attn)
+    x, attn, pos = cached_block_inputs(ids, mask, L, 20, seed=0)
     rows = torch.arange(B)
     with torch.no_grad():
         want = policy.logits(x, attn, pos)[:, P + lo : P + hi]  # (B, 4, V)
@@ -149,19 +146,6 @@ def test_a_refreshed_cached_step_is_the_uncached_step(dirs, family, approx_cache
         assert (stale - policy.logits(x2, attn, pos)[:, P + lo : P + hi]).abs().max() > 1e-6
 
 
-class _Copied:
-    """The policy with its cache taken as one no model writes in place: `_ApproxCache` copies
-    the kept columns' keys out and joins the fed ones' to them."""
-
-    cache_in_place = False
-
-    def __init__(self, policy):
-        self.policy = policy
-
-    def __getattr__(self, name):
-        return getattr(self.policy, name)
-
-
 @pytest.mark.parametrize("family", ["llada", "dream"])
 @pytest.mark.parametrize("approx_cache", ["prefix", "dual"])
 def test_the_cache_written_in_place_gives_the_copied_caches_logits(dirs, family, approx_cache):
@@ -173,11 +157,8 @@ def test_the_cache_written_in_place_gives_the_copied_caches_logits(dirs, family,
     ids, mask = _padded(policy)
     B, P = ids.shape
     L, lo, hi = 12, 4, 8
-    comp = torch.randint(4, 20, (B, L), generator=torch.Generator().manual_seed(1))
-    x = torch.cat([ids, comp], dim=1)
-    attn = torch.cat([mask, torch.ones(B, L, dtype=mask.dtype)], dim=1)
-    pos = position_ids(attn)
-    caches = [_ApproxCache(p, approx_cache, P, lo, hi, attn, pos) for p in (policy, _Copied(policy))]
+    x, attn, pos = cached_block_inputs(ids, mask, L, 20, seed=1)
+    caches = [_ApproxCache(p, approx_cache, P, lo, hi, attn, pos) for p in (policy, CopiedCache(policy))]
     x2 = x.clone()
     x2[:, P + lo + 1] = policy.mask_token_id
     x3 = x2.clone()
