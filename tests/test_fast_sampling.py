@@ -449,3 +449,28 @@ def test_approx_cache_is_refused_where_there_is_no_cache_or_an_exact_one():
                  SamplingConfig(gen_length=4, approx_cache="prefix"))
     with pytest.raises(ValueError, match="full-attention"):
         _run(make_tiny_policy(**BLOCK), gen_length=6, approx_cache="dual")
+
+
+def test_a_tiny_policy_under_lora_keeps_the_cache_written_in_place():
+    # peft passes the cache through to the tiny model, which writes it in place: the copied layout's logits
+    from stabledrl.models import add_lora
+    from stabledrl.settings import LoraSettings
+
+    policy = add_lora(make_tiny_policy(seed=21), LoraSettings(r=2, alpha=4.0, dropout=0.0), seed=0)
+    with torch.no_grad():  # B away from zero: the adapters change the logits
+        for name, p in policy.model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5, generator=torch.Generator().manual_seed(len(name)))
+    assert policy.cache_in_place and not CopiedCache(policy).cache_in_place
+    ids, mask = encode_prompts(policy.tokenizer, PROMPTS)
+    B, P = ids.shape
+    lo, hi = 4, 8
+    x, attn, pos = cached_block_inputs(ids, mask, 12, 24, seed=2)
+    caches = [_ApproxCache(p, "dual", P, lo, hi, attn, pos) for p in (policy, CopiedCache(policy))]
+    assert caches[0].in_place and not caches[1].in_place
+    x2 = x.clone()
+    x2[:, P + lo] = policy.mask_token_id
+    with torch.no_grad():
+        for inputs in (x, x2):
+            got, want = (c.logits(inputs, torch.arange(B)) for c in caches)
+            assert (got - want).abs().max() <= 1e-4 * want.abs().max()

@@ -135,8 +135,12 @@ class TinyPolicy:
 
     @property
     def cache_in_place(self) -> bool:
-        """The model writes a `KVCache` in place where it says (`KVCache.write_at`): the tiny one."""
-        return isinstance(getattr(self.model, "module", self.model), TinyDiffusionLM)
+        """The model writes a `KVCache` in place where it says (`KVCache.write_at`): the tiny one,
+        also under DDP's and peft's wrappers (which pass the cache through)."""
+        model = getattr(self.model, "module", self.model)  # DDP
+        if hasattr(model, "get_base_model"):  # peft
+            model = model.get_base_model()
+        return isinstance(model, TinyDiffusionLM)
 
     def save(self, path: str | Path, *, state_dict: dict[str, torch.Tensor] | None = None) -> None:
         """`state_dict`: the weights to write instead of the model's own (the full weights
