@@ -5,14 +5,18 @@
     python benchmarks/gpu_check.py --model PATH               # a real checkpoint (load_policy)
     python benchmarks/gpu_check.py --size tiny --device cpu   # the same path at a tiny size (the test)
     python benchmarks/gpu_check.py --model-code tiny          # the project's TinyDiffusionLM at that shape
+    python benchmarks/gpu_check.py --schemes none dual --also-without-adapters --step-schemes dual
+                                                              # the caches with LoRA on and off; the step on dual
 
 The default model is stabledrl's native LLaDA (`stabledrl.models.native.LLaDAModelLM`, what
 `adapter: llada` loads) at LLaDA-8B's shape (32 layers, width 4096, 32 heads, SwiGLU 12288,
 vocabulary 126,464, RoPE θ 5e5, RMSNorm, no biases, untied head: 8,015,581,184 parameters),
 random weights made directly on the device in the base dtype. Before the step, the rollout
 alone under each of Fast-dLLM's caches (`--schemes`: none, prefix, dual, dual with threshold
-0.9): tokens/s, model calls and peak memory of `generate` for the `--rows` rows (random
-weights never reach the threshold: its row shows the cost of the check alone). The step is `benchmarks/scale.py`'s `rl_step`, the trainer's
+0.9, dual refreshed every second call): tokens/s, model calls and peak memory of `generate` for
+the `--rows` rows beside the memory model's rollout phase (random weights never reach the
+threshold: its row shows the cost of the check alone); with `--also-without-adapters` again with
+LoRA's adapters off. The step (`--step-schemes`: its rollout under each) is `benchmarks/scale.py`'s `rl_step`, the trainer's
 (one process) wired from the library's components, for a config made of this script's
 options (`train_config`): rollouts (built-in engine, counter noise), ℓ_old on the trainer's
 mask plan, one update (a graph, or `backward_views` under a view budget; the stabledrl
