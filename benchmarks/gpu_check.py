@@ -57,6 +57,7 @@ SIZES = ("llada-8b", "tiny")  # shapes of benchmarks/scale.py
 SCHEMES = {"none": {}, "prefix": {"approx_cache": "prefix"}, "dual": {"approx_cache": "dual"},
            "dual+threshold0.9": {"approx_cache": "dual", "threshold": 0.9},
            "dual+refresh2": {"approx_cache": "dual", "approx_refresh": 2}}
+PHASES = ("rollout", "scoring", "update", "optimizer")  # a step's, as scale.rl_step clocks them
 
 
 class _Tokens:
@@ -137,6 +138,22 @@ def native_llada(shape: scale.Shape, device: str, dtype: torch.dtype) -> HFPolic
     return HFPolicy(model, tok, "llada", tok.mask_token_id)
 
 
+def timed_rollout(policy, args, ids: torch.Tensor, cuda: bool, scheme: str, steps: int) -> tuple[float, Any]:
+    """One `generate` of the rows under `scheme` in `steps` steps: its seconds (the GPU synchronised
+    before and after; CUDA's peak memory reset at its start) and its result."""
+    sampling = SamplingConfig(gen_length=args.gen_length, steps=steps, block_length=args.block_length,
+                              temperature=args.temperature, noise=args.noise, **SCHEMES[scheme])
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        gen = generate(policy, ids, torch.ones_like(ids), sampling, generator=row_generators("check", 0, len(ids)))
+    if cuda:
+        torch.cuda.synchronize()
+    return time.perf_counter() - t0, gen
+
+
 def rollout_schemes(policy, args, ids: torch.Tensor, cuda: bool, save=lambda part: None,
                     label: str = "") -> dict[str, Any]:
     """The rollout alone under each of `args.schemes`: seconds, tokens/s, model calls, peak memory
@@ -146,19 +163,8 @@ def rollout_schemes(policy, args, ids: torch.Tensor, cuda: bool, save=lambda par
     out: dict[str, Any] = {}
     blocks = -(-args.gen_length // args.block_length)
     for name in args.schemes:
-        for steps in (min(2 * blocks, args.steps), args.steps):  # warm-up, then timed
-            sampling = SamplingConfig(gen_length=args.gen_length, steps=steps, block_length=args.block_length,
-                                      temperature=args.temperature, noise=args.noise, **SCHEMES[name])
-            if cuda:
-                torch.cuda.synchronize()
-                torch.cuda.reset_peak_memory_stats()
-            t0 = time.perf_counter()
-            with torch.no_grad():
-                gen = generate(policy, ids, torch.ones_like(ids), sampling,
-                               generator=row_generators("check", 0, len(ids)))
-            if cuda:
-                torch.cuda.synchronize()
-            seconds = time.perf_counter() - t0
+        timed_rollout(policy, args, ids, cuda, name, min(2 * blocks, args.steps))  # warm-up
+        seconds, gen = timed_rollout(policy, args, ids, cuda, name, args.steps)
         out[name] = {"seconds": seconds, "tokens_per_s": ids.size(0) * args.gen_length / seconds,
                      "model_calls": gen.forward_passes,
                      "peak_bytes": torch.cuda.max_memory_allocated() if cuda else None}
@@ -221,7 +227,7 @@ def rl_step(run: scale._Run, tokens: _Tokens, step: int, live: scale.LiveBytes |
     out: dict[str, Any] = {
         name: {"seconds": clock.seconds[name], "tokens": clock.fed[name][0], "tokens_sq": clock.fed[name][1],
                "tokens_without_logits": clock.fed[name][2], "peak_bytes": clock.peaks.get(name)}
-        for name in ("rollout", "scoring", "update", "optimizer")}
+        for name in PHASES}
     out["counts"] = {"rows": counts["rows"], "completion_slots": counts["completion_slots"],
                      "scored_slots": counts["scored_tokens"], "views": counts["views_scored"],
                      "forward_passes": counts["forward_passes"]}
@@ -373,8 +379,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(f"step, rollout {name}: {by_scheme[name]['step']:.2f} s (rollout {by_scheme[name]['rollout']:.2f} s)",
               flush=True)
         save("step_by_scheme", by_scheme)
-    phases = ("rollout", "scoring", "update", "optimizer")
-    med = {k: statistics.median(s[k]["seconds"] for s in steps) for k in phases}
+    med = by_scheme[args.step_schemes[0]]
     last = steps[-1]
     width = shape.hidden_size if shape is not None else cfg.hidden_size
     dense, attn = flops_per_token(n_matmul, layers, width)
@@ -396,7 +401,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                   "train": args.train, "trainable": trainable, "checkpointing": args.checkpointing},
         "settings": {k: v for k, v in vars(args).items() if k not in ("out",)},
         "warmup_seconds": warm, "build_seconds": build_seconds,
-        "median_seconds": {**med, "step": statistics.median(sum(s[k]["seconds"] for k in phases) for s in steps)},
+        "median_seconds": med,
         "counts": last["counts"],
         "rollout_tokens_per_s": last["counts"]["completion_slots"] / med["rollout"],
         "rollout_schemes": schemes,
@@ -407,7 +412,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "peak_tflops": args.peak_tflops,
         "steps": steps,
     }
-    measured = {k: max(s[k]["peak_bytes"] or 0 for s in steps) for k in phases}
+    measured = {k: max(s[k]["peak_bytes"] or 0 for s in steps) for k in PHASES}
     by = "torch.cuda.max_memory_allocated" if cuda else "LiveBytes (live tensor storages)"
     report["memory"] = {"measured_by": by,
                         "measured_phases": measured, "measured_peak": max(measured.values())}
@@ -429,9 +434,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 def _step_seconds(steps: list[dict[str, Any]]) -> dict[str, float]:
     """Median seconds of each phase, and of the whole step, over `steps`."""
-    phases = ("rollout", "scoring", "update", "optimizer")
-    med = {k: statistics.median(s[k]["seconds"] for s in steps) for k in phases}
-    return {**med, "step": statistics.median(sum(s[k]["seconds"] for k in phases) for s in steps)}
+    med = {k: statistics.median(s[k]["seconds"] for s in steps) for k in PHASES}
+    return {**med, "step": statistics.median(sum(s[k]["seconds"] for k in PHASES) for s in steps)}
 
 
 def _size(x: float) -> str:

@@ -37,3 +37,16 @@ def test_model_work_is_what_the_sampler_computes(scheme):
     with torch.no_grad(), sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
         generate(policy, ids, torch.ones_like(ids), sampling, generator=row_generators("r", 0, 2))
     assert counter.get_total_flops() == 2 * native_rollout.model_work(scheme, **SHAPE)
+
+
+def test_interleaved_calls_compose_a_rollout_from_its_calls():
+    # 2 blocks of k = 2 steps: uncached 2·2 whole calls; dual per block one first call and one later call
+    torch.manual_seed(0)
+    policy = native_rollout.reduced_llada(SHAPE["vocab"], SHAPE["width"], SHAPE["layers"])
+    shape = {k: v for k, v in SHAPE.items() if k not in ("width", "layers")}
+    res = native_rollout.interleaved_calls(policy, **shape, repeats=3)
+    c = res["call_seconds"]
+    assert set(c) == {"uncached", "first", "later"} and min(c.values()) > 0
+    assert res["model_seconds"]["none"] == pytest.approx(4 * c["uncached"], rel=1e-12)
+    assert res["model_seconds"]["dual"] == pytest.approx(2 * (c["first"] + c["later"]), rel=1e-12)
+    assert res["model_speedup"] == pytest.approx(4 * c["uncached"] / (2 * (c["first"] + c["later"])), rel=1e-12)

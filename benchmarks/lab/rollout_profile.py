@@ -13,9 +13,9 @@ writes the timings and both tables' top rows to `--out`.
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -23,23 +23,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import gpu_check  # noqa: E402
 
-from stabledrl.sampling import generate, row_generators  # noqa: E402
-from stabledrl.settings import SamplingConfig  # noqa: E402
-
 
 def main(argv: list[str] | None = None) -> dict:
-    ap_args = list(sys.argv[1:] if argv is None else argv)
-    out_path = None
-    if "--out" in ap_args:
-        i = ap_args.index("--out")
-        out_path = ap_args[i + 1]
-        del ap_args[i:i + 2]
-    scheme = "dual"
-    if "--scheme" in ap_args:
-        i = ap_args.index("--scheme")
-        scheme = ap_args[i + 1]
-        del ap_args[i:i + 2]
-    args = gpu_check._args(ap_args)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    own = argparse.ArgumentParser(add_help=False)
+    own.add_argument("--scheme", default="dual", choices=list(gpu_check.SCHEMES), help="the rollout's cache")
+    mine, rest = own.parse_known_args(argv)
+    args = gpu_check._args(rest)  # the model, the rows, the lengths and --out, as gpu_check takes them
+    scheme = mine.scheme
     cuda = torch.device(args.device).type == "cuda"
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState
@@ -53,20 +44,12 @@ def main(argv: list[str] | None = None) -> dict:
     ids = ids.to(policy.device)
 
     def rollout(steps: int) -> tuple[float, int]:
-        sampling = SamplingConfig(gen_length=args.gen_length, steps=steps, block_length=args.block_length,
-                                  temperature=args.temperature, noise=args.noise, **gpu_check.SCHEMES[scheme])
-        if cuda:
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        with torch.no_grad():
-            gen = generate(policy, ids, torch.ones_like(ids), sampling, generator=row_generators("p", 0, len(ids)))
-        if cuda:
-            torch.cuda.synchronize()
-        return time.perf_counter() - t0, gen.forward_passes
+        seconds, gen = gpu_check.timed_rollout(policy, args, ids, cuda, scheme, steps)
+        return seconds, gen.forward_passes
 
     blocks = -(-args.gen_length // args.block_length)
     rollout(blocks)  # warm-up
-    report: dict = {"command": "python benchmarks/lab/rollout_profile.py " + " ".join(sys.argv[1:] if argv is None else argv),
+    report: dict = {"command": "python benchmarks/lab/rollout_profile.py " + " ".join(argv),
                     "device": torch.cuda.get_device_name() if cuda else "cpu", "scheme": scheme}
     report["seconds"], report["calls"] = rollout(args.steps)
     print(f"{scheme}: {report['seconds']:.2f} s, {report['calls']} calls", flush=True)
@@ -93,9 +76,9 @@ def main(argv: list[str] | None = None) -> dict:
         report["merged_seconds"], _ = rollout(args.steps)
         inner.unmerge_adapter()
         print(f"{scheme}, LoRA merged: {report['merged_seconds']:.2f} s", flush=True)
-    if out_path:
-        Path(out_path).parent.mkdir(parents=True, exist_ok=True)
-        Path(out_path).write_text(json.dumps(report, indent=2) + "\n")
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
     return report
 
 
