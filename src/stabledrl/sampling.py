@@ -25,6 +25,7 @@ import dataclasses
 import hashlib
 import inspect
 import math
+from contextlib import nullcontext
 from dataclasses import dataclass, fields
 from typing import Sequence
 
@@ -40,6 +41,7 @@ from stabledrl.models.attention import (
     prompt_attention_of,
     tail_width,
 )
+from stabledrl.models.lora import lean_adapters
 from stabledrl.models.policy import Policy
 from stabledrl.settings import COUNTER_NOISE_VOCAB, SamplingConfig  # defined without torch, for the command line
 
@@ -420,12 +422,14 @@ def generate(
     if prompt_mask is None:
         prompt_mask = torch.ones_like(prompt_ids)
     dec = _Decoding(policy, sampling, B, prompt_ids.device, generator, synced, record_logprob)
-    if policy.attention_kind == "block":
-        _BlockSampler(dec, prompt_ids, prompt_mask, block_length, steps).run()
-    else:
-        # Steps per block: as even as possible, earlier blocks take the remainder.
-        per_block = [steps // num_blocks + (b < steps % num_blocks) for b in range(num_blocks)]
-        _decode_full(dec, prompt_ids, prompt_mask, block_length, per_block)
+    model = getattr(policy, "model", None)
+    with lean_adapters(model) if isinstance(model, torch.nn.Module) else nullcontext():  # LoRA: the same bits, sooner
+        if policy.attention_kind == "block":
+            _BlockSampler(dec, prompt_ids, prompt_mask, block_length, steps).run()
+        else:
+            # Steps per block: as even as possible, earlier blocks take the remainder.
+            per_block = [steps // num_blocks + (b < steps % num_blocks) for b in range(num_blocks)]
+            _decode_full(dec, prompt_ids, prompt_mask, block_length, per_block)
     return dec.output(prompt_ids)
 
 

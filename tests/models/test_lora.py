@@ -67,3 +67,164 @@ def test_lora_settings_are_checked():
         load_config(TrainConfig, {"lora": {"r": 0}})
     with pytest.raises(ConfigError, match="target_modules"):
         load_config(TrainConfig, {"lora": {"target_modules": []}})
+
+
+def _llada_with_adapters(dtype=torch.float32, dropout=0.0, seed=0):
+    """A small native LLaDA (2 layers) with LoRA on every linear layer, B drawn (as if trained)."""
+    from stabledrl.models.native import LLaDAModelLM
+    from tests.models.test_native import _small_configs
+
+    torch.manual_seed(seed)
+    cfg = _small_configs()["llada"]
+    cfg.n_layers = 2
+    model = LLaDAModelLM(cfg).to(dtype).eval()
+    policy = add_lora(type("P", (), {"model": model})(), LoraSettings(r=4, alpha=8, dropout=dropout), seed=seed)
+    for name, p in policy.model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.5)
+    return policy.model.eval()  # peft leaves it in training mode
+
+
+def _forward(model, autocast: bool):
+    ids = torch.randint(0, 40, (3, 7), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        return model(input_ids=ids).logits
+
+
+@pytest.mark.parametrize("base,adapters,autocast", [
+    (torch.float32, torch.float32, False),  # full precision
+    (torch.bfloat16, torch.float32, True),  # the LoRA recipes': a bf16 base, peft's float32 adapters, bf16 compute
+    (torch.float32, torch.float32, True),  # float32 weights, bf16 compute
+    (torch.bfloat16, torch.float32, False),  # peft casts x to float32 and adds in float32
+    (torch.bfloat16, torch.bfloat16, True),
+])
+def test_lean_adapters_give_peft_forward_to_the_bit(base, adapters, autocast):
+    from peft.tuners.lora import Linear as LoraLinear
+
+    from stabledrl.models.lora import lean_adapters
+
+    model = _llada_with_adapters(base, dropout=0.1)  # eval mode: the dropout draws nothing
+    for name, p in model.named_parameters():
+        if "lora_" in name:
+            p.data = p.data.to(adapters)
+    expected = _forward(model, autocast)
+    layers = [m for m in model.modules() if isinstance(m, LoraLinear)]
+    with lean_adapters(model) as lean:
+        assert lean == len(layers) == 2 * 7  # q, k, v, attn_out, ff_proj, up_proj, ff_out in each block
+        got = _forward(model, autocast)
+        again = _forward(model, autocast)  # the cached casts
+    assert torch.equal(got, expected) and torch.equal(again, expected)
+    assert not any("forward" in vars(m) for m in layers)  # peft's forward back
+
+
+def test_lean_adapters_launch_fewer_operations_under_bf16_autocast():
+    # by the operations dispatched: peft's forward casts x to float32 and back and A and B to bf16 in every
+    # call (autocast keeps no cast from one model call to the next); the short one adds to the base linear's
+    # own operations A's and B's products, the scaling and the sum, in place
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from stabledrl.models.lora import lean_adapters
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    model = _llada_with_adapters(torch.bfloat16)
+    layer = model.base_model.model.model.transformer.blocks[0].q_proj
+    x = torch.randn(3, 7, 32, dtype=torch.bfloat16)
+
+    def ops(module):
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16), Count() as count:
+            module(x)
+        return count.ops
+
+    base_ops, peft_ops = ops(layer.base_layer), ops(layer)
+    with lean_adapters(model):
+        ops(layer)  # the first call casts A and B
+        lean_ops = ops(layer)
+    assert peft_ops.count("_to_copy") >= 2 and peft_ops.count("mm") == 3  # peft 0.21: 4 (x there and back, A, B)
+    assert lean_ops[: len(base_ops)] == base_ops
+    assert lean_ops[len(base_ops):] == ["view", "mm", "mm", "view", "mul_", "add_"]
+    assert len(lean_ops) < len(peft_ops) and '_to_copy' not in lean_ops  # peft 0.21: 18 against 10
+
+
+def test_lean_adapters_keep_peft_forward_for_gradients_adapters_off_and_dropout():
+    from stabledrl.models.lora import lean_adapters
+
+    model = _llada_with_adapters(dropout=0.3)
+    ids = torch.randint(0, 40, (2, 5), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad(), model.disable_adapter():
+        base = model(input_ids=ids).logits
+    model.train()  # dropout draws: peft's forward, with the same draws
+    torch.manual_seed(5)
+    with torch.no_grad():
+        expected = model(input_ids=ids).logits
+    with lean_adapters(model):
+        torch.manual_seed(5)
+        with torch.no_grad():
+            assert torch.equal(model(input_ids=ids).logits, expected)
+        model.eval()
+        with torch.no_grad(), model.disable_adapter():  # the reference (base_policy)
+            assert torch.equal(model(input_ids=ids).logits, base)
+        model(input_ids=ids).logits.sum().backward()  # gradients: peft's forward, which they flow through
+    grads = {n: p.grad for n, p in model.named_parameters() if "lora_A" in n}
+    assert grads and all(g is not None and bool(g.abs().sum() > 0) for g in grads.values())
+
+
+def test_lean_adapters_leave_hooked_wrapped_partitioned_and_double_adapters_to_peft():
+    from stabledrl.models.lora import _plain_lora_layers
+
+    model = _llada_with_adapters()
+    blocks = model.base_model.model.model.transformer.blocks
+    all_layers = len(_plain_lora_layers(model))
+    blocks[0].q_proj.lora_A["default"].register_forward_pre_hook(lambda m, a: None)  # offloading, ZeRO-3's gather
+    blocks[0].k_proj.lora_B["default"].weight.ds_id = 7  # a DeepSpeed ZeRO-3 parameter
+    blocks[1].v_proj.lora_A["default"].weight.data = blocks[1].v_proj.lora_A["default"].weight.data.double()
+    blocks[1].q_proj.base_layer.register_forward_hook(lambda m, a, out: None)  # could keep the output
+    blocks[1].k_proj.lora_B["default"].__class__ = type("Wrapped", (torch.nn.Linear,), {})  # an FSDP unit's class
+    served = {id(m) for m, _ in _plain_lora_layers(model)}
+    left = {id(blocks[0].q_proj), id(blocks[0].k_proj), id(blocks[1].v_proj), id(blocks[1].q_proj), id(blocks[1].k_proj)}
+    assert len(served) == all_layers - 5 and not left & served
+
+
+def test_the_sampler_draws_the_same_tokens_with_lean_adapters(monkeypatch):
+    # generate runs under lean_adapters; with peft's forward instead every token is the same (bf16
+    # base, float32 adapters, bf16 autocast: the LoRA recipes' setting)
+    from contextlib import contextmanager, nullcontext
+
+    import stabledrl.sampling as sampling
+    from stabledrl.models.lora import lean_adapters
+    from stabledrl.sampling import SamplingConfig, generate, row_generators
+    from tests.conftest import make_tiny_policy
+
+    policy = add_lora(make_tiny_policy(seed=3), LoraSettings(r=4))
+    policy.model.to(torch.bfloat16)
+    for name, p in policy.model.named_parameters():
+        if "lora_" in name:
+            p.data = p.data.float()
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.5)
+    ids, mask = encode_prompts(policy.tokenizer, ["3,5,7=22", "1=1"])
+    cfg = SamplingConfig(gen_length=8, steps=8, block_length=4, temperature=1.0, approx_cache="dual")
+    served = []
+
+    @contextmanager
+    def spy(model):
+        with lean_adapters(model) as n:
+            served.append(n)
+            yield n
+
+    def sample():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return generate(policy, ids, mask, cfg, generator=row_generators("t", 0, 2)).completion_ids
+
+    monkeypatch.setattr(sampling, "lean_adapters", spy)
+    lean = sample()
+    assert served and served[0] > 0
+    monkeypatch.setattr(sampling, "lean_adapters", lambda model: nullcontext())
+    assert torch.equal(sample(), lean)
