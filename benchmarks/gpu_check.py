@@ -7,6 +7,8 @@
     python benchmarks/gpu_check.py --model-code tiny          # the project's TinyDiffusionLM at that shape
     python benchmarks/gpu_check.py --schemes none dual --also-without-adapters --step-schemes dual
                                                               # the caches with LoRA on and off; the step on dual
+    python benchmarks/gpu_check.py --schemes dual --also-peft-forward --also-without-adapters --step-schemes dual
+                                                              # LoRA's short forward against peft's, and off
 
 The default model is stabledrl's native LLaDA (`stabledrl.models.native.LLaDAModelLM`, what
 `adapter: llada` loads) at LLaDA-8B's shape (32 layers, width 4096, 32 heads, SwiGLU 12288,
@@ -15,7 +17,9 @@ random weights made directly on the device in the base dtype. Before the step, t
 alone under each of Fast-dLLM's caches (`--schemes`: none, prefix, dual, dual with threshold
 0.9, dual refreshed every second call): tokens/s, model calls and peak memory of `generate` for
 the `--rows` rows beside the memory model's rollout phase (random weights never reach the
-threshold: its row shows the cost of the check alone); with `--also-without-adapters` again with
+threshold: its row shows the cost of the check alone); with `--also-peft-forward` again with
+peft's own LoRA forward in every layer (the sampler otherwise runs its short one,
+`stabledrl.models.lora.lean_adapters`: the same tokens); with `--also-without-adapters` again with
 LoRA's adapters off. The step (`--step-schemes`: its rollout under each) is `benchmarks/scale.py`'s `rl_step`, the trainer's
 (one process) wired from the library's components, for a config made of this script's
 options (`train_config`): rollouts (built-in engine, counter noise), ℓ_old on the trainer's
@@ -37,7 +41,7 @@ import platform
 import statistics
 import sys
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -174,6 +178,20 @@ def rollout_schemes(policy, args, ids: torch.Tensor, cuda: bool, save=lambda par
     return out
 
 
+@contextmanager
+def _peft_forward() -> Iterator[None]:
+    """The sampler without its short LoRA forward (`stabledrl.sampling.generate` enters
+    `lean_adapters`): peft's forward in every adapted layer."""
+    import stabledrl.sampling as sampling_module
+
+    lean = sampling_module.lean_adapters
+    sampling_module.lean_adapters = lambda model: nullcontext()
+    try:
+        yield
+    finally:
+        sampling_module.lean_adapters = lean
+
+
 def _shape_of(cfg) -> scale.Shape | None:
     """The memory model's shape of a checkpoint's config (HF names, or LLaDA's); None if unreadable."""
     def get(*names):
@@ -261,6 +279,8 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
                     help="rollout caches timed before the step (none: skip)")
     ap.add_argument("--also-without-adapters", action="store_true",
                     help="with --train lora: time the schemes again with the adapters off (as full fine-tuning samples)")
+    ap.add_argument("--also-peft-forward", action="store_true",
+                    help="with --train lora: time the schemes again with peft's LoRA forward (not the sampler's short one)")
     ap.add_argument("--step-schemes", nargs="+", default=["none"], choices=list(SCHEMES),
                     help="the steps' rollout: the first is the report's step; each further one is timed "
                          "the same way after it (step_by_scheme)")
@@ -354,6 +374,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             Path(args.out).write_text(json.dumps(partial, indent=2) + "\n")
 
     schemes = rollout_schemes(policy, args, ids, cuda, lambda done: save("rollout_schemes", done)) if args.schemes else {}
+    peft_forward: dict[str, Any] = {}
+    if args.schemes and args.also_peft_forward and args.train == "lora":
+        # the same rollouts with peft's own LoRA forward in every layer, as before the sampler's short one
+        # (stabledrl.models.lora.lean_adapters: the same tokens, fewer operations a call)
+        with _peft_forward():
+            peft_forward = rollout_schemes(policy, args, ids, cuda, lambda done: save("rollout_schemes_peft_forward", done),
+                                           label=" with peft's LoRA forward")
     bare: dict[str, Any] = {}
     if args.schemes and args.also_without_adapters and args.train == "lora":
         # the same rollouts with the adapters off (peft's disable_adapter: the base layers alone, none of
@@ -405,6 +432,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "counts": last["counts"],
         "rollout_tokens_per_s": last["counts"]["completion_slots"] / med["rollout"],
         "rollout_schemes": schemes,
+        "rollout_schemes_peft_forward": peft_forward,
         "rollout_schemes_without_adapters": bare,
         "step_by_scheme": by_scheme,
         "model_tflop": {k: v / 1e12 for k, v in flops.items()},

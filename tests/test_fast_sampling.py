@@ -327,12 +327,17 @@ def test_cached_logits_equal_uncached_while_the_sequence_is_unchanged(approx_cac
         assert torch.equal(cache.logits(x, rows), want)  # the first call is the uncached one
         got = cache.logits(x, rows)  # a cached call
         assert torch.allclose(got, want, atol=1e-4, rtol=1e-4)
-        some = torch.tensor([0, 2, 4])
+        some = torch.tensor([0, 2, 4])  # rows 1 and 3 finished the block: the cache keeps the others alone
         assert torch.allclose(cache.logits(x[some], some), want[some], atol=1e-4, rtol=1e-4)
+        assert all(k.size(0) == 3 for k, _ in cache.kv.layers)
         x2 = x.clone()
         x2[:, P + lo] = policy.mask_token_id  # a change in the block: the cached prefix keys go stale
-        stale = cache.logits(x2, rows)
-        assert not torch.allclose(stale, policy.logits(x2, attn, pos)[:, P + lo : P + hi], atol=1e-6)
+        stale = cache.logits(x2[some], some)
+        assert not torch.allclose(stale, policy.logits(x2, attn, pos)[some, P + lo : P + hi], atol=1e-6)
+        fewer = torch.tensor([2])
+        assert torch.allclose(cache.logits(x[fewer], fewer), want[fewer], atol=1e-4, rtol=1e-4)
+        with pytest.raises(RuntimeError, match="came back"):  # finished rows never return to a block
+            cache.logits(x[some], some)
 
 
 @pytest.mark.parametrize("approx_cache", ["prefix", "dual"])
@@ -406,7 +411,7 @@ def test_the_counter_draw_is_its_formula_from_any_layout_of_the_logits(temperatu
 @pytest.mark.parametrize("approx_cache", ["prefix", "dual"])
 def test_the_cache_written_in_place_gives_the_copied_caches_logits(approx_cache):
     # The same kept keys, laid out otherwise: left-padded prompts, a block (and, under prefix, a
-    # suffix) changed since the first call (the kept keys stale), rows leaving and coming back.
+    # suffix) changed since the first call (the kept keys stale), rows leaving the block (for good).
     policy = make_tiny_policy(seed=19)
     ids, mask = encode_prompts(policy.tokenizer, PROMPTS)
     B, P = ids.shape
@@ -418,9 +423,10 @@ def test_the_cache_written_in_place_gives_the_copied_caches_logits(approx_cache)
     x2[:, P + lo] = policy.mask_token_id
     x3 = x2.clone()
     x3[:, P + hi + 1] = policy.mask_token_id
-    rows, some = torch.arange(B), torch.tensor([0, 2, 4])
+    rows, some, fewer = torch.arange(B), torch.tensor([0, 2, 4]), torch.tensor([0, 4])
     with torch.no_grad():
-        for inputs, active in ((x, rows), (x2, rows), (x3, rows), (x3[some], some), (x2[some], some), (x2, rows)):
+        for inputs, active in ((x, rows), (x2, rows), (x3, rows), (x3[some], some), (x2[some], some),
+                               (x2[fewer], fewer)):
             got, want = (c.logits(inputs, active) for c in caches)
             assert (got - want).abs().max() <= 1e-4 * want.abs().max()
 

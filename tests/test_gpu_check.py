@@ -67,14 +67,14 @@ def test_a_bfloat16_model_runs_without_autocast():
 
 def test_the_rollouts_without_adapters_and_the_step_under_further_rollout_schemes(tmp_path):
     out = tmp_path / "check.json"
-    r = gpu_check.main(TINY + ["--schemes", "none", "dual", "--also-without-adapters",
+    r = gpu_check.main(TINY + ["--schemes", "none", "dual", "--also-without-adapters", "--also-peft-forward",
                                "--step-schemes", "none", "dual+refresh2", "--out", str(out)])
     saved = json.loads(out.read_text())
     assert saved["complete"] is True and list(saved["step_by_scheme"]) == ["none", "dual+refresh2"]
-    # fresh LoRA adapters (B = 0) change nothing: the same schedule of calls with them off
-    assert list(r["rollout_schemes_without_adapters"]) == ["none", "dual"]
-    assert [s["model_calls"] for s in r["rollout_schemes_without_adapters"].values()] == \
-        [s["model_calls"] for s in r["rollout_schemes"].values()]
+    # fresh LoRA adapters (B = 0) change nothing: the same schedule of calls with them off or under peft's forward
+    for other in ("rollout_schemes_without_adapters", "rollout_schemes_peft_forward"):
+        assert list(r[other]) == ["none", "dual"]
+        assert [s["model_calls"] for s in r[other].values()] == [s["model_calls"] for s in r["rollout_schemes"].values()]
     # the dual cache's rollout phase predicts the cache beside the uncached one: 2 (k, v) · 4 rows · 2 layers ·
     # 24 columns · 32 wide · 2 bytes (bf16 autocast, on CPU too) = 24,576 bytes more
     assert saved["rollout_schemes"]["dual"]["predicted_rollout_bytes"] - \

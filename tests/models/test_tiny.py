@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from stabledrl.models import TinyDiffusionConfig, TinyDiffusionLM, TinyPolicy, load_policy
+from stabledrl.models import KVCache, TinyDiffusionConfig, TinyDiffusionLM, TinyPolicy, load_policy
 from tests.conftest import make_tiny_policy
 
 
@@ -223,3 +223,14 @@ def test_gradient_checkpointing_gives_the_same_gradients_and_recomputes_each_blo
     assert calls == [2, 3]  # plain: 1 + 1 (no_grad); checkpointed: 2 + 1
     assert all(torch.equal(a, b) for a, b in zip(*grads))
     assert any(g.abs().sum() > 0 for g in grads[0])
+
+
+def test_keeping_some_rows_of_a_cache_is_selecting_them():
+    cache = KVCache()
+    cache.write_at = slice(2, 4)
+    cache.layers = [(torch.randn(4, 2, 6, 3), torch.randn(4, 2, 6, 3)) for _ in range(3)]
+    rows = torch.tensor([3, 1])
+    want = cache.select(rows=rows)
+    cache.keep_rows(rows)
+    assert cache.write_at == slice(2, 4) and len(cache.layers) == 3
+    assert all(torch.equal(k, wk) and torch.equal(v, wv) for (k, v), (wk, wv) in zip(cache.layers, want.layers))

@@ -178,6 +178,12 @@ class KVCache:
             out.layers.append((k, v))
         return out
 
+    def keep_rows(self, rows: torch.Tensor) -> None:
+        """Keeps the batch rows `rows` (an index tensor) alone, in that order, layer by layer:
+        beside the cache, one layer's copy at a time, not a second cache."""
+        for i, (k, v) in enumerate(self.layers):
+            self.layers[i] = (k.index_select(0, rows), v.index_select(0, rows))
+
 
 def join_cached(past: tuple[torch.Tensor, torch.Tensor] | None, k: torch.Tensor, v: torch.Tensor,
                 write_at: slice | None) -> tuple[torch.Tensor, torch.Tensor]:
