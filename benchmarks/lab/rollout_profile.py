@@ -1,7 +1,10 @@
 """Where a cached rollout's time goes: one rollout of `benchmarks/gpu_check.py`'s policy (the
 native LLaDA at 8B shape, LoRA, bf16 autocast) under the dual cache, timed, then run again
 under torch.profiler, then timed with the LoRA weights merged into the base (peft's
-`merge_adapter`: the adapters' own kernels gone, the model's function unchanged up to rounding).
+`merge_adapter`: the adapters' own kernels gone, the model's function unchanged up to rounding;
+last, as unmerging bf16 weights does not give them back to the bit). The sampler runs LoRA layers
+through its short forward (`stabledrl.models.lora.lean_adapters`) since 2026-11-29; the profile
+in docs/gpu-check.md was taken before, under peft's.
 
     python benchmarks/lab/rollout_profile.py --out benchmarks/results/rollout_profile-h200.json
     python benchmarks/lab/rollout_profile.py --size tiny --device cpu --rows 4 --gen-length 16 \\
@@ -48,7 +51,7 @@ def main(argv: list[str] | None = None) -> dict:
         return seconds, gen.forward_passes
 
     blocks = -(-args.gen_length // args.block_length)
-    rollout(blocks)  # warm-up
+    rollout(min(2 * blocks, args.steps))  # warm-up: a block's first call and a later one (gpu_check's)
     report: dict = {"command": "python benchmarks/lab/rollout_profile.py " + " ".join(argv),
                     "device": torch.cuda.get_device_name() if cuda else "cpu", "scheme": scheme}
     report["seconds"], report["calls"] = rollout(args.steps)
