@@ -58,14 +58,16 @@ def _free_port() -> int:
 
 def _launch(overrides: list[str], processes: int, tmp_path, timeout: float = 300, *, fsdp: bool = False,
             resume: bool = False, stop_after_save: bool = False, launcher: tuple[str, ...] = (),
-            report: Path | None = None, kill: str = "") -> None:
+            report: Path | None = None, kill: str = "", lean: Path | None = None) -> None:
     """`accelerate launch ... -m stabledrl train` on `processes` CPU processes. `fsdp`: with
     configs/accelerate/fsdp.yaml, through `_cpu_fsdp_main`; `stop_after_save`: every process
     stops right after the first checkpoint (the launch must then fail); `launcher`: more
     options of `accelerate launch`; `report`: a JSON file where the main process says how its
     model was prepared (`_report_run`); `kill`: "STAGE:RANK:N", that process dies at the N-th
     time it reaches that stage of a save (`_kill_at`), and the launch, the others waiting for it,
-    is stopped after `timeout` if it has not ended by then."""
+    is stopped after `timeout` if it has not ended by then; `lean`: a JSON file where the main
+    process lists, for each `generate`, the LoRA layers given the short forward and its calls
+    (`_report_lean`)."""
     empty = tmp_path / "empty.yaml"  # every field comes from --set
     empty.write_text("{}\n")
     # --multi_gpu selects accelerate's torchrun launcher; the trainer's Accelerator(cpu=True)
@@ -74,13 +76,13 @@ def _launch(overrides: list[str], processes: int, tmp_path, timeout: float = 300
     cmd = [sys.executable, "-m", "accelerate.commands.launch", *layout, *launcher, "--num_processes", str(processes),
            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
            "--main_process_port", str(_free_port()), "-m",
-           "tests.test_distributed" if fsdp or stop_after_save or report or kill else "stabledrl", "train",
+           "tests.test_distributed" if fsdp or stop_after_save or report or kill or lean else "stabledrl", "train",
            "--config", str(empty), *(["--resume"] if resume else [])]
     for o in overrides:
         cmd += ["--set", o]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "STABLEDRL_TEST_FSDP": str(int(fsdp)),
            "STABLEDRL_TEST_STOP_AFTER_SAVE": str(int(stop_after_save)), "STABLEDRL_TEST_REPORT": str(report or ""),
-           "STABLEDRL_TEST_KILL": kill}
+           "STABLEDRL_TEST_KILL": kill, "STABLEDRL_TEST_LEAN": str(lean or "")}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                             cwd=Path(__file__).parents[1])
     try:
@@ -162,6 +164,23 @@ def test_two_processes_make_the_update_of_one(init_model, tmp_path, objective, c
         run_train(cfg, progress=False)
         other = tmp_path / "generator"
         assert _max_diff(_update(init_model, one), _update(init_model, other)) > 1e-2
+
+
+@pytest.mark.slow  # one launch of 2 processes and a run of one, about 15 s
+def test_lora_under_fsdp_samples_through_the_short_forward_and_makes_the_update_of_one(init_model, tmp_path):
+    # The sampler's short LoRA forward inside FSDP's units (casts from the gathered weights): the
+    # rollouts, and so the update, of one process; the adapters' B matrices start at zero, so they
+    # are the update.
+    lora = {"lora.r": 4, "lora.alpha": 8}
+    one, two, lean = tmp_path / "one", tmp_path / "two", tmp_path / "lean.json"
+    run_train(load_config(TrainConfig, None, _overrides(init_model, one, "stabledrl", **lora)), progress=False)
+    _launch(_overrides(init_model, two, "stabledrl", **lora), processes=2, tmp_path=tmp_path, fsdp=True, lean=lean)
+    served = json.loads(lean.read_text())  # rollouts and evaluations
+    assert served and all(layers > 0 and calls > 0 for layers, calls in served)
+    a, b = (load_file(d / "final" / "adapter_model.safetensors") for d in (one, two))
+    assert set(a) == set(b)
+    learned = [k for k in a if "lora_B" in k]
+    assert_same_update({k: a[k] for k in learned}, {k: b[k] for k in learned})
 
 
 def test_micro_batches_give_the_update_of_one_batch(init_model, tmp_path):
@@ -353,6 +372,8 @@ def _cpu_fsdp_main() -> int:
         accelerate.Accelerator = CpuFsdpAccelerator  # run_train imports it when it runs
     if os.environ.get("STABLEDRL_TEST_REPORT"):
         _report_run(train_mod, os.environ["STABLEDRL_TEST_REPORT"])
+    if os.environ.get("STABLEDRL_TEST_LEAN"):
+        _report_lean(os.environ["STABLEDRL_TEST_LEAN"])
     if os.environ.get("STABLEDRL_TEST_STOP_AFTER_SAVE") == "1":
         real = train_mod.save_checkpoint
 
@@ -380,6 +401,30 @@ def _kill_at(stage: str, rank: str, nth: str) -> None:
                 os._exit(9)
 
     checkpoint._stage = stage_or_die
+
+
+def _report_lean(path: str) -> None:
+    """The main process writes to `path`, for each `generate`, [LoRA layers given the short forward
+    (`stabledrl.models.lora.lean_adapters`), the calls that took it]."""
+    from contextlib import contextmanager
+
+    import torch.distributed as dist
+
+    import stabledrl.sampling as sampling
+    from stabledrl.models.lora import _LeanForward
+
+    real, seen = sampling.lean_adapters, []
+
+    @contextmanager
+    def recorded(model):
+        with real(model) as layers:
+            yield layers
+            forwards = [f for f in (vars(m).get("forward") for m in model.modules()) if isinstance(f, _LeanForward)]
+            seen.append([layers, sum(f.calls for f in forwards)])
+            if dist.get_rank() == 0:
+                Path(path).write_text(json.dumps(seen))
+
+    sampling.lean_adapters = recorded
 
 
 def _report_run(train_mod, path: str) -> None:

@@ -124,12 +124,14 @@ class _LeanForward:
     def __init__(self, layer: torch.nn.Module, name: str) -> None:
         self.layer, self.name, self.active = layer, name, [name]  # the layer holds this: a cycle, cut on leaving
         self.dropout, self.cast = layer.lora_dropout[name], {}  # autocast's dtype -> (Aᵀ, Bᵀ) in it
+        self.calls = 0  # calls that took the short forward
 
     def __call__(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         m, name = self.layer, self.name
         if (args or kwargs or torch.is_grad_enabled() or m.disable_adapters or m.merged or m.active_adapters != self.active
                 or (self.dropout.training and isinstance(self.dropout, torch.nn.Dropout))):
             return type(m).forward(m, x, *args, **kwargs)
+        self.calls += 1
         result = m.base_layer(x)
         A, B = m.lora_A[name].weight, m.lora_B[name].weight
         if x.dtype != A.dtype and not (A.dtype == torch.float32 and x.dtype in _AUTOCASTS):
