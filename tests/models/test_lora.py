@@ -69,8 +69,8 @@ def test_lora_settings_are_checked():
         load_config(TrainConfig, {"lora": {"target_modules": []}})
 
 
-def _llada_with_adapters(dtype=torch.float32, dropout=0.0, seed=0):
-    """A small native LLaDA (2 layers) with LoRA on every linear layer, B drawn (as if trained)."""
+def _llada_with_adapters(dtype=torch.float32, dropout=0.0, seed=0, alpha=8.0):
+    """A small native LLaDA (2 layers) with LoRA r 4 on every linear layer, B drawn (as if trained)."""
     from stabledrl.models.native import LLaDAModelLM
     from tests.models.test_native import _small_configs
 
@@ -78,7 +78,7 @@ def _llada_with_adapters(dtype=torch.float32, dropout=0.0, seed=0):
     cfg = _small_configs()["llada"]
     cfg.n_layers = 2
     model = LLaDAModelLM(cfg).to(dtype).eval()
-    policy = add_lora(type("P", (), {"model": model})(), LoraSettings(r=4, alpha=8, dropout=dropout), seed=seed)
+    policy = add_lora(type("P", (), {"model": model})(), LoraSettings(r=4, alpha=alpha, dropout=dropout), seed=seed)
     for name, p in policy.model.named_parameters():
         if "lora_B" in name:
             torch.nn.init.normal_(p, std=0.5)
@@ -98,12 +98,13 @@ def _forward(model, autocast: bool):
     (torch.bfloat16, torch.float32, False),  # peft casts x to float32 and adds in float32
     (torch.bfloat16, torch.bfloat16, True),
 ])
-def test_lean_adapters_give_peft_forward_to_the_bit(base, adapters, autocast):
+@pytest.mark.parametrize("alpha", [8.0, 6.0], ids=["scaling-2", "scaling-1.5"])  # a power of two: one fused sum
+def test_lean_adapters_give_peft_forward_to_the_bit(base, adapters, autocast, alpha):
     from peft.tuners.lora import Linear as LoraLinear
 
     from stabledrl.models.lora import lean_adapters
 
-    model = _llada_with_adapters(base, dropout=0.1)  # eval mode: the dropout draws nothing
+    model = _llada_with_adapters(base, dropout=0.1, alpha=alpha)  # eval mode: the dropout draws nothing
     for name, p in model.named_parameters():
         if "lora_" in name:
             p.data = p.data.to(adapters)
@@ -117,10 +118,11 @@ def test_lean_adapters_give_peft_forward_to_the_bit(base, adapters, autocast):
     assert not any("forward" in vars(m) for m in layers)  # peft's forward back
 
 
-def test_lean_adapters_launch_fewer_operations_under_bf16_autocast():
+@pytest.mark.parametrize("alpha, tail", [(8.0, ["add_"]), (6.0, ["mul_", "add_"])])
+def test_lean_adapters_launch_fewer_operations_under_bf16_autocast(alpha, tail):
     # by the operations dispatched: peft's forward casts x to float32 and back and A and B to bf16 in every
     # call (autocast keeps no cast from one model call to the next); the short one adds to the base linear's
-    # own operations A's and B's products, the scaling and the sum, in place
+    # own operations A's and B's products and the scaled sum, in place (scaling 1.5: the scaling first)
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from stabledrl.models.lora import lean_adapters
@@ -134,7 +136,7 @@ def test_lean_adapters_launch_fewer_operations_under_bf16_autocast():
             self.ops.append(func.overloadpacket.__name__)
             return func(*args, **(kwargs or {}))
 
-    model = _llada_with_adapters(torch.bfloat16)
+    model = _llada_with_adapters(torch.bfloat16, alpha=alpha)
     layer = model.base_model.model.model.transformer.blocks[0].q_proj
     x = torch.randn(3, 7, 32, dtype=torch.bfloat16)
 
@@ -149,7 +151,7 @@ def test_lean_adapters_launch_fewer_operations_under_bf16_autocast():
         lean_ops = ops(layer)
     assert peft_ops.count("_to_copy") >= 2 and peft_ops.count("mm") == 3  # peft 0.21: 4 (x there and back, A, B)
     assert lean_ops[: len(base_ops)] == base_ops
-    assert lean_ops[len(base_ops):] == ["view", "mm", "mm", "view", "mul_", "add_"]
+    assert lean_ops[len(base_ops):] == ["view", "mm", "mm", "view", *tail]
     assert len(lean_ops) < len(peft_ops) and '_to_copy' not in lean_ops  # peft 0.21: 18 against 10
 
 

@@ -12,6 +12,7 @@ peft's own (docs/scale-out.md, "LoRA rollouts").
 
 from __future__ import annotations
 
+import math
 from contextlib import contextmanager
 from typing import Any, Iterator
 
@@ -69,9 +70,11 @@ def lean_adapters(model: torch.nn.Module) -> Iterator[int]:
     bias or variant such as DoRA, no dropout drawing) runs, in calls without gradients,
     ``base(x) + B(A(x))·scaling`` with A and B cast once to the compute dtype (autocast's where
     it is on, else peft's casting of x to the adapters' dtype), instead of peft's forward: the
-    same operations on the same values, to the bit, with fewer kernels and less Python a call
-    (under bf16 autocast peft casts x to float32 and back and both adapter matrices to bf16 in
-    every call). Yields the number of layers given the short forward.
+    same values to the bit, with fewer kernels and less Python a call (under bf16 autocast peft
+    casts x to float32 and back and both adapter matrices to bf16 in every call). Where the
+    scaling (alpha / r) is a power of two, the scaling and the sum are one kernel: the product
+    by it is then exact, so one rounding after the sum is peft's two (but for values in the
+    subnormal range, below 1e-38). Yields the number of layers given the short forward.
 
     A call with gradients, adapters switched off (`base_policy`) or merged, or other arguments
     keeps peft's forward; so does a layer whose adapter or base modules carry hooks or wrappers
@@ -149,6 +152,11 @@ class _LeanForward:
         # peft's lora_B(lora_A(x)) · scaling: two linears without bias, which fold x to (N, in) and
         # multiply by the transposed weights, as here; then the sum with the base's output
         y = torch.mm(torch.mm(x.reshape(-1, x.size(-1)), At), Bt).view(*result.shape[:-1], -1)
-        if y.dtype == result.dtype:
-            return result.add_(y.mul_(m.scaling[name]))  # the same sums, without new tensors
-        return (result + y * m.scaling[name]).to(result.dtype)
+        scaling = m.scaling[name]
+        if y.dtype != result.dtype:
+            return (result + y * scaling).to(result.dtype)
+        if isinstance(scaling, float) and scaling > 0 and math.frexp(scaling)[0] == 0.5:
+            # a power of two (alpha / r = 2, 0.5 ...): y · scaling is exact, so rounding once after
+            # the sum is rounding after each, as peft does (but in the subnormal range)
+            return result.add_(y, alpha=scaling)
+        return result.add_(y.mul_(scaling))  # the same sums, without new tensors
