@@ -15,7 +15,8 @@ float32 adapters: gpu_check's setting), bf16 autocast in each model call (accele
 trainer's: a cast of a weight is not kept from one call to the next), 16 rows of 32 prompt tokens, 256 tokens in
 blocks of 32, 128 steps, temperature 0.9, counter noise.
 
-Per variant (peft's forward; the short one; adapters off, peft's `disable_adapter`) and scheme:
+Per variant (peft's forward; the short one; adapters off: peft's forward under its
+`disable_adapter`, as gpu_check timed it) and scheme:
 the rollout's wall seconds, median over `--repeats` rounds that run the variants in turn (load
 moves all alike); the operations dispatched per model call (a `TorchDispatchMode` count inside
 the policy's `logits`, over a rollout of two steps a block); and whether the short forward's
@@ -101,7 +102,7 @@ def rollout(policy, args, ids, scheme: str, variant: str, steps: int):
     cfg = SamplingConfig(gen_length=args.gen_length, steps=steps, block_length=args.block_length,
                          temperature=0.9, noise="counter", **gpu_check.SCHEMES[scheme])
     lean = sampling_module.lean_adapters
-    if variant == "peft":
+    if variant in ("peft", "off"):  # off: peft's forward with its adapters disabled, as gpu_check timed it
         sampling_module.lean_adapters = lambda model: nullcontext()
     off = getattr(policy.model, "module", policy.model).disable_adapter() if variant == "off" else nullcontext()
     try:
