@@ -19,7 +19,7 @@ Per variant (peft's forward; the short one; adapters off: peft's forward under i
 `disable_adapter`, as gpu_check timed it) and scheme:
 the rollout's wall seconds, median over `--repeats` rounds that run the variants in turn (load
 moves all alike); the operations dispatched per model call (a `TorchDispatchMode` count inside
-the policy's `logits`, over a rollout of two steps a block); and whether the short forward's
+the policy's `logits`, over a rollout of two steps a block; and in its last call alone); and whether the short forward's
 tokens equal peft's (they must: the same operations on the same values).
 Writes benchmarks/results/lora_rollout.json.
 """
@@ -67,7 +67,7 @@ class _Counted:
     """The policy, with the operations of its `logits` calls counted."""
 
     def __init__(self, policy) -> None:
-        self.policy, self.ops, self.calls = policy, 0, 0
+        self.policy, self.ops, self.calls, self.last = policy, 0, 0, 0
 
     def __getattr__(self, name: str):
         return getattr(self.policy, name)
@@ -75,7 +75,7 @@ class _Counted:
     def logits(self, *args, columns=None, **kwargs):
         with _CountOps() as mode:
             out = self.policy.logits(*args, columns=columns, **kwargs)
-        self.ops, self.calls = self.ops + mode.count, self.calls + 1
+        self.ops, self.calls, self.last = self.ops + mode.count, self.calls + 1, mode.count
         return out
 
 
@@ -147,6 +147,7 @@ def main(argv: list[str] | None = None) -> dict:
             counted.ops = counted.calls = 0
             rollout(counted, args, ids, scheme, v, 2 * blocks)
             row[v]["ops_per_call"] = counted.ops / counted.calls
+            row[v]["ops_last_call"] = counted.last  # a later call of the last block: no cast made once
         tokens = {}
         for _ in range(args.repeats):
             for v in VARIANTS:
