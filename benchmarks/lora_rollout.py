@@ -43,7 +43,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu_check  # noqa: E402
 import scale  # noqa: E402
 
-import stabledrl.sampling as sampling_module  # noqa: E402
 from stabledrl.models import LoraSettings, add_lora  # noqa: E402
 from stabledrl.models.lora import lean_adapters  # noqa: E402
 from stabledrl.sampling import SamplingConfig, generate, row_generators  # noqa: E402
@@ -101,17 +100,12 @@ def rollout(policy, args, ids, scheme: str, variant: str, steps: int):
     """One `generate` (bf16 autocast in each model call: accelerate's): (wall seconds, completions)."""
     cfg = SamplingConfig(gen_length=args.gen_length, steps=steps, block_length=args.block_length,
                          temperature=0.9, noise="counter", **gpu_check.SCHEMES[scheme])
-    lean = sampling_module.lean_adapters
-    if variant in ("peft", "off"):  # off: peft's forward with its adapters disabled, as gpu_check timed it
-        sampling_module.lean_adapters = lambda model: nullcontext()
+    peft = gpu_check._peft_forward() if variant in ("peft", "off") else nullcontext()  # off: as gpu_check timed it
     off = getattr(policy.model, "module", policy.model).disable_adapter() if variant == "off" else nullcontext()
-    try:
-        t0 = time.perf_counter()
-        with torch.no_grad(), off:
-            gen = generate(policy, ids, torch.ones_like(ids), cfg, generator=row_generators("lora", 0, len(ids)))
-        return time.perf_counter() - t0, gen.completion_ids
-    finally:
-        sampling_module.lean_adapters = lean
+    t0 = time.perf_counter()
+    with torch.no_grad(), peft, off:
+        gen = generate(policy, ids, torch.ones_like(ids), cfg, generator=row_generators("lora", 0, len(ids)))
+    return time.perf_counter() - t0, gen.completion_ids
 
 
 def main(argv: list[str] | None = None) -> dict:

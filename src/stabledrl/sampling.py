@@ -469,7 +469,7 @@ class _ApproxCache:
         fed = (col >= self.run.start) & (col < self.run.stop)  # (T,)
         self.fed, self.kept = fed.nonzero().flatten(), (~fed).nonzero().flatten()
         self.kv, self.rows = None, None  # the kept keys/values, and the batch rows they are of
-        self.sub = None  # (rows, key padding, positions) of the latest later call
+        self.sub = None  # (key padding, positions) of `rows` in a later call
 
     def logits(self, x: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
         """(A, P+L) inputs of batch rows `active` -> (A, hi - lo, V) logits of the block."""
@@ -488,22 +488,20 @@ class _ApproxCache:
                 self.kv = cache.select(cols=self.kept)
             self.rows, self.sub = active, None
             return out if self.narrow else out[:, block]
-        if self.sub is None or not torch.equal(active, self.sub[0]):  # the same until rows leave
-            if not torch.equal(active, self.rows):
-                # Rows that finished the block leave it for good (its masked slots only fill): the
-                # cache keeps the others' rows alone, narrowed layer by layer (not a copy beside it).
-                if not bool(torch.isin(active, self.rows).all()):
-                    raise RuntimeError("a row came back to a block it had finished: its keys are no longer cached")
-                self.sub = None
-                self.kv.keep_rows(torch.searchsorted(self.rows, active))
-                self.rows = active
+        if not torch.equal(active, self.rows):
+            # Rows that finished the block leave it for good (its masked slots only fill): the
+            # cache keeps the others' rows alone, narrowed layer by layer (not a copy beside it).
+            if not bool(torch.isin(active, self.rows).all()):
+                raise RuntimeError("a row came back to a block it had finished: its keys are no longer cached")
+            self.kv.keep_rows(torch.searchsorted(self.rows, active))
+            self.rows, self.sub = active, None
+        if self.sub is None:  # the same until rows leave
             attn = self.attn[active]
             keys = attn if self.in_place else attn[:, torch.cat([self.kept, self.fed])]  # (A, T) key padding
-            self.sub = (active, keys, self.pos[active][:, self.run])
-        _, keys, fed_pos = self.sub
-        cache = self.kv
+            self.sub = (keys, self.pos[active][:, self.run])
+        keys, fed_pos = self.sub
         block = slice(self.shift, self.shift + hi - lo)
-        out = self.policy.logits(x[:, self.run], keys, fed_pos, cache=cache,
+        out = self.policy.logits(x[:, self.run], keys, fed_pos, cache=self.kv,
                                  **({"columns": block} if self.narrow else {}))
         return out if self.narrow else out[:, block]
 

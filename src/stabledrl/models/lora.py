@@ -93,6 +93,9 @@ def lean_adapters(model: torch.nn.Module) -> Iterator[int]:
             del layer.forward  # back to the class's
 
 
+_AUTOCASTS = {torch.float32, torch.bfloat16, torch.float16}  # the dtypes autocast casts
+
+
 def _plain_lora_layers(model: torch.nn.Module) -> list[tuple[torch.nn.Module, str]]:
     """(layer, its one adapter's name) for each peft `lora.Linear` the short forward serves."""
     try:
@@ -118,9 +121,6 @@ def _plain_lora_layers(model: torch.nn.Module) -> list[tuple[torch.nn.Module, st
     return found
 
 
-_AUTOCASTS = {torch.float32, torch.bfloat16, torch.float16}  # the dtypes autocast casts
-
-
 class _LeanForward:
     """A LoRA layer's short forward (`lean_adapters`); peft's where it does not apply."""
 
@@ -137,12 +137,13 @@ class _LeanForward:
         self.calls += 1
         result = m.base_layer(x)
         A, B = m.lora_A[name].weight, m.lora_B[name].weight
-        if x.dtype != A.dtype and not (A.dtype == torch.float32 and x.dtype in _AUTOCASTS):
-            x = x.to(A.dtype)  # peft's cast, where it changes the values (float32 holds the others')
         device = x.device.type
         if torch.is_autocast_enabled(device):
             # peft: x.to(A.dtype), then autocast casts x, A and B to its dtype in each linear; where
-            # A's dtype holds x's values, x → A.dtype → autocast's dtype is x → autocast's dtype
+            # A's dtype holds x's values (float32 holds the others'), x → A.dtype → autocast's dtype
+            # is x → autocast's dtype, and peft's cast can go
+            if x.dtype != A.dtype and not (A.dtype == torch.float32 and x.dtype in _AUTOCASTS):
+                x = x.to(A.dtype)
             dtype = torch.get_autocast_dtype(device)
             if dtype not in self.cast:  # cast once (under FSDP inside the first forward: gathered weights)
                 self.cast[dtype] = (A.to(dtype).t(), B.to(dtype).t())
