@@ -114,3 +114,25 @@ def objective_registry():
     for registry, before in zip((OBJECTIVE_SECTIONS, OBJECTIVES), saved):
         registry.clear()
         registry.update(before)
+
+
+@pytest.fixture
+def fsdp_bf16(tmp_path):
+    """FSDP2 with accelerate's bf16 mixed precision (its `MixedPrecisionPolicy`: bf16 parameters,
+    reductions and outputs, floating-point inputs cast) over each of a model's layers and the
+    whole, in a gloo process group of this one process, ended after the test: `wrap(model, layers)`."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16, output_dtype=torch.bfloat16)
+
+    def wrap(model, layers):
+        for layer in layers:
+            fully_shard(layer, mp_policy=policy)
+        return fully_shard(model, mp_policy=policy)
+
+    try:
+        yield wrap
+    finally:
+        dist.destroy_process_group()

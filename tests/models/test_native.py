@@ -280,3 +280,68 @@ def test_every_family_runs_in_bfloat16(family):
     with torch.no_grad():
         out = model(ids, attention_mask=mask, position_ids=torch.arange(5).expand(2, 5)).logits
     assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("family", ["llada", "dream", "sdar"])
+def test_under_fsdps_bf16_mixed_precision_the_logits_are_the_bf16_models(fsdp_bf16, family):
+    # The recipes' FSDP (accelerate, mixed_precision bf16) casts every floating-point tensor a layer is
+    # called with to bf16; LLaDA rotates in float32 with tables made in float32 (its published block
+    # makes them inside itself): they reach the layers in float32, the numbers of the bf16 model.
+    config = _small_configs()[family]
+    config.update({"n_layers" if family == "llada" else "num_hidden_layers": 2})
+    torch.manual_seed(0)
+    model = NATIVE_MODELS[family](config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.to(torch.bfloat16))  # float32 master weights that are bf16 numbers
+    reference = NATIVE_MODELS[family](config).to(torch.bfloat16).eval()
+    reference.load_state_dict(model.state_dict())
+    layers = model.model.transformer.blocks if family == "llada" else model.model.layers
+    wrapped = fsdp_bf16(model, layers)
+    T = 9
+    ids = torch.randint(0, 40, (2, T), generator=torch.Generator().manual_seed(0))
+    positions = (torch.arange(T) + 300).expand(2, T)  # where a table's bf16 rounding moves the rotation
+    mask = torch.ones(2, T, T, dtype=torch.bool) if family == "sdar" else torch.ones(2, T)
+    with torch.no_grad():
+        want = reference(ids, attention_mask=mask, position_ids=positions).logits
+        got = wrapped(ids, attention_mask=mask, position_ids=positions).logits
+    assert got.dtype == want.dtype == torch.bfloat16
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("in_float32", [True, False])
+def test_queries_and_keys_rotate_in_one_pass_as_each_alone(in_float32):
+    # One pass over both (fewer kernels) against RoPE as the published files write it, each tensor
+    # alone: x cos + rotate_half(x) sin with rotate_half(x) = (-x2, x1), in float32 and cast back
+    # (LLaDA's rope_full_precision) or in x's dtype with the tables cast to it (Qwen2's, Qwen3's).
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from stabledrl.models.native import _rotate
+    from stabledrl.models.tiny import RopeTables
+
+    g = torch.Generator().manual_seed(0)
+    B, H, Hkv, T, Dh = 2, 4, 2, 5, 8
+    q = torch.randn(B, T, H, Dh, generator=g).to(torch.bfloat16).transpose(1, 2)  # as the layer hands them over
+    k = torch.randn(B, T, Hkv, Dh, generator=g).to(torch.bfloat16).transpose(1, 2)
+    angles = (torch.arange(T) + 300.0)[None, None, :, None] * torch.rand(Dh // 2, generator=g)  # (1, 1, T, Dh/2)
+    c, s = angles.cos(), angles.sin()
+    cos, sin = torch.cat((c, c), -1), torch.cat((s, s), -1)
+
+    def alone(x):
+        h = x.float() if in_float32 else x
+        x1, x2 = h.chunk(2, -1)
+        return (h * cos.to(h.dtype) + torch.cat((-x2, x1), -1) * sin.to(h.dtype)).to(x.dtype)
+
+    class Kernels(TorchDispatchMode):  # operations that compute (views excluded)
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.n += not func.is_view
+            return func(*args, **(kwargs or {}))
+
+    rope = RopeTables(cos, torch.cat((-s, s), -1))
+    _rotate(q, k, rope, in_float32)  # a forward's first layer casts the tables where it rotates in bf16
+    with Kernels() as counted:
+        got_q, got_k = _rotate(q, k, rope, in_float32)
+    assert torch.equal(got_q, alone(q)) and torch.equal(got_k, alone(k))
+    assert counted.n == (7 if in_float32 else 5)  # each tensor alone: 6 and 4 (+ 2 casts of the tables)

@@ -234,3 +234,22 @@ def test_keeping_some_rows_of_a_cache_is_selecting_them():
     cache.keep_rows(rows)
     assert cache.write_at == slice(2, 4) and len(cache.layers) == 3
     assert all(torch.equal(k, wk) and torch.equal(v, wv) for (k, v), (wk, wv) in zip(cache.layers, want.layers))
+
+
+def test_under_fsdps_bf16_mixed_precision_the_logits_are_the_bf16_models(fsdp_bf16):
+    # RoPE in float32 with float32 tables, though FSDP casts a block's floating-point inputs to bf16
+    policy = make_tiny_policy(seed=3)
+    model = policy.model
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.to(torch.bfloat16))
+    reference = TinyDiffusionLM(model.config).to(torch.bfloat16).eval()
+    reference.load_state_dict(model.state_dict())
+    wrapped = fsdp_bf16(model, model.blocks)
+    ids = torch.randint(5, len(policy.tokenizer), (2, 9), generator=torch.Generator().manual_seed(0))
+    positions = (torch.arange(9) + 40).expand(2, 9)
+    with torch.no_grad():
+        want = reference(ids, attention_mask=torch.ones(2, 9), position_ids=positions).logits
+        got = wrapped(ids, attention_mask=torch.ones(2, 9), position_ids=positions).logits
+    assert got.dtype == want.dtype == torch.bfloat16
+    assert torch.equal(got, want)

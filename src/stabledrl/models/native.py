@@ -32,7 +32,7 @@ from torch.utils.checkpoint import checkpoint
 from transformers import PretrainedConfig, PreTrainedModel
 from transformers.modeling_outputs import MaskedLMOutput
 
-from stabledrl.models.tiny import KVCache, check_write_at, join_cached, rope_frequencies, sdpa_mask
+from stabledrl.models.tiny import KVCache, RopeTables, check_write_at, join_cached, rope_frequencies, sdpa_mask
 
 __all__ = ["Architecture", "LLaDAConfig", "DreamConfig", "SDARConfig", "LLaDAModelLM", "DreamModel",
            "SDARForCausalLM", "NATIVE_MODELS", "architecture"]
@@ -195,15 +195,21 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(x.dtype)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, in_float32: bool) -> torch.Tensor:
-    """RoPE on halves (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin), back in x's dtype; computed
-    in float32 or in x's dtype (`Architecture.rope_in_float32`). x: (B, H, T, Dh); cos: (B, 1, T, Dh)
-    in float32; sin: the same with the first half negated (`_NativeLM.forward`), so that the
-    rotated halves need no negation of their own: (-x2)·s and x2·(-s) are the same number."""
-    h = x.float() if in_float32 else x
-    cos, sin = cos.to(h.dtype), sin.to(h.dtype)
+def _rotate(q: torch.Tensor, k: torch.Tensor, rope: RopeTables, in_float32: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE on halves (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin) of the queries (B, H, T, Dh)
+    and the keys (B, Hkv, T, Dh), back in their dtype; computed in float32 or in their dtype
+    (`Architecture.rope_in_float32`). The tables (B, 1, T, Dh), float32: sin with its first half
+    negated (`_NativeLM.forward`), so that the rotated halves need no negation of their own:
+    (-x2)·s and x2·(-s) are the same number. Queries and keys go through one pass (seven kernels
+    for both, not six each): the same numbers, each element's arithmetic its own. The explicit
+    cast keeps the backward's too: the two paths' gradients are summed in float32 and rounded once."""
+    H, dtype = q.size(1), q.dtype
+    qk = torch.cat((q, k), dim=1)  # (B, H + Hkv, T, Dh)
+    h = qk.float() if in_float32 else qk
+    cos, sin = rope.cast(h.dtype)
     x1, x2 = h.chunk(2, dim=-1)
-    return (h * cos + torch.cat((x2, x1), dim=-1) * sin).to(x.dtype)
+    out = (h * cos + torch.cat((x2, x1), dim=-1) * sin).to(dtype)
+    return out[:, :H], out[:, H:]
 
 
 class _Attention(nn.Module):
@@ -220,8 +226,7 @@ class _Attention(nn.Module):
             self.k_norm = RMSNorm(a.head_dim, a.eps, a.norm_weight_in_float32)
 
 
-def _attend(a: Architecture, h: torch.Tensor, proj: nn.Module, cos: torch.Tensor, sin: torch.Tensor,
-            mask: torch.Tensor | None, past: tuple[torch.Tensor, torch.Tensor] | None, write_at: slice | None = None,
+def _attend(a: Architecture, h: torch.Tensor, proj: nn.Module, rope: RopeTables, mask: torch.Tensor | None, past: tuple[torch.Tensor, torch.Tensor] | None, write_at: slice | None = None,
             ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """Normalised input h (B, T, D) -> attention output (B, T, H * Dh) before the output
     projection, and this call's keys and values with the cached ones before them (`write_at`:
@@ -233,8 +238,7 @@ def _attend(a: Architecture, h: torch.Tensor, proj: nn.Module, cos: torch.Tensor
     v = proj.v_proj(h).view(B, T, a.num_kv_heads, a.head_dim).transpose(1, 2)  # (B, Hkv, T, Dh)
     if a.qk_norm:
         q, k = proj.q_norm(q), proj.k_norm(k)
-    fp32 = a.rope_in_float32
-    q, k = _rotate(q.transpose(1, 2), cos, sin, fp32), _rotate(k.transpose(1, 2), cos, sin, fp32)  # (B, H|Hkv, T, Dh)
+    q, k = _rotate(q.transpose(1, 2), k.transpose(1, 2), rope, a.rope_in_float32)  # (B, H|Hkv, T, Dh)
     k, v = join_cached(past, k, v, write_at)  # (B, Hkv, Tc+T or Tc, Dh)
     y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=a.num_kv_heads != a.num_heads)
     return y.transpose(1, 2).reshape(B, T, -1), (k, v)  # (B, T, H * Dh)
@@ -254,8 +258,8 @@ class _QwenLayer(nn.Module):
         self.mlp.up_proj = nn.Linear(a.hidden_size, a.intermediate_size, bias=False)
         self.mlp.down_proj = nn.Linear(a.intermediate_size, a.hidden_size, bias=False)
 
-    def forward(self, x, cos, sin, mask, past=None, write_at=None):  # (B, T, D) -> (B, T, D), (k, v)
-        y, kv = _attend(self.arch, self.input_layernorm(x), self.self_attn, cos, sin, mask, past, write_at)
+    def forward(self, x, rope, mask, past=None, write_at=None):  # (B, T, D) -> (B, T, D), (k, v)
+        y, kv = _attend(self.arch, self.input_layernorm(x), self.self_attn, rope, mask, past, write_at)
         x = x + self.self_attn.o_proj(y)
         h, mlp = self.post_attention_layernorm(x), self.mlp
         return x + mlp.down_proj(F.silu(mlp.gate_proj(h)) * mlp.up_proj(h)), kv
@@ -286,8 +290,8 @@ class LLaDALlamaBlock(nn.Module):
         self.up_proj = nn.Linear(d, a.intermediate_size, bias=False)
         self.ff_out = nn.Linear(a.intermediate_size, d, bias=False)
 
-    def forward(self, x, cos, sin, mask, past=None, write_at=None):  # (B, T, D) -> (B, T, D), (k, v)
-        y, kv = _attend(self.arch, self.attn_norm(x), self, cos, sin, mask, past, write_at)
+    def forward(self, x, rope, mask, past=None, write_at=None):  # (B, T, D) -> (B, T, D), (k, v)
+        y, kv = _attend(self.arch, self.attn_norm(x), self, rope, mask, past, write_at)
         x = x + self.attn_out(y)
         h = self.ff_norm(x)
         return x + self.ff_out(F.silu(self.ff_proj(h)) * self.up_proj(h)), kv
@@ -366,7 +370,7 @@ class _NativeLM(PreTrainedModel):
         inv_freq = rope_frequencies(self.arch.rope_theta, self.arch.head_dim, input_ids.device)  # (Dh/2,)
         freqs = position_ids[:, None, :, None].float() * inv_freq  # (B, 1, T, Dh/2)
         c, s = freqs.cos(), freqs.sin()
-        cos, sin = torch.cat((c, c), dim=-1), torch.cat((-s, s), dim=-1)  # (B, 1, T, Dh); sin signed for `_rotate`
+        rope = RopeTables(torch.cat((c, c), dim=-1), torch.cat((-s, s), dim=-1))  # (B, 1, T, Dh); sin signed for `_rotate`
         embed, layers, norm, head = self._parts()
         x = embed(input_ids)  # (B, T, D)
         new = []
@@ -374,11 +378,11 @@ class _NativeLM(PreTrainedModel):
             past = cache.layers[i] if cached else None
             if self.gradient_checkpointing and torch.is_grad_enabled():
                 # Keep the layer's input only; its activations are recomputed in the backward.
-                x, kv = checkpoint(layer, x, cos, sin, mask, past, write_at, use_reentrant=False)
+                x, kv = checkpoint(layer, x, rope, mask, past, write_at, use_reentrant=False)
             else:
-                x, kv = layer(x, cos, sin, mask, past, write_at)
-            if extend_cache:
-                new.append(kv)
+                x, kv = layer(x, rope, mask, past, write_at)
+            if extend_cache:  # a first call's keys are a view of the rotated queries' tensor: kept alone
+                new.append((kv[0].clone(), kv[1]) if past is None else kv)
             del kv
         if extend_cache:
             cache.layers = new

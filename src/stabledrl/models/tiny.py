@@ -33,7 +33,7 @@ from transformers import PretrainedConfig, PreTrainedModel
 from transformers.modeling_outputs import MaskedLMOutput
 
 __all__ = ["TinyDiffusionConfig", "TinyDiffusionLM", "KVCache", "join_cached", "check_write_at", "rope_frequencies",
-           "sdpa_mask"]
+           "RopeTables", "sdpa_mask"]
 
 
 # The fields of `TinyDiffusionConfig` and their defaults; `intermediate_size=None` means 4 * hidden_size.
@@ -106,6 +106,27 @@ def rope_frequencies(theta: float, dim: int, device: torch.device) -> torch.Tens
     return (1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)).to(device)
 
 
+class RopeTables:
+    """A forward's RoPE tables, float32 (`cos`, `sin`), as its layers receive them. A plain object,
+    not tensors, on purpose: FSDP's mixed precision casts the floating-point tensors a wrapped
+    layer is called with to its compute dtype (`MixedPrecisionPolicy.cast_forward_inputs`, on by
+    default and under accelerate's bf16), and would round the tables to bfloat16 where the model
+    rotates in float32 (LLaDA's published block makes its tables inside itself, out of FSDP's
+    reach; docs/scale-out.md, "Native models"). `cast(dtype)`: the tables in `dtype`, made once
+    a forward however many layers ask."""
+
+    __slots__ = ("cos", "sin", "_cast")
+
+    def __init__(self, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        self.cos, self.sin = cos, sin
+        self._cast: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {cos.dtype: (cos, sin)}
+
+    def cast(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        if dtype not in self._cast:
+            self._cast[dtype] = (self.cos.to(dtype), self.sin.to(dtype))
+        return self._cast[dtype]
+
+
 def sdpa_mask(input_ids: torch.Tensor, attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None,
               Tc: int = 0, write_at: slice | None = None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """SDPA's boolean mask (B, 1, T, K) (None: attend to everything) and the position ids,
@@ -137,8 +158,9 @@ def sdpa_mask(input_ids: torch.Tensor, attention_mask: torch.Tensor | None, posi
     return mask[:, None], position_ids  # (B, 1, T, K)
 
 
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x: (B, H, T, Dh); cos/sin: (B, 1, T, Dh/2). Rotate pairs (first half, second half).
+def _rope(x: torch.Tensor, rope: RopeTables) -> torch.Tensor:
+    # x: (B, H, T, Dh); cos/sin: (B, 1, T, Dh/2), float32. Rotate pairs (first half, second half).
+    cos, sin = rope.cos, rope.sin
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
 
@@ -225,15 +247,15 @@ class _Block(nn.Module):
         self.down = nn.Linear(cfg.intermediate_size, d, bias=False)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn_mask: torch.Tensor | None,
+        self, x: torch.Tensor, rope: RopeTables, attn_mask: torch.Tensor | None,
         past: tuple[torch.Tensor, torch.Tensor] | None = None, write_at: slice | None = None,
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         B, T, D = x.shape
         q, k, v = self.qkv(self.attn_norm(x)).split(D, dim=-1)  # 3 x (B, T, D)
         q, k, v = (z.view(B, T, self.n_head, D // self.n_head).transpose(1, 2) for z in (q, k, v))  # (B, H, T, Dh)
-        # RoPE in float32 (cos, sin), then back to v's dtype: SDPA needs one dtype, which a bfloat16
-        # model without autocast would otherwise break (autocast casts q and k so anyway).
-        q, k = _rope(q, cos, sin).to(v.dtype), _rope(k, cos, sin).to(v.dtype)
+        # RoPE in float32 (the tables'), then back to v's dtype: SDPA needs one dtype, which a
+        # bfloat16 model without autocast would otherwise break (autocast casts q and k so anyway).
+        q, k = _rope(q, rope).to(v.dtype), _rope(k, rope).to(v.dtype)
         k, v = join_cached(past, k, v, write_at)  # (B, H, Tc+T or Tc, Dh)
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)  # (B, H, T, Dh)
         x = x + self.proj(y.transpose(1, 2).reshape(B, T, D))
@@ -310,10 +332,10 @@ class TinyDiffusionLM(PreTrainedModel):
         inv_freq = rope_frequencies(float(self.config.rope_theta), self.config.hidden_size // self.config.num_attention_heads,
                                     input_ids.device)  # (Dh/2,)
         angles = position_ids[:, None, :, None].float() * inv_freq  # (B, 1, T, Dh/2)
-        cos, sin = angles.cos(), angles.sin()
+        rope = RopeTables(angles.cos(), angles.sin())
         if extend_cache and past_key_values is None:
             raise ValueError("extend_cache needs a KVCache in past_key_values")
-        x = self._run_blocks(self.embed(input_ids), cos, sin, mask, past, past_key_values if extend_cache else None,
+        x = self._run_blocks(self.embed(input_ids), rope, mask, past, past_key_values if extend_cache else None,
                              write_at)
         logits = self.lm_head(self.norm(x if logits_columns is None else x[:, logits_columns]))  # (B, T, V)
         loss = None
@@ -341,7 +363,7 @@ class TinyDiffusionLM(PreTrainedModel):
             )
 
     def _run_blocks(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None,
+        self, x: torch.Tensor, rope: RopeTables, mask: torch.Tensor | None,
         past: KVCache | None, extend: KVCache | None, write_at: slice | None = None,
     ) -> torch.Tensor:
         """The blocks over embeddings `x` (B, T, D), attending to the cached keys of `past`
@@ -353,9 +375,9 @@ class TinyDiffusionLM(PreTrainedModel):
             if self.gradient_checkpointing and torch.is_grad_enabled():
                 # Keep only the block's input; its activations are recomputed in the backward.
                 # Unlike transformers' layers, also in eval mode: the RL update runs in eval mode.
-                x, kv = checkpoint(block, x, cos, sin, mask, layer_past, write_at, use_reentrant=False)
+                x, kv = checkpoint(block, x, rope, mask, layer_past, write_at, use_reentrant=False)
             else:
-                x, kv = block(x, cos, sin, mask, layer_past, write_at)
+                x, kv = block(x, rope, mask, layer_past, write_at)
             # Keep a layer's keys and values only for the cache: v is a view of the whole qkv
             # output, so holding them would keep 3D + D values per token and layer to the end.
             if extend is not None:
