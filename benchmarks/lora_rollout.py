@@ -13,7 +13,8 @@ arithmetic, so the CPU's time is the host's cost of issuing them: the part of th
 the short forward can save. bf16 weights, LoRA r 16 on every linear layer but the head (peft's
 float32 adapters: gpu_check's setting), bf16 autocast in each model call (accelerate's, as the
 trainer's: a cast of a weight is not kept from one call to the next), 16 rows of 32 prompt tokens, 256 tokens in
-blocks of 32, 128 steps, temperature 0.9, counter noise.
+blocks of 32, 128 steps, temperature 0.9, counter noise, no stop tokens (every row runs every step,
+as at 8B's vocabulary, where random weights all but never draw one).
 
 Per variant (peft's forward; the short one; adapters off: peft's forward under its
 `disable_adapter`, as gpu_check timed it) and scheme:
@@ -83,6 +84,11 @@ def build(args):
                                 num_key_value_heads=4, intermediate_size=3 * args.width, vocab_size=args.vocab,
                                 num_hidden_layers=args.layers)
     policy = gpu_check.native_llada(shape, "cpu", torch.bfloat16)
+    # No row ends early: a random model at LLaDA's 126,464 tokens draws a stop token about once in
+    # 126k slots, here at 1,024 in about one row in five, and a row that ends leaves the dual cache's
+    # later calls; with adapters off (other tokens) the variants would not compute the same rows.
+    # No stop tokens: EOS and PAD join the banned special tokens, and every row runs every step.
+    policy.stop_token_ids = ()
     add_lora(policy, LoraSettings(r=args.lora_r, alpha=2.0 * args.lora_r, dropout=0.0), seed=0)
     for name, p in policy.model.named_parameters():
         if "lora_B" in name:  # as if trained (B starts at zero)
