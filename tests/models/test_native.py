@@ -283,10 +283,11 @@ def test_every_family_runs_in_bfloat16(family):
 
 
 @pytest.mark.parametrize("family", ["llada", "dream", "sdar"])
-def test_under_fsdps_bf16_mixed_precision_the_logits_are_the_bf16_models(fsdp_bf16, family):
+def test_under_fsdps_bf16_mixed_precision_the_numbers_are_the_bf16_models(fsdp_bf16, family):
     # The recipes' FSDP (accelerate, mixed_precision bf16) casts every floating-point tensor a layer is
     # called with to bf16; LLaDA rotates in float32 with tables made in float32 (its published block
-    # makes them inside itself): they reach the layers in float32, the numbers of the bf16 model.
+    # makes them inside itself): they reach the layers in float32, the numbers of the bf16 model, and
+    # the gradients too, through gradient checkpointing's recomputation.
     config = _small_configs()[family]
     config.update({"n_layers" if family == "llada" else "num_hidden_layers": 2})
     torch.manual_seed(0)
@@ -307,6 +308,11 @@ def test_under_fsdps_bf16_mixed_precision_the_logits_are_the_bf16_models(fsdp_bf
         got = wrapped(ids, attention_mask=mask, position_ids=positions).logits
     assert got.dtype == want.dtype == torch.bfloat16
     assert torch.equal(got, want)
+    for m in (reference, wrapped):
+        m.gradient_checkpointing = True
+        m(ids, attention_mask=mask, position_ids=positions).logits.float().log_softmax(-1)[..., 3].sum().backward()
+    for (name, p), q in zip(reference.named_parameters(), wrapped.parameters()):
+        assert q.grad.dtype == torch.float32 and torch.equal(q.grad.full_tensor(), p.grad.float()), name
 
 
 @pytest.mark.parametrize("in_float32", [True, False])

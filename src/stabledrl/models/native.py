@@ -226,7 +226,8 @@ class _Attention(nn.Module):
             self.k_norm = RMSNorm(a.head_dim, a.eps, a.norm_weight_in_float32)
 
 
-def _attend(a: Architecture, h: torch.Tensor, proj: nn.Module, rope: RopeTables, mask: torch.Tensor | None, past: tuple[torch.Tensor, torch.Tensor] | None, write_at: slice | None = None,
+def _attend(a: Architecture, h: torch.Tensor, proj: nn.Module, rope: RopeTables, mask: torch.Tensor | None,
+            past: tuple[torch.Tensor, torch.Tensor] | None, write_at: slice | None = None,
             ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """Normalised input h (B, T, D) -> attention output (B, T, H * Dh) before the output
     projection, and this call's keys and values with the cached ones before them (`write_at`:

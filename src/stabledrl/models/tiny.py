@@ -112,7 +112,7 @@ class RopeTables:
     layer is called with to its compute dtype (`MixedPrecisionPolicy.cast_forward_inputs`, on by
     default and under accelerate's bf16), and would round the tables to bfloat16 where the model
     rotates in float32 (LLaDA's published block makes its tables inside itself, out of FSDP's
-    reach; docs/scale-out.md, "Native models"). `cast(dtype)`: the tables in `dtype`, made once
+    reach; docs/scale-out.md, "Precision"). `cast(dtype)`: the tables in `dtype`, made once
     a forward however many layers ask."""
 
     __slots__ = ("cos", "sin", "_cast")
