@@ -9,13 +9,17 @@
                                                               # the caches with LoRA on and off; the step on dual
     python benchmarks/gpu_check.py --schemes dual --also-peft-forward --also-without-adapters --step-schemes dual
                                                               # LoRA's short forward against peft's, and off
+    python benchmarks/gpu_check.py --schemes dual dual+graphs --also-peft-forward --also-without-adapters \
+        --step-schemes dual dual+graphs                       # and the later calls replayed from CUDA graphs
 
 The default model is stabledrl's native LLaDA (`stabledrl.models.native.LLaDAModelLM`, what
 `adapter: llada` loads) at LLaDA-8B's shape (32 layers, width 4096, 32 heads, SwiGLU 12288,
 vocabulary 126,464, RoPE θ 5e5, RMSNorm, no biases, untied head: 8,015,581,184 parameters),
 random weights made directly on the device in the base dtype. Before the step, the rollout
 alone under each of Fast-dLLM's caches (`--schemes`: none, prefix, dual, dual with threshold
-0.9, dual refreshed every second call): tokens/s, model calls and peak memory of `generate` for
+0.9, dual refreshed every second call; named, dual and prefix with a block's later calls replayed
+from a CUDA graph, `sampling.cuda_graphs`, whose tokens are compared with the unreplayed scheme's
+when both run; a scheme that fails is reported with its error and the others run): tokens/s, model calls and peak memory of `generate` for
 the `--rows` rows beside the memory model's rollout phase (random weights never reach the
 threshold: its row shows the cost of the check alone); with `--also-peft-forward` again with
 peft's own LoRA forward in every layer (the sampler otherwise runs its short one,
@@ -60,7 +64,10 @@ GB = 1e9
 SIZES = ("llada-8b", "tiny")  # shapes of benchmarks/scale.py
 SCHEMES = {"none": {}, "prefix": {"approx_cache": "prefix"}, "dual": {"approx_cache": "dual"},
            "dual+threshold0.9": {"approx_cache": "dual", "threshold": 0.9},
-           "dual+refresh2": {"approx_cache": "dual", "approx_refresh": 2}}
+           "dual+refresh2": {"approx_cache": "dual", "approx_refresh": 2},
+           "dual+graphs": {"approx_cache": "dual", "cuda_graphs": True},
+           "prefix+graphs": {"approx_cache": "prefix", "cuda_graphs": True}}
+GRAPHED = ("dual+graphs", "prefix+graphs")  # CUDA only: not among the default schemes
 PHASES = ("rollout", "scoring", "update", "optimizer")  # a step's, as scale.rl_step clocks them
 
 
@@ -166,12 +173,23 @@ def rollout_schemes(policy, args, ids: torch.Tensor, cuda: bool, save=lambda par
     of its time; one step a block warmed the first calls alone); `save` gets the results so far."""
     out: dict[str, Any] = {}
     blocks = -(-args.gen_length // args.block_length)
+    tokens: dict[str, torch.Tensor] = {}
     for name in args.schemes:
-        timed_rollout(policy, args, ids, cuda, name, min(2 * blocks, args.steps))  # warm-up
-        seconds, gen = timed_rollout(policy, args, ids, cuda, name, args.steps)
+        try:
+            timed_rollout(policy, args, ids, cuda, name, min(2 * blocks, args.steps))  # warm-up
+            seconds, gen = timed_rollout(policy, args, ids, cuda, name, args.steps)
+        except Exception as e:  # noqa: BLE001 (one scheme's failure, e.g. a capture on a new GPU, is a result too)
+            out[name] = {"error": f"{type(e).__name__}: {e}"}
+            print(f"rollout{label}, {name}: failed: {out[name]['error']}", flush=True)
+            save(out)
+            continue
         out[name] = {"seconds": seconds, "tokens_per_s": ids.size(0) * args.gen_length / seconds,
                      "model_calls": gen.forward_passes,
                      "peak_bytes": torch.cuda.max_memory_allocated() if cuda else None}
+        tokens[name] = gen.completion_ids
+        plain = name.removesuffix("+graphs")
+        if plain != name and plain in tokens:  # replayed calls: the same kernels, so the same tokens
+            out[name]["same_tokens_as_" + plain] = bool(torch.equal(tokens[plain], gen.completion_ids))
         print(f"rollout{label}, {name}: {out[name]['tokens_per_s']:.0f} tokens/s, {gen.forward_passes} calls, "
               f"{seconds:.2f} s", flush=True)
         save(out)
@@ -275,8 +293,8 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--model", help="a checkpoint directory instead (stabledrl.models.policy.load_policy)")
     ap.add_argument("--model-code", choices=["native", "tiny"], default="native",
                     help="the random model: stabledrl's native LLaDA, or the project's TinyDiffusionLM")
-    ap.add_argument("--schemes", nargs="*", default=list(SCHEMES), choices=list(SCHEMES),
-                    help="rollout caches timed before the step (none: skip)")
+    ap.add_argument("--schemes", nargs="*", default=[s for s in SCHEMES if s not in GRAPHED], choices=list(SCHEMES),
+                    help="rollout caches timed before the step (none: skip); the +graphs ones (CUDA) when named")
     ap.add_argument("--also-without-adapters", action="store_true",
                     help="with --train lora: time the schemes again with the adapters off (as full fine-tuning samples)")
     ap.add_argument("--also-peft-forward", action="store_true",

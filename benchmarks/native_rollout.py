@@ -118,7 +118,7 @@ def interleaved_calls(policy, *, rows: int, prompt: int, length: int, block: int
 
     for _ in range(repeats):
         timed("uncached", lambda: policy.logits(x, attn, pos, columns=slice(prompt, prompt + block)))
-        cache = _ApproxCache(policy, "dual", prompt, 0, block, attn, pos)
+        cache = _ApproxCache(policy, SamplingConfig(approx_cache="dual"), prompt, 0, block, attn, pos)
         timed("first", lambda: cache.logits(x, active))
         timed("later", lambda: cache.logits(x, active))
     med = {name: statistics.median(ts) for name, ts in times.items()}

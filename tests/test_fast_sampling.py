@@ -322,7 +322,7 @@ def test_cached_logits_equal_uncached_while_the_sequence_is_unchanged(approx_cac
     x, attn, pos = cached_block_inputs(ids, mask, L, 24, seed=0)
     with torch.no_grad():
         want = policy.logits(x, attn, pos)[:, P + lo : P + hi]
-        cache = _ApproxCache(policy, approx_cache, P, lo, hi, attn, pos)
+        cache = _ApproxCache(policy, SamplingConfig(approx_cache=approx_cache), P, lo, hi, attn, pos)
         rows = torch.arange(B)
         assert torch.equal(cache.logits(x, rows), want)  # the first call is the uncached one
         got = cache.logits(x, rows)  # a cached call
@@ -417,7 +417,7 @@ def test_the_cache_written_in_place_gives_the_copied_caches_logits(approx_cache)
     B, P = ids.shape
     L, lo, hi = 12, 4, 8
     x, attn, pos = cached_block_inputs(ids, mask, L, 24, seed=1)
-    caches = [_ApproxCache(p, approx_cache, P, lo, hi, attn, pos) for p in (policy, CopiedCache(policy))]
+    caches = [_ApproxCache(p, SamplingConfig(approx_cache=approx_cache), P, lo, hi, attn, pos) for p in (policy, CopiedCache(policy))]
     assert caches[0].in_place and not caches[1].in_place
     x2 = x.clone()
     x2[:, P + lo] = policy.mask_token_id
@@ -472,7 +472,7 @@ def test_a_tiny_policy_under_lora_keeps_the_cache_written_in_place():
     B, P = ids.shape
     lo, hi = 4, 8
     x, attn, pos = cached_block_inputs(ids, mask, 12, 24, seed=2)
-    caches = [_ApproxCache(p, "dual", P, lo, hi, attn, pos) for p in (policy, CopiedCache(policy))]
+    caches = [_ApproxCache(p, SamplingConfig(approx_cache="dual"), P, lo, hi, attn, pos) for p in (policy, CopiedCache(policy))]
     assert caches[0].in_place and not caches[1].in_place
     x2 = x.clone()
     x2[:, P + lo] = policy.mask_token_id

@@ -28,7 +28,7 @@ def test_one_step_on_cpu_counts_its_tokens_and_flops_and_meets_the_memory_model(
     # the native LLaDA's seven linear modules a layer: 2 · 16 · (11 · 32 + 3 · 96) = 20,480
     assert r["model"]["trainable"] == scale.llada_lora_param_count(scale.SHAPES["tiny"], 16, ["all-linear"]) == 20_480
     # the rollout alone under each cache: at most the schedule's 8 calls (fewer if every row ended)
-    assert list(r["rollout_schemes"]) == list(gpu_check.SCHEMES)
+    assert list(r["rollout_schemes"]) == [s for s in gpu_check.SCHEMES if s not in gpu_check.GRAPHED]
     assert all(0 < s["tokens_per_s"] and 1 <= s["model_calls"] <= 8 for s in r["rollout_schemes"].values())
     step = r["steps"][-1]
     # every sampler call feeds the 4 rows' 24 tokens: 8 · 4 · 24 = 768; scoring and the update one pass of 8 views
@@ -81,3 +81,19 @@ def test_the_rollouts_without_adapters_and_the_step_under_further_rollout_scheme
         saved["rollout_schemes"]["none"]["predicted_rollout_bytes"] == 2 * 4 * 2 * 24 * 32 * 2
     step = r["step_by_scheme"]["dual+refresh2"]
     assert step["step"] == pytest.approx(sum(step[k] for k in ("rollout", "scoring", "update", "optimizer")))
+
+
+def test_graphed_schemes_compare_their_tokens_and_a_failed_scheme_is_reported(tmp_path, monkeypatch):
+    # on the CPU a capture fails (no CUDA): the scheme is reported with its error and the others run;
+    # with the CPU's emulation of a capture (tests/cpu_graphs.py) the replayed rollout is timed and its
+    # tokens compared with the plain scheme's
+    import stabledrl.sampling as sampling
+    from tests.cpu_graphs import RecordedCall
+
+    failed = gpu_check.main(TINY + ["--schemes", "dual", "dual+graphs", "--out", str(tmp_path / "a.json")])
+    assert "cuda_graphs needs the model on a CUDA device" in failed["rollout_schemes"]["dual+graphs"]["error"]
+    assert failed["rollout_schemes"]["dual"]["tokens_per_s"] > 0
+    monkeypatch.setattr(sampling, "CapturedCall", RecordedCall)
+    r = gpu_check.main(TINY + ["--schemes", "dual", "dual+graphs", "prefix+graphs", "--out", str(tmp_path / "b.json")])
+    assert r["rollout_schemes"]["dual+graphs"]["same_tokens_as_dual"] is True
+    assert "same_tokens_as_prefix" not in r["rollout_schemes"]["prefix+graphs"]  # prefix did not run

@@ -32,6 +32,7 @@ from typing import Sequence
 import torch
 from tqdm.auto import tqdm
 
+from stabledrl.cuda_graphs import CapturedCall, check_capturable
 from stabledrl.data import banned_token_ids, position_ids, stop_ids_of
 from stabledrl.data import completion_mask as _completion_mask
 from stabledrl.models.attention import (
@@ -354,6 +355,12 @@ def check_sampler(policy: Policy, sampling: SamplingConfig) -> None:
         raise ValueError(f"approx_cache {cache!r} needs a policy with a KV cache (new_cache(), cache= in "
                          f"logits), which {type(policy).__name__} lacks (of the real checkpoints, only the native "
                          "llada, dream and sdar models have one; a checkpoint's own code has none): set it to 'none'")
+    if sampling.cuda_graphs:
+        if not getattr(policy, "cache_in_place", False):
+            raise ValueError("sampling.cuda_graphs replays calls that write their keys into the cache in place "
+                             f"(the native and tiny models); {type(policy).__name__}'s model does not: set it to false")
+        if isinstance(getattr(policy, "model", None), torch.nn.Module):
+            check_capturable(policy.model)
 
 
 def resolve_noise(policy: Policy, sampling: SamplingConfig) -> SamplingConfig:
@@ -455,10 +462,12 @@ class _ApproxCache:
     joining them to the fed ones in every layer of every call. Otherwise the kept columns are
     copied out and the fed ones' keys joined to them."""
 
-    def __init__(self, policy, kind: str, P: int, lo: int, hi: int, attn: torch.Tensor, pos: torch.Tensor,
-                 refresh: int | None = None) -> None:
+    def __init__(self, policy, sampling: SamplingConfig, P: int, lo: int, hi: int, attn: torch.Tensor,
+                 pos: torch.Tensor) -> None:
+        kind = sampling.approx_cache
         self.policy, self.kind, self.P, self.lo, self.hi = policy, kind, P, lo, hi
-        self.refresh, self.calls = refresh, 0
+        self.refresh, self.calls = sampling.approx_refresh, 0
+        self.graphs, self.graph = sampling.cuda_graphs, None  # the later call captured (`CapturedCall`)
         self.attn, self.pos = attn, pos  # (B, P+L) all rows
         self.shift = int(bool(getattr(policy, "shift_logits", False)))
         self.narrow = takes_columns(policy)  # the head on the block
@@ -476,7 +485,7 @@ class _ApproxCache:
         P, lo, hi = self.P, self.lo, self.hi
         self.calls += 1
         if self.kv is None or (self.refresh and (self.calls - 1) % self.refresh == 0):  # the whole sequence, keys kept
-            self.kv = self.sub = None  # a refresh: the old keys' memory free for the new call's
+            self.kv = self.sub = self.graph = None  # a refresh: the old keys' memory free for the new call's
             cache = self.policy.new_cache()
             block = slice(P + lo, P + hi)
             out = self.policy.logits(x, self.attn[active], self.pos[active], cache=cache, extend_cache=True,
@@ -494,15 +503,25 @@ class _ApproxCache:
             if not bool(torch.isin(active, self.rows).all()):
                 raise RuntimeError("a row came back to a block it had finished: its keys are no longer cached")
             self.kv.keep_rows(torch.searchsorted(self.rows, active))
-            self.rows, self.sub = active, None
+            self.rows, self.sub, self.graph = active, None, None  # the cut cache's tensors are new: capture again
         if self.sub is None:  # the same until rows leave
             attn = self.attn[active]
             keys = attn if self.in_place else attn[:, torch.cat([self.kept, self.fed])]  # (A, T) key padding
             self.sub = (keys, self.pos[active][:, self.run])
         keys, fed_pos = self.sub
         block = slice(self.shift, self.shift + hi - lo)
-        out = self.policy.logits(x[:, self.run], keys, fed_pos, cache=self.kv,
-                                 **({"columns": block} if self.narrow else {}))
+
+        def later(ids: torch.Tensor) -> torch.Tensor:
+            return self.policy.logits(ids, keys, fed_pos, cache=self.kv, **({"columns": block} if self.narrow else {}))
+
+        if not self.graphs:
+            out = later(x[:, self.run])
+        elif self.graph is None:  # the first later call of these rows: run, and captured
+            static = x[:, self.run].clone()
+            self.graph = CapturedCall(lambda: later(static), static)
+            out, self.graph.first = self.graph.first, None  # not held beside the graph's own output
+        else:
+            out = self.graph(x[:, self.run])
         return out if self.narrow else out[:, block]
 
 
@@ -532,8 +551,7 @@ def _decode_full(dec: _Decoding, prompt_ids, prompt_mask, block_length: int, per
         lo, hi = b * block_length, min(L, (b + 1) * block_length)
         cols = slice(lo, hi) if narrow else slice(None)
         in_block = (slot >= lo) & (slot < hi)  # (L,)
-        cache = None if approx_cache == "none" else _ApproxCache(policy, approx_cache, P, lo, hi, attn, pos,
-                                                                 dec.sampling.approx_refresh)
+        cache = None if approx_cache == "none" else _ApproxCache(policy, dec.sampling, P, lo, hi, attn, pos)
         for s in range(block_steps):
             eligible = (dec.comp == dec.mask_id) & in_block  # (B, L)
             active = eligible.any(dim=1).nonzero().squeeze(1)  # rows with work left in this block

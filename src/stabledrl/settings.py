@@ -160,6 +160,9 @@ class SamplingConfig:
     approx_refresh: int | None = None
     """With approx_cache: also refresh the kept keys every this many calls of a block (1: exact); None: at a block's
     first call only. Samples nearer the exact ones, less speed (docs/experiments.md, "RL on approximate rollouts")."""
+    cuda_graphs: bool = False
+    """With approx_cache, on one GPU (no FSDP, ZeRO-3): a block's later calls replayed from a CUDA graph, the
+    same kernels launched at once; the same tokens, not yet timed on a GPU (docs/methods.md, "Fast decoding")."""
     engine: str = "builtin"
     """What produces the trainer's rollouts: builtin (this sampler) or "package.module:ClassName", an external
     engine built with `engine_options` (docs/methods.md, "Rollout engines"); evaluations use builtin."""
@@ -184,6 +187,9 @@ class SamplingConfig:
         check(self.threshold is None or self.remasking == "low_confidence",
               "sampling.threshold commits the slots whose confidence exceeds it: set remasking: low_confidence "
               "or threshold: null")
+        check(not self.cuda_graphs or self.approx_cache != "none",
+              "sampling.cuda_graphs replays the later calls of a cached block: set approx_cache: prefix or dual, "
+              "or cuda_graphs: false")
         check(self.engine == "builtin" or self.engine.count(":") == 1 and all(self.engine.split(":")),
               f"sampling.engine must be 'builtin' or 'package.module:ClassName', got {self.engine!r}")
         check(self.engine != "builtin" or not self.engine_options,

@@ -230,3 +230,50 @@ def test_the_sampler_draws_the_same_tokens_with_lean_adapters(monkeypatch):
     assert served and served[0] > 0
     monkeypatch.setattr(sampling, "lean_adapters", lambda model: nullcontext())
     assert torch.equal(sample(), lean)
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_under_fsdps_bf16_mixed_precision_lean_adapters_draw_peft_tokens(fsdp_bf16, monkeypatch, autocast):
+    # FSDP2 over the blocks (accelerate's bf16 policy: the adapters gathered in bf16 too) and the sampler
+    # under lean_adapters, with and without autocast: the same tokens as peft's forward, through the short one
+    from contextlib import contextmanager, nullcontext
+
+    import stabledrl.sampling as sampling
+    from stabledrl.models.adapters import HFPolicy
+    from stabledrl.models.lora import _LeanForward, lean_adapters
+    from stabledrl.models.native import LLaDAModelLM
+    from stabledrl.sampling import SamplingConfig, generate, row_generators
+    from stabledrl.tokenizer import build_char_tokenizer
+    from tests.models.test_native import _small_configs
+
+    tok = build_char_tokenizer()
+    torch.manual_seed(0)
+    cfg = _small_configs()["llada"]
+    cfg.update(dict(n_layers=2, vocab_size=len(tok), embedding_size=len(tok), mask_token_id=tok.mask_token_id,
+                    pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id))
+    policy = add_lora(HFPolicy(LLaDAModelLM(cfg).eval(), tok, "llada", tok.mask_token_id),
+                      LoraSettings(r=4, alpha=8.0, dropout=0.0), seed=0)
+    for name, p in policy.model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.5)
+    fsdp_bf16(policy.model, policy.model.base_model.model.model.transformer.blocks)
+    policy.model.eval()
+    ids, mask = encode_prompts(tok, ["3,5,7=22", "1=1", "12,4=3"])
+    cfg = SamplingConfig(gen_length=8, steps=8, block_length=4, temperature=0.9, approx_cache="dual", noise="counter")
+    short = []
+
+    @contextmanager
+    def spy(model):
+        with lean_adapters(model) as n:
+            yield n
+            short.extend(m.forward.calls for m in model.modules() if isinstance(m.__dict__.get("forward"), _LeanForward))
+
+    def sample():
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            return generate(policy, ids, mask, cfg, generator=row_generators("f", 0, 3)).completion_ids
+
+    monkeypatch.setattr(sampling, "lean_adapters", spy)
+    lean = sample()
+    assert len(short) == 2 * 7 and min(short) > 0  # every adapted layer took the short forward
+    monkeypatch.setattr(sampling, "lean_adapters", lambda model: nullcontext())
+    assert torch.equal(sample(), lean)

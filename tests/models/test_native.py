@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import warnings
 
 import pytest
 import torch
@@ -135,7 +136,7 @@ def test_a_refreshed_cached_step_is_the_uncached_step(dirs, family, approx_cache
     rows = torch.arange(B)
     with torch.no_grad():
         want = policy.logits(x, attn, pos)[:, P + lo : P + hi]  # (B, 4, V)
-        cache = _ApproxCache(policy, approx_cache, P, lo, hi, attn, pos)
+        cache = _ApproxCache(policy, SamplingConfig(approx_cache=approx_cache), P, lo, hi, attn, pos)
         assert torch.equal(cache.logits(x, rows), want)
         assert (cache.logits(x, rows) - want).abs().max() <= 1e-4 * want.abs().max()
         some = torch.tensor([0, 2])  # rows that finished the block leave the cache
@@ -158,7 +159,7 @@ def test_the_cache_written_in_place_gives_the_copied_caches_logits(dirs, family,
     B, P = ids.shape
     L, lo, hi = 12, 4, 8
     x, attn, pos = cached_block_inputs(ids, mask, L, 20, seed=1)
-    caches = [_ApproxCache(p, approx_cache, P, lo, hi, attn, pos) for p in (policy, CopiedCache(policy))]
+    caches = [_ApproxCache(p, SamplingConfig(approx_cache=approx_cache), P, lo, hi, attn, pos) for p in (policy, CopiedCache(policy))]
     x2 = x.clone()
     x2[:, P + lo + 1] = policy.mask_token_id
     x3 = x2.clone()
@@ -308,9 +309,12 @@ def test_under_fsdps_bf16_mixed_precision_the_numbers_are_the_bf16_models(fsdp_b
         got = wrapped(ids, attention_mask=mask, position_ids=positions).logits
     assert got.dtype == want.dtype == torch.bfloat16
     assert torch.equal(got, want)
-    for m in (reference, wrapped):
-        m.gradient_checkpointing = True
-        m(ids, attention_mask=mask, position_ids=positions).logits.float().log_softmax(-1)[..., 3].sum().backward()
+    with warnings.catch_warnings(record=True) as seen:  # a layer returns no view (its keys only for a cache)
+        warnings.simplefilter("always")
+        for m in (reference, wrapped):
+            m.gradient_checkpointing = True
+            m(ids, attention_mask=mask, position_ids=positions).logits.float().log_softmax(-1)[..., 3].sum().backward()
+    assert not [w for w in seen if "view tensor" in str(w.message)]
     for (name, p), q in zip(reference.named_parameters(), wrapped.parameters()):
         assert q.grad.dtype == torch.float32 and torch.equal(q.grad.full_tensor(), p.grad.float()), name
 
@@ -351,3 +355,19 @@ def test_queries_and_keys_rotate_in_one_pass_as_each_alone(in_float32):
         got_q, got_k = _rotate(q, k, rope, in_float32)
     assert torch.equal(got_q, alone(q)) and torch.equal(got_k, alone(k))
     assert counted.n == (7 if in_float32 else 5)  # each tensor alone: 6 and 4 (+ 2 casts of the tables)
+
+
+def test_the_key_padding_is_read_once_a_mask_and_again_after_a_change(monkeypatch):
+    # the sampler's later calls of a block pass one mask: its check reads the device once (a call replayed
+    # from a CUDA graph may not read it at all), again after an in-place change; inference tensors each time
+    from stabledrl.models.native import _no_padding
+
+    reads, real = [], torch.Tensor.all
+    monkeypatch.setattr(torch.Tensor, "all", lambda self, *a, **k: reads.append(1) or real(self, *a, **k))
+    mask = torch.ones(2, 5, dtype=torch.long)
+    assert _no_padding(mask) and _no_padding(mask) and len(reads) == 1
+    mask[0, 0] = 0
+    assert not _no_padding(mask) and len(reads) == 2
+    with torch.inference_mode():
+        kept = torch.ones(2, 5)
+        assert _no_padding(kept) and _no_padding(kept) and len(reads) == 4

@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
+from torch.utils.weak import WeakIdKeyDictionary
 from transformers import PretrainedConfig, PreTrainedModel
 from transformers.modeling_outputs import MaskedLMOutput
 
@@ -259,11 +260,11 @@ class _QwenLayer(nn.Module):
         self.mlp.up_proj = nn.Linear(a.hidden_size, a.intermediate_size, bias=False)
         self.mlp.down_proj = nn.Linear(a.intermediate_size, a.hidden_size, bias=False)
 
-    def forward(self, x, rope, mask, past=None, write_at=None):  # (B, T, D) -> (B, T, D), (k, v)
+    def forward(self, x, rope, mask, past=None, write_at=None, keep=False):  # (B, T, D) -> (B, T, D), (k, v) | None
         y, kv = _attend(self.arch, self.input_layernorm(x), self.self_attn, rope, mask, past, write_at)
         x = x + self.self_attn.o_proj(y)
         h, mlp = self.post_attention_layernorm(x), self.mlp
-        return x + mlp.down_proj(F.silu(mlp.gate_proj(h)) * mlp.up_proj(h)), kv
+        return x + mlp.down_proj(F.silu(mlp.gate_proj(h)) * mlp.up_proj(h)), kv if keep else None
 
 
 class DreamDecoderLayer(_QwenLayer):
@@ -291,11 +292,11 @@ class LLaDALlamaBlock(nn.Module):
         self.up_proj = nn.Linear(d, a.intermediate_size, bias=False)
         self.ff_out = nn.Linear(a.intermediate_size, d, bias=False)
 
-    def forward(self, x, rope, mask, past=None, write_at=None):  # (B, T, D) -> (B, T, D), (k, v)
+    def forward(self, x, rope, mask, past=None, write_at=None, keep=False):  # (B, T, D) -> (B, T, D), (k, v) | None
         y, kv = _attend(self.arch, self.attn_norm(x), self, rope, mask, past, write_at)
         x = x + self.attn_out(y)
         h = self.ff_norm(x)
-        return x + self.ff_out(F.silu(self.ff_proj(h)) * self.up_proj(h)), kv
+        return x + self.ff_out(F.silu(self.ff_proj(h)) * self.up_proj(h)), kv if keep else None
 
 
 # ------------------------------------------------------------------------------ models
@@ -379,9 +380,9 @@ class _NativeLM(PreTrainedModel):
             past = cache.layers[i] if cached else None
             if self.gradient_checkpointing and torch.is_grad_enabled():
                 # Keep the layer's input only; its activations are recomputed in the backward.
-                x, kv = checkpoint(layer, x, rope, mask, past, write_at, use_reentrant=False)
+                x, kv = checkpoint(layer, x, rope, mask, past, write_at, extend_cache, use_reentrant=False)
             else:
-                x, kv = layer(x, rope, mask, past, write_at)
+                x, kv = layer(x, rope, mask, past, write_at, extend_cache)
             if extend_cache:  # a first call's keys are a view of the rotated queries' tensor: kept alone
                 new.append((kv[0].clone(), kv[1]) if past is None else kv)
             del kv
@@ -404,9 +405,25 @@ class _NativeLM(PreTrainedModel):
         if Tc and (position_ids is None or attention_mask is None):
             raise ValueError("a KV cache needs position_ids and an attention mask over the cached keys and the new")
         mask, position_ids = sdpa_mask(input_ids, attention_mask, position_ids, Tc, write_at)  # the tiny model's
-        if attention_mask is not None and attention_mask.dim() == 2 and bool(attention_mask.bool().all()):
+        if attention_mask is not None and attention_mask.dim() == 2 and _no_padding(attention_mask):
             return None, position_ids  # no padding: SDPA's unmasked path
         return mask, position_ids
+
+
+_PADDING: WeakIdKeyDictionary = WeakIdKeyDictionary()  # key-padding mask -> (its version, whether all are kept)
+
+
+def _no_padding(mask: torch.Tensor) -> bool:
+    """Whether a (B, K) key-padding mask keeps every key: read off the device once a mask (and
+    again after an in-place change), not in every call that passes it, as the sampler's later
+    calls of a block do. A call replayed from a CUDA graph (`sampling.cuda_graphs`) may not read
+    the device at all. An inference-mode tensor keeps no version to see a change by: read each time."""
+    if mask.is_inference():
+        return bool(mask.bool().all())
+    seen = _PADDING.get(mask)
+    if seen is None or seen[0] != mask._version:
+        seen = _PADDING[mask] = (mask._version, bool(mask.bool().all()))
+    return seen[1]
 
 
 class LLaDAModelLM(_NativeLM):

@@ -248,8 +248,8 @@ class _Block(nn.Module):
 
     def forward(
         self, x: torch.Tensor, rope: RopeTables, attn_mask: torch.Tensor | None,
-        past: tuple[torch.Tensor, torch.Tensor] | None = None, write_at: slice | None = None,
-    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        past: tuple[torch.Tensor, torch.Tensor] | None = None, write_at: slice | None = None, keep: bool = False,
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
         B, T, D = x.shape
         q, k, v = self.qkv(self.attn_norm(x)).split(D, dim=-1)  # 3 x (B, T, D)
         q, k, v = (z.view(B, T, self.n_head, D // self.n_head).transpose(1, 2) for z in (q, k, v))  # (B, H, T, Dh)
@@ -260,7 +260,7 @@ class _Block(nn.Module):
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)  # (B, H, T, Dh)
         x = x + self.proj(y.transpose(1, 2).reshape(B, T, D))
         gate, up = self.gate_up(self.mlp_norm(x)).chunk(2, dim=-1)  # 2 x (B, T, I)
-        return x + self.down(F.silu(gate) * up), (k, v)
+        return x + self.down(F.silu(gate) * up), (k, v) if keep else None  # `keep`: for a cache
 
 
 class TinyDiffusionLM(PreTrainedModel):
@@ -375,11 +375,12 @@ class TinyDiffusionLM(PreTrainedModel):
             if self.gradient_checkpointing and torch.is_grad_enabled():
                 # Keep only the block's input; its activations are recomputed in the backward.
                 # Unlike transformers' layers, also in eval mode: the RL update runs in eval mode.
-                x, kv = checkpoint(block, x, rope, mask, layer_past, write_at, use_reentrant=False)
+                x, kv = checkpoint(block, x, rope, mask, layer_past, write_at, extend is not None, use_reentrant=False)
             else:
-                x, kv = block(x, rope, mask, layer_past, write_at)
-            # Keep a layer's keys and values only for the cache: v is a view of the whole qkv
-            # output, so holding them would keep 3D + D values per token and layer to the end.
+                x, kv = block(x, rope, mask, layer_past, write_at, extend is not None)
+            # A block returns its keys and values only for the cache (`keep`): v is a view of the whole
+            # qkv output, so holding them would keep 3D + D values per token and layer to the end (and
+            # FSDP2 warns of a layer that returns a view, which an in-place change would cut from the backward).
             if extend is not None:
                 new_layers.append(kv)
             del kv
