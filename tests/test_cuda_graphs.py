@@ -88,15 +88,9 @@ def test_replayed_calls_draw_the_tokens_of_ordinary_ones_native(dirs, recorded, 
 
 def test_replayed_calls_through_the_short_lora_forward(recorded):
     # LoRA's short forward casts its adapters in a block's first call, before any capture: the replays use them
-    from stabledrl.models import LoraSettings, add_lora
+    from tests.models.test_lora import tiny_with_trained_adapters
 
-    policy = add_lora(make_tiny_policy(seed=3), LoraSettings(r=4))
-    policy.model.to(torch.bfloat16)
-    for name, p in policy.model.named_parameters():
-        if "lora_" in name:
-            p.data = p.data.float()
-        if "lora_B" in name:
-            torch.nn.init.normal_(p, std=0.5, generator=torch.Generator().manual_seed(len(name)))
+    policy = tiny_with_trained_adapters()
     cfg = SamplingConfig(gen_length=8, steps=8, block_length=4, temperature=1.0, approx_cache="dual")
     eager = _tokens(policy, cfg, autocast=True)
     graphed = _tokens(policy, SamplingConfig(**{**cfg.__dict__, "cuda_graphs": True}), autocast=True)

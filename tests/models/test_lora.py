@@ -194,6 +194,18 @@ def test_lean_adapters_leave_hooked_wrapped_partitioned_and_double_adapters_to_p
     assert len(served) == all_layers - 5 and not left & served
 
 
+def tiny_with_trained_adapters():
+    """The tiny model as the LoRA recipes hold an 8B one: bf16 base, float32 adapters (r 4), B drawn."""
+    policy = add_lora(make_tiny_policy(seed=3), LoraSettings(r=4))
+    policy.model.to(torch.bfloat16)
+    for name, p in policy.model.named_parameters():
+        if "lora_" in name:
+            p.data = p.data.float()
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.5)
+    return policy
+
+
 def test_the_sampler_draws_the_same_tokens_with_lean_adapters(monkeypatch):
     # generate runs under lean_adapters; with peft's forward instead every token is the same (bf16
     # base, float32 adapters, bf16 autocast: the LoRA recipes' setting)
@@ -202,15 +214,8 @@ def test_the_sampler_draws_the_same_tokens_with_lean_adapters(monkeypatch):
     import stabledrl.sampling as sampling
     from stabledrl.models.lora import lean_adapters
     from stabledrl.sampling import SamplingConfig, generate, row_generators
-    from tests.conftest import make_tiny_policy
 
-    policy = add_lora(make_tiny_policy(seed=3), LoraSettings(r=4))
-    policy.model.to(torch.bfloat16)
-    for name, p in policy.model.named_parameters():
-        if "lora_" in name:
-            p.data = p.data.float()
-        if "lora_B" in name:
-            torch.nn.init.normal_(p, std=0.5)
+    policy = tiny_with_trained_adapters()
     ids, mask = encode_prompts(policy.tokenizer, ["3,5,7=22", "1=1"])
     cfg = SamplingConfig(gen_length=8, steps=8, block_length=4, temperature=1.0, approx_cache="dual")
     served = []
