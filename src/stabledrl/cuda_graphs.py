@@ -50,7 +50,7 @@ class CapturedCall:
         torch.cuda.current_stream().wait_stream(side)
         self.first.record_stream(torch.cuda.current_stream())  # made on the side stream, read on this one
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
+        with torch.cuda.graph(self.graph, stream=side):  # the warm-up's stream: its per-stream handles made already
             self.out = fn()
 
     def __call__(self, new: torch.Tensor) -> torch.Tensor:
