@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from stabledrl.models import TinyDiffusionConfig, TinyDiffusionLM, TinyPolicy
 from stabledrl.tokenizer import build_char_tokenizer
@@ -114,6 +115,29 @@ def objective_registry():
     for registry, before in zip((OBJECTIVE_SECTIONS, OBJECTIVES), saved):
         registry.clear()
         registry.update(before)
+
+
+def bf16_twin(model: torch.nn.Module) -> torch.nn.Module:
+    """`model`'s float32 weights rounded to bf16 numbers, in place (master weights FSDP's bf16 gathers
+    exactly), and a bf16 copy of it in eval mode: what FSDP's mixed precision should compute."""
+    import copy
+
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.to(torch.bfloat16))
+    return copy.deepcopy(model).to(torch.bfloat16).eval()
+
+
+class DispatchedOps(TorchDispatchMode):
+    """The operations (`OpOverload`s) dispatched while it is on, in order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(func)
+        return func(*args, **(kwargs or {}))
 
 
 @pytest.fixture

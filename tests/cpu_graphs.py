@@ -52,7 +52,7 @@ class RecordedCall:
     captures = replays_made = 0  # over all instances: calls captured, replays made
 
     def __init__(self, fn: Callable[[], torch.Tensor], static: torch.Tensor) -> None:
-        self.static, self.replays = static, 0
+        self.static = static
         self.first = fn()
         with _Record() as record:
             self.out = fn()
@@ -69,6 +69,5 @@ class RecordedCall:
                 continue
             for made, fresh in zip(_tensors(out), _tensors(func(*args, **kwargs))):
                 made.copy_(fresh)
-        self.replays += 1
         type(self).replays_made += 1
         return self.out.clone()

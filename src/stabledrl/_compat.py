@@ -35,10 +35,14 @@ import transformers
 
 __all__ = ["REMOTE_CODE_TRANSFORMERS", "install_remote_code_shims", "check_remote_code_supported", "save_pretrained",
            "checkpointing_in_eval_mode", "fit_no_split_modules", "flash_attn_func", "rms_norm_fn",
-           "gathered_parameters", "weights_loaded_here", "sharded_at_prepare"]
+           "gathered_parameters", "weights_loaded_here", "sharded_at_prepare", "SHARDING_CLASSES"]
 
 REMOTE_CODE_TRANSFORMERS = ">=4.56,<4.58"
 """The transformers versions under which the published LLaDA, Dream and SDAR code runs."""
+
+SHARDING_CLASSES = frozenset({"FSDPModule", "FullyShardedDataParallel", "DeepSpeedEngine"})
+"""Class names of the wrappers (FSDP2, FSDP1, DeepSpeed) whose forward gathers sharded weights:
+every call a collective, run by Python hooks."""
 
 
 class LossKwargs(TypedDict, total=False):

@@ -23,12 +23,13 @@ from typing import Callable
 
 import torch
 
+from stabledrl._compat import SHARDING_CLASSES
+
 
 def check_capturable(model: torch.nn.Module) -> None:
     """A ValueError where the model's calls cannot be replayed: sharded (FSDP, DeepSpeed ZeRO-3),
     whose weights are gathered and freed by Python hooks in every call."""
-    sharded = {"FSDPModule", "FullyShardedDataParallel", "DeepSpeedEngine"}
-    if any(sharded & {c.__name__ for c in type(m).__mro__} for m in model.modules()) or \
+    if any(SHARDING_CLASSES & {c.__name__ for c in type(m).__mro__} for m in model.modules()) or \
             any(hasattr(p, "ds_id") for p in model.parameters()):
         raise ValueError("sampling.cuda_graphs cannot replay a sharded model's calls (FSDP or ZeRO-3 gather its "
                          "weights in Python hooks each call): set cuda_graphs: false")
@@ -42,7 +43,7 @@ class CapturedCall:
         if static.device.type != "cuda":
             raise ValueError(f"sampling.cuda_graphs needs the model on a CUDA device; its inputs are on "
                              f"{static.device}: set cuda_graphs: false")
-        self.static, self.replays = static, 0
+        self.static = static
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
@@ -56,5 +57,4 @@ class CapturedCall:
     def __call__(self, new: torch.Tensor) -> torch.Tensor:
         self.static.copy_(new)
         self.graph.replay()
-        self.replays += 1
         return self.out.clone()

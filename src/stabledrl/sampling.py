@@ -464,8 +464,7 @@ class _ApproxCache:
 
     def __init__(self, policy, sampling: SamplingConfig, P: int, lo: int, hi: int, attn: torch.Tensor,
                  pos: torch.Tensor) -> None:
-        kind = sampling.approx_cache
-        self.policy, self.kind, self.P, self.lo, self.hi = policy, kind, P, lo, hi
+        self.policy, self.P, self.lo, self.hi = policy, P, lo, hi
         self.refresh, self.calls = sampling.approx_refresh, 0
         self.graphs, self.graph = sampling.cuda_graphs, None  # the later call captured (`CapturedCall`)
         self.attn, self.pos = attn, pos  # (B, P+L) all rows
@@ -473,7 +472,8 @@ class _ApproxCache:
         self.narrow = takes_columns(policy)  # the head on the block
         self.in_place = bool(getattr(policy, "cache_in_place", False))
         T = attn.size(1)
-        self.run = slice(P + lo - self.shift, T if kind == "prefix" else P + hi)  # what a later call feeds
+        # what a later call feeds
+        self.run = slice(P + lo - self.shift, T if sampling.approx_cache == "prefix" else P + hi)
         col = torch.arange(T, device=attn.device)
         fed = (col >= self.run.start) & (col < self.run.stop)  # (T,)
         self.fed, self.kept = fed.nonzero().flatten(), (~fed).nonzero().flatten()

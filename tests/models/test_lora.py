@@ -10,7 +10,7 @@ from stabledrl.config import ConfigError, load_config
 from stabledrl.data import encode_prompts, position_ids
 from stabledrl.models import LoraSettings, add_lora, base_policy, load_policy
 from stabledrl.train import TrainConfig, run_train
-from tests.conftest import make_tiny_policy
+from tests.conftest import DispatchedOps, make_tiny_policy
 
 
 @pytest.fixture(scope="module")
@@ -123,27 +123,16 @@ def test_lean_adapters_launch_fewer_operations_under_bf16_autocast(alpha, tail):
     # by the operations dispatched: peft's forward casts x to float32 and back and A and B to bf16 in every
     # call (autocast keeps no cast from one model call to the next); the short one adds to the base linear's
     # own operations A's and B's products and the scaled sum, in place (scaling 1.5: the scaling first)
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     from stabledrl.models.lora import lean_adapters
-
-    class Count(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.ops = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.ops.append(func.overloadpacket.__name__)
-            return func(*args, **(kwargs or {}))
 
     model = _llada_with_adapters(torch.bfloat16, alpha=alpha)
     layer = model.base_model.model.model.transformer.blocks[0].q_proj
     x = torch.randn(3, 7, 32, dtype=torch.bfloat16)
 
     def ops(module):
-        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16), Count() as count:
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16), DispatchedOps() as dispatched:
             module(x)
-        return count.ops
+        return [op.overloadpacket.__name__ for op in dispatched.ops]
 
     base_ops, peft_ops = ops(layer.base_layer), ops(layer)
     with lean_adapters(model):
@@ -206,46 +195,52 @@ def tiny_with_trained_adapters():
     return policy
 
 
-def test_the_sampler_draws_the_same_tokens_with_lean_adapters(monkeypatch):
-    # generate runs under lean_adapters; with peft's forward instead every token is the same (bf16
-    # base, float32 adapters, bf16 autocast: the LoRA recipes' setting)
+def _sampled_both_ways(monkeypatch, sample):
+    """`sample()` with the sampler's short LoRA forward (`generate` enters `lean_adapters`), then with
+    peft's in every layer: (the short forward's tokens, peft's tokens, [the calls each layer given the
+    short forward took, over the first sample's generates])."""
     from contextlib import contextmanager, nullcontext
 
     import stabledrl.sampling as sampling
-    from stabledrl.models.lora import lean_adapters
+    from stabledrl.models.lora import _LeanForward, lean_adapters
+
+    calls = []
+
+    @contextmanager
+    def spy(model):
+        with lean_adapters(model) as n:
+            yield n
+            calls.extend(m.forward.calls for m in model.modules() if isinstance(vars(m).get("forward"), _LeanForward))
+
+    monkeypatch.setattr(sampling, "lean_adapters", spy)
+    lean = sample()
+    monkeypatch.setattr(sampling, "lean_adapters", lambda model: nullcontext())
+    return lean, sample(), calls
+
+
+def test_the_sampler_draws_the_same_tokens_with_lean_adapters(monkeypatch):
+    # generate runs under lean_adapters; with peft's forward instead every token is the same (bf16
+    # base, float32 adapters, bf16 autocast: the LoRA recipes' setting)
     from stabledrl.sampling import SamplingConfig, generate, row_generators
 
     policy = tiny_with_trained_adapters()
     ids, mask = encode_prompts(policy.tokenizer, ["3,5,7=22", "1=1"])
     cfg = SamplingConfig(gen_length=8, steps=8, block_length=4, temperature=1.0, approx_cache="dual")
-    served = []
-
-    @contextmanager
-    def spy(model):
-        with lean_adapters(model) as n:
-            served.append(n)
-            yield n
 
     def sample():
         with torch.autocast("cpu", dtype=torch.bfloat16):
             return generate(policy, ids, mask, cfg, generator=row_generators("t", 0, 2)).completion_ids
 
-    monkeypatch.setattr(sampling, "lean_adapters", spy)
-    lean = sample()
-    assert served and served[0] > 0
-    monkeypatch.setattr(sampling, "lean_adapters", lambda model: nullcontext())
-    assert torch.equal(sample(), lean)
+    lean, peft, served = _sampled_both_ways(monkeypatch, sample)
+    assert served  # layers given the short forward
+    assert torch.equal(peft, lean)
 
 
 @pytest.mark.parametrize("autocast", [False, True])
 def test_under_fsdps_bf16_mixed_precision_lean_adapters_draw_peft_tokens(fsdp_bf16, monkeypatch, autocast):
     # FSDP2 over the blocks (accelerate's bf16 policy: the adapters gathered in bf16 too) and the sampler
     # under lean_adapters, with and without autocast: the same tokens as peft's forward, through the short one
-    from contextlib import contextmanager, nullcontext
-
-    import stabledrl.sampling as sampling
     from stabledrl.models.adapters import HFPolicy
-    from stabledrl.models.lora import _LeanForward, lean_adapters
     from stabledrl.models.native import LLaDAModelLM
     from stabledrl.sampling import SamplingConfig, generate, row_generators
     from stabledrl.tokenizer import build_char_tokenizer
@@ -265,20 +260,11 @@ def test_under_fsdps_bf16_mixed_precision_lean_adapters_draw_peft_tokens(fsdp_bf
     policy.model.eval()
     ids, mask = encode_prompts(tok, ["3,5,7=22", "1=1", "12,4=3"])
     cfg = SamplingConfig(gen_length=8, steps=8, block_length=4, temperature=0.9, approx_cache="dual", noise="counter")
-    short = []
-
-    @contextmanager
-    def spy(model):
-        with lean_adapters(model) as n:
-            yield n
-            short.extend(m.forward.calls for m in model.modules() if isinstance(m.__dict__.get("forward"), _LeanForward))
 
     def sample():
         with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
             return generate(policy, ids, mask, cfg, generator=row_generators("f", 0, 3)).completion_ids
 
-    monkeypatch.setattr(sampling, "lean_adapters", spy)
-    lean = sample()
+    lean, peft, short = _sampled_both_ways(monkeypatch, sample)
     assert len(short) == 2 * 7 and min(short) > 0  # every adapted layer took the short forward
-    monkeypatch.setattr(sampling, "lean_adapters", lambda model: nullcontext())
-    assert torch.equal(sample(), lean)
+    assert torch.equal(peft, lean)

@@ -22,7 +22,7 @@ from stabledrl.models import ModelConfig, load_policy
 from stabledrl.models.attention import block_causal_attention_mask
 from stabledrl.models.native import NATIVE_MODELS, LLaDAConfig, architecture
 from stabledrl.sampling import SamplingConfig, _ApproxCache, generate, row_generators
-from tests.conftest import CopiedCache, cached_block_inputs, make_tiny_policy
+from tests.conftest import CopiedCache, DispatchedOps, bf16_twin, cached_block_inputs, make_tiny_policy
 from tests.models.test_adapters import dirs, fake_dllm, remote_code, run_fresh  # noqa: F401 (the fixture)
 
 PROMPTS = ["3,5,7=22", "12,4,6=9", "1=1", "8,8=16"]  # three padding counts: 0, 1 and 5 columns
@@ -293,11 +293,7 @@ def test_under_fsdps_bf16_mixed_precision_the_numbers_are_the_bf16_models(fsdp_b
     config.update({"n_layers" if family == "llada" else "num_hidden_layers": 2})
     torch.manual_seed(0)
     model = NATIVE_MODELS[family](config).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(p.to(torch.bfloat16))  # float32 master weights that are bf16 numbers
-    reference = NATIVE_MODELS[family](config).to(torch.bfloat16).eval()
-    reference.load_state_dict(model.state_dict())
+    reference = bf16_twin(model)  # float32 master weights that are bf16 numbers, and the bf16 model
     layers = model.model.transformer.blocks if family == "llada" else model.model.layers
     wrapped = fsdp_bf16(model, layers)
     T = 9
@@ -324,8 +320,6 @@ def test_queries_and_keys_rotate_in_one_pass_as_each_alone(in_float32):
     # One pass over both (fewer kernels) against RoPE as the published files write it, each tensor
     # alone: x cos + rotate_half(x) sin with rotate_half(x) = (-x2, x1), in float32 and cast back
     # (LLaDA's rope_full_precision) or in x's dtype with the tables cast to it (Qwen2's, Qwen3's).
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     from stabledrl.models.native import _rotate
     from stabledrl.models.tiny import RopeTables
 
@@ -342,19 +336,13 @@ def test_queries_and_keys_rotate_in_one_pass_as_each_alone(in_float32):
         x1, x2 = h.chunk(2, -1)
         return (h * cos.to(h.dtype) + torch.cat((-x2, x1), -1) * sin.to(h.dtype)).to(x.dtype)
 
-    class Kernels(TorchDispatchMode):  # operations that compute (views excluded)
-        n = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.n += not func.is_view
-            return func(*args, **(kwargs or {}))
-
     rope = RopeTables(cos, torch.cat((-s, s), -1))
     _rotate(q, k, rope, in_float32)  # a forward's first layer casts the tables where it rotates in bf16
-    with Kernels() as counted:
+    with DispatchedOps() as dispatched:
         got_q, got_k = _rotate(q, k, rope, in_float32)
     assert torch.equal(got_q, alone(q)) and torch.equal(got_k, alone(k))
-    assert counted.n == (7 if in_float32 else 5)  # each tensor alone: 6 and 4 (+ 2 casts of the tables)
+    kernels = sum(not op.is_view for op in dispatched.ops)  # operations that compute (views excluded)
+    assert kernels == (7 if in_float32 else 5)  # each tensor alone: 6 and 4 (+ 2 casts of the tables)
 
 
 def test_the_key_padding_is_read_once_a_mask_and_again_after_a_change(monkeypatch):

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from stabledrl.models import KVCache, TinyDiffusionConfig, TinyDiffusionLM, TinyPolicy, load_policy
-from tests.conftest import make_tiny_policy
+from tests.conftest import bf16_twin, make_tiny_policy
 
 
 def test_save_load_gives_identical_logits(tmp_path):
@@ -239,11 +239,7 @@ def test_under_fsdps_bf16_mixed_precision_the_logits_are_the_bf16_models(fsdp_bf
     # RoPE in float32 with float32 tables, though FSDP casts a block's floating-point inputs to bf16
     policy = make_tiny_policy(seed=3)
     model = policy.model
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(p.to(torch.bfloat16))
-    reference = TinyDiffusionLM(model.config).to(torch.bfloat16).eval()
-    reference.load_state_dict(model.state_dict())
+    reference = bf16_twin(model)
     wrapped = fsdp_bf16(model, model.blocks)
     ids = torch.randint(5, len(policy.tokenizer), (2, 9), generator=torch.Generator().manual_seed(0))
     positions = (torch.arange(9) + 40).expand(2, 9)

@@ -344,8 +344,7 @@ def _forwards_everywhere(model: Any, n: int, device: torch.device) -> int:
     collective (FSDP, DeepSpeed: parameters gathered per forward), else `n`."""
     import torch.distributed as dist
 
-    sharded = {c.__name__ for c in type(model).__mro__} & {"FSDPModule", "FullyShardedDataParallel",
-                                                            "DeepSpeedEngine"}
+    sharded = {c.__name__ for c in type(model).__mro__} & _compat.SHARDING_CLASSES
     if not (sharded and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
         return n
     most = torch.tensor([n], device=device)

@@ -17,7 +17,6 @@ from contextlib import contextmanager
 from typing import Any, Iterator
 
 import torch
-import torch.nn.functional as F
 
 from stabledrl.settings import LoraSettings  # defined without torch, for the command line
 
