@@ -46,6 +46,19 @@ def test_the_emulated_capture_fails_where_a_replay_would():
     assert torch.equal(call(torch.full((3,), 3.0)), torch.full((3,), 6.0))  # the static input is read
     with pytest.raises(RuntimeError, match="host sync"):
         RecordedCall(lambda: static * float(static.sum()), static)
+    # the capture computes and writes nothing: its output is garbage until a replay, a cache written in
+    # place holds the warm-up's write alone; each replay writes again
+    cache = torch.zeros(3)
+    call = RecordedCall(lambda: cache.add_(static).mul(2), static)
+    assert torch.equal(call.first, torch.full((3,), 6.0)) and bool(call.out.isnan().all())
+    assert torch.equal(cache, torch.full((3,), 3.0))
+    assert torch.equal(call(torch.ones(3)), torch.full((3,), 8.0)) and torch.equal(cache, torch.full((3,), 4.0))
+    # and holds no tensor of the caller's alive
+    held = [torch.ones(3)]
+    call = RecordedCall(lambda: static + held[0], static)
+    held.clear()
+    with pytest.raises(RuntimeError, match="freed since the capture"):
+        call(torch.ones(3))
 
 
 def test_a_capture_needs_a_cuda_device():
@@ -74,6 +87,19 @@ def test_replayed_calls_draw_the_tokens_of_ordinary_ones_tiny(recorded, case):
     assert recorded.captures >= 2 and recorded.replays_made >= 4  # two blocks, each captured and replayed
 
 
+@pytest.mark.parametrize("refresh, captures, replays", [(2, 0, 0), (3, 2, 2), (4, 2, 4)])
+def test_no_capture_goes_unreplayed_before_a_refresh(recorded, refresh, captures, replays):
+    # 2 blocks of 4 calls; a whole-sequence call (new keys) every `refresh` calls. A block's calls:
+    # refresh 2: whole, later, whole, later: no capture (each would be dropped by the next refresh);
+    # 3: whole, captured, replayed, whole; 4: whole, captured, replayed, replayed
+    policy = make_tiny_policy(seed=7)
+    cfg = SamplingConfig(gen_length=8, steps=8, block_length=4, temperature=1.0, approx_cache="dual",
+                         approx_refresh=refresh)
+    eager = _tokens(policy, cfg)
+    assert torch.equal(_tokens(policy, SamplingConfig(**{**cfg.__dict__, "cuda_graphs": True})), eager)
+    assert (recorded.captures, recorded.replays_made) == (captures, replays)
+
+
 @pytest.mark.parametrize("family", ["llada", "dream"])
 def test_replayed_calls_draw_the_tokens_of_ordinary_ones_native(dirs, recorded, family):  # noqa: F811
     # the native models' later calls, left-padded rows (the key padding read once, not in the capture),
@@ -95,6 +121,17 @@ def test_replayed_calls_through_the_short_lora_forward(recorded):
     eager = _tokens(policy, cfg, autocast=True)
     graphed = _tokens(policy, SamplingConfig(**{**cfg.__dict__, "cuda_graphs": True}), autocast=True)
     assert torch.equal(graphed, eager) and recorded.replays_made > 0
+
+
+def test_cuda_graphs_refuse_inference_mode(recorded):
+    # inference tensors have no version counter, so the native models read a key-padding mask off the
+    # device in every call (`native._no_padding`), which a capture refuses
+    policy = make_tiny_policy(seed=7)
+    cfg = SamplingConfig(gen_length=8, steps=8, block_length=4, approx_cache="dual", cuda_graphs=True)
+    ids, mask = encode_prompts(policy.tokenizer, PROMPTS)
+    with torch.inference_mode(), pytest.raises(ValueError, match="inference_mode"):
+        generate(policy, ids, mask, cfg, generator=row_generators("g", 0, len(PROMPTS)))
+    assert RecordedCall.captures == 0
 
 
 def test_cuda_graphs_refuse_a_sharded_model(recorded):

@@ -44,17 +44,20 @@ class CapturedCall:
             raise ValueError(f"sampling.cuda_graphs needs the model on a CUDA device; its inputs are on "
                              f"{static.device}: set cuda_graphs: false")
         self.static = static
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            self.first = fn()  # the warm-up (lazy initialisations, cuBLAS workspaces): a real call
-        torch.cuda.current_stream().wait_stream(side)
-        self.first.record_stream(torch.cuda.current_stream())  # made on the side stream, read on this one
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, stream=side):  # the warm-up's stream: its per-stream handles made already
-            self.out = fn()
+        with torch.cuda.device(static.device):  # the model's device, not the current one: its streams
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                self.first = fn()  # the warm-up (lazy initialisations, cuBLAS workspaces): a real call
+            torch.cuda.current_stream().wait_stream(side)
+            self.first.record_stream(torch.cuda.current_stream())  # made on the side stream, read on this one
+            self.graph = torch.cuda.CUDAGraph()
+            # the warm-up's stream (its per-stream handles made already); other threads' CUDA calls go on
+            with torch.cuda.graph(self.graph, stream=side, capture_error_mode="thread_local"):
+                self.out = fn()
 
     def __call__(self, new: torch.Tensor) -> torch.Tensor:
-        self.static.copy_(new)
-        self.graph.replay()
-        return self.out.clone()
+        with torch.cuda.device(self.static.device):
+            self.static.copy_(new)
+            self.graph.replay()
+            return self.out.clone()

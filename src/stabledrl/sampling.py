@@ -361,6 +361,9 @@ def check_sampler(policy: Policy, sampling: SamplingConfig) -> None:
                              f"(the native and tiny models); {type(policy).__name__}'s model does not: set it to false")
         if isinstance(getattr(policy, "model", None), torch.nn.Module):
             check_capturable(policy.model)
+        if torch.is_inference_mode_enabled():  # inference tensors keep no version: a mask is read in every call
+            raise ValueError("sampling.cuda_graphs cannot capture under torch.inference_mode(), where the models read "
+                             "the key padding off the device in each call: use torch.no_grad()")
 
 
 def resolve_noise(policy: Policy, sampling: SamplingConfig) -> SamplingConfig:
@@ -514,8 +517,8 @@ class _ApproxCache:
         def later(ids: torch.Tensor) -> torch.Tensor:
             return self.policy.logits(ids, keys, fed_pos, cache=self.kv, **({"columns": block} if self.narrow else {}))
 
-        if not self.graphs:
-            out = later(x[:, self.run])
+        if not self.graphs or (self.graph is None and self.refresh and self.calls % self.refresh == 0):
+            out = later(x[:, self.run])  # (a graph captured in the call before a refresh would not be replayed)
         elif self.graph is None:  # the first later call of these rows: run, and captured
             static = x[:, self.run].clone()
             self.graph = CapturedCall(lambda: later(static), static)

@@ -31,7 +31,7 @@ from typing import Any, Literal
 import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
-from transformers import get_cosine_with_min_lr_schedule_with_warmup
+from transformers.optimization import get_cosine_with_min_lr_schedule_with_warmup  # (not at the top before 4.57)
 
 from stabledrl.checkpoint import (
     open_run_dir,

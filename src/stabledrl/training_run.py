@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 from tqdm.auto import tqdm
-from transformers import get_cosine_with_min_lr_schedule_with_warmup
+from transformers.optimization import get_cosine_with_min_lr_schedule_with_warmup  # (not at the top before 4.57)
 
 from stabledrl.checkpoint import (ACCELERATE_STATE, latest_checkpoint, load_trainer_state, open_run_dir,
                                   rewind_metrics, save_final, write_atomic)

@@ -5,6 +5,7 @@ the FSDP wrap list, the load-time attention probe, and SDAR's flash-attn imports
 
 from __future__ import annotations
 
+import inspect
 import os
 import subprocess
 import sys
@@ -48,17 +49,25 @@ def test_the_stand_ins_declare_the_real_classes_no_split_modules():
     assert list(models["tiny"]._no_split_modules) == ["_Block"]
 
 
-def test_accelerates_layer_wrap_fails_on_llada_until_its_list_is_fitted():
+def _layer_wrap_policy(model):
+    """accelerate's FSDP2 layer-wrap policy for `model`, as `prepare` makes it with configs/accelerate/fsdp.yaml."""
     from accelerate.utils import FullyShardedDataParallelPlugin
-    from accelerate.utils.fsdp_utils import fsdp2_prepare_auto_wrap_policy
+    from accelerate.utils.fsdp_utils import fsdp2_prepare_auto_wrap_policy as prepare
 
     plugin = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="transformer_based_wrap")
+    if "auto_wrap_policy_type" not in inspect.signature(prepare).parameters:
+        return prepare(plugin, model)
+    plugin.set_auto_wrap_policy(model)  # accelerate < 1.7: fsdp2_prepare_model names the classes first
+    return prepare(plugin, "transformer", model)
+
+
+def test_accelerates_layer_wrap_fails_on_llada_until_its_list_is_fitted():
     for name, model in _stand_ins().items():
         if name == "llada":  # what `prepare` met with configs/accelerate/fsdp.yaml
             with pytest.raises(ValueError, match="Could not find the transformer layer class LLaDABlock"):
-                fsdp2_prepare_auto_wrap_policy(plugin, model)
+                _layer_wrap_policy(model)
         kept = _compat.fit_no_split_modules(model)
-        policy = fsdp2_prepare_auto_wrap_policy(plugin, model)
+        policy = _layer_wrap_policy(model)
         wrapped = [m for m in model.modules() if policy(m)]
         assert len(wrapped) == 2 and {type(m).__name__ for m in wrapped} == set(kept)  # the 2 layers, nothing else
     # the class keeps the published list; a model with none of its listed classes is refused
