@@ -35,6 +35,9 @@ def check_capturable(model: torch.nn.Module) -> None:
                          "weights in Python hooks each call): set cuda_graphs: false")
 
 
+_SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}  # the captures' stream on each device
+
+
 class CapturedCall:
     """`fn` (which reads `static`) run once, then captured into a CUDA graph; calling the
     object with a tensor of `static`'s shape copies it in and replays."""
@@ -45,7 +48,9 @@ class CapturedCall:
                              f"{static.device}: set cuda_graphs: false")
         self.static = static
         with torch.cuda.device(static.device):  # the model's device, not the current one: its streams
-            side = torch.cuda.Stream()
+            if static.device not in _SIDE_STREAMS:  # one a device: cuBLAS keeps a workspace for each stream
+                _SIDE_STREAMS[static.device] = torch.cuda.Stream()
+            side = _SIDE_STREAMS[static.device]
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
                 self.first = fn()  # the warm-up (lazy initialisations, cuBLAS workspaces): a real call
