@@ -167,6 +167,14 @@ def test_a_save_the_storage_refuses_stops_in_one_line_and_keeps_the_last_checkpo
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-0000010"]  # the failed one removed
 
 
+@pytest.mark.parametrize("message", [
+    "Error while serializing: I/O error: File too large (os error 27)",  # safetensors 0.8
+    'Error while serializing: IoError(Os { code: 27, kind: FileTooLarge, message: "File too large" })',  # 0.4
+])
+def test_each_safetensors_release_words_a_refused_write_so_that_it_is_read(message):
+    assert checkpoint._storage_fault(RuntimeError(message)) == os.strerror(27)
+
+
 def test_the_first_save_refused_estimates_its_size_from_the_parameters(tmp_path):
     # no checkpoint yet: 4 bytes of weights and 8 of AdamW's m and v per trainable parameter
     model = torch.nn.Sequential(torch.nn.Linear(100, 100), torch.nn.Linear(100, 10))  # 10,100 + 1,010

@@ -218,8 +218,9 @@ def _sync_tree(path: Path) -> None:
 
 
 # An I/O error as the writers report it: Python's OSError (torch.distributed.checkpoint wraps it in
-# a CheckpointException that quotes it), safetensors' "(os error 27)", torch.save's short write.
-_IO_ERROR = re.compile(r"\[Errno (\d+)\]|\(os error (\d+)\)|unexpected pos \d+ vs \d+|file write failed")
+# a CheckpointException that quotes it), safetensors' "(os error 27)" (0.4's "Os { code: 27"),
+# torch.save's short write.
+_IO_ERROR = re.compile(r"\[Errno (\d+)\]|\(os error (\d+)\)|Os \{ code: (\d+)|unexpected pos \d+ vs \d+|file write failed")
 
 
 def _storage_fault(e: BaseException) -> str | None:
@@ -232,7 +233,7 @@ def _storage_fault(e: BaseException) -> str | None:
             return f"{e.strerror or os.strerror(e.errno)}" + (f": {e.filename}" if e.filename else "")
         m = _IO_ERROR.search(str(e))
         if m:
-            code = m.group(1) or m.group(2)
+            code = m.group(1) or m.group(2) or m.group(3)
             return os.strerror(int(code)) if code else f"a short write: {m.group(0)}"
         e = e.__cause__ or e.__context__
     return None

@@ -55,10 +55,10 @@ def _layer_wrap_policy(model):
     from accelerate.utils.fsdp_utils import fsdp2_prepare_auto_wrap_policy as prepare
 
     plugin = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="transformer_based_wrap")
-    if "auto_wrap_policy_type" not in inspect.signature(prepare).parameters:
-        return prepare(plugin, model)
-    plugin.set_auto_wrap_policy(model)  # accelerate < 1.7: fsdp2_prepare_model names the classes first
-    return prepare(plugin, "transformer", model)
+    plugin.set_auto_wrap_policy(model)  # as fsdp2_prepare_model does first (1.13's policy wraps nothing without it)
+    if "auto_wrap_policy_type" in inspect.signature(prepare).parameters:  # accelerate < 1.7
+        return prepare(plugin, "transformer", model)
+    return prepare(plugin, model)
 
 
 def test_accelerates_layer_wrap_fails_on_llada_until_its_list_is_fitted():
