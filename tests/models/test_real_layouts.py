@@ -5,7 +5,6 @@ the FSDP wrap list, the load-time attention probe, and SDAR's flash-attn imports
 
 from __future__ import annotations
 
-import inspect
 import os
 import subprocess
 import sys
@@ -56,8 +55,6 @@ def _layer_wrap_policy(model):
 
     plugin = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="transformer_based_wrap")
     plugin.set_auto_wrap_policy(model)  # as fsdp2_prepare_model does first (1.13's policy wraps nothing without it)
-    if "auto_wrap_policy_type" in inspect.signature(prepare).parameters:  # accelerate < 1.7
-        return prepare(plugin, "transformer", model)
     return prepare(plugin, model)
 
 
