@@ -19,8 +19,9 @@ random weights made directly on the device in the base dtype. Before the step, t
 alone under each of Fast-dLLM's caches (`--schemes`: none, prefix, dual, dual with threshold
 0.9, dual refreshed every second call; named, dual and prefix with a block's later calls replayed
 from a CUDA graph, `sampling.cuda_graphs`, whose tokens are compared with the unreplayed scheme's
-when both run; a scheme that fails is reported with its error and the others run): tokens/s, model calls and peak memory of `generate` for
-the `--rows` rows beside the memory model's rollout phase (random weights never reach the
+when both run; a scheme that fails is reported with its error and the others run): tokens/s,
+model calls and peak memory of `generate` for the `--rows` rows beside the memory model's
+rollout phase (random weights never reach the
 threshold: its row shows the cost of the check alone); with `--also-peft-forward` again with
 peft's own LoRA forward in every layer (the sampler otherwise runs its short one,
 `stabledrl.models.lora.lean_adapters`: the same tokens); with `--also-without-adapters` again with

@@ -84,10 +84,10 @@ def build(args):
                                 num_key_value_heads=4, intermediate_size=3 * args.width, vocab_size=args.vocab,
                                 num_hidden_layers=args.layers)
     policy = gpu_check.native_llada(shape, "cpu", torch.bfloat16)
-    # No row ends early: a random model at LLaDA's 126,464 tokens draws a stop token about once in
-    # 126k slots, here at 1,024 in about one row in five, and a row that ends leaves the dual cache's
-    # later calls; with adapters off (other tokens) the variants would not compute the same rows.
-    # No stop tokens: EOS and PAD join the banned special tokens, and every row runs every step.
+    # No stop tokens (EOS and PAD join the banned special tokens): every row runs every step. A random
+    # model draws one about once in 126k slots at LLaDA's vocabulary, here at 1,024 in about one row in
+    # five, and a row that ends leaves the dual cache's later calls: with adapters off (other tokens)
+    # the variants would not compute the same rows.
     policy.stop_token_ids = ()
     add_lora(policy, LoraSettings(r=args.lora_r, alpha=2.0 * args.lora_r, dropout=0.0), seed=0)
     for name, p in policy.model.named_parameters():

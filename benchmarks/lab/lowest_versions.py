@@ -30,6 +30,11 @@ PINS = {"torch": "2.13.0", "transformers": "4.56.0", "peft": "0.16.0", "accelera
         "pyarrow": "19.0.1"}
 
 
+def _canonical(name: str) -> str:
+    """A distribution's name as pip compares them (huggingface_hub is huggingface-hub)."""
+    return name.lower().replace("_", "-")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, required=True)
@@ -45,7 +50,7 @@ def main() -> None:
         subprocess.run([*pip, "-e", f"{REPO}[test]", *(f"{n}=={v}" for n, v in pins.items())], check=True)
         listed = json.loads(subprocess.run([py, "-m", "pip", "list", "--format", "json"], check=True,
                                            capture_output=True, text=True).stdout)
-        versions = {p["name"].lower(): p["version"] for p in listed}
+        versions = {_canonical(p["name"]): p["version"] for p in listed}
         runs = {}
         for name, extra in (("fast", []), ("slow", ["-m", "slow"])):
             proc = subprocess.run([py, "-m", "pytest", "-q", "-p", "no:cacheprovider", *extra], cwd=REPO,
@@ -54,8 +59,7 @@ def main() -> None:
             runs[name] = {"exit": proc.returncode, "summary": lines[-1] if lines else proc.stderr[-500:],
                           "failed": [line for line in lines if line.startswith(("FAILED", "ERROR"))]}
             print(name, runs[name]["summary"], flush=True)
-    result = {"pins": pins, "installed": {n: versions.get(n.lower().replace("_", "-"), versions.get(n.lower()))
-                                          for n in pins}, "runs": runs}
+    result = {"pins": pins, "installed": {n: versions.get(_canonical(n)) for n in pins}, "runs": runs}
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     sys.exit(max(r["exit"] for r in runs.values()))
 
